@@ -1,0 +1,132 @@
+"""Tree attention vs plain softmax attention over each query's concatenated root-to-leaf KV."""
+
+import random
+
+import pytest
+import torch
+
+from treegen.kernels.tree_attention import merge_attention_states, plan_tree_attention, tree_attention
+
+
+def random_tree(rng: random.Random, *, max_depth: int, max_fanout: int, max_len: int, min_len: int = 1):
+    """Random unbalanced forest → (parent, length) lists; every leaf gets decode/prefill queries."""
+    parent, length = [-1], [rng.randint(min_len, max_len)]
+    frontier = [(0, 1)]
+    while frontier:
+        node, depth = frontier.pop()
+        if depth >= max_depth:
+            continue
+        for _ in range(rng.randint(0 if node else 1, max_fanout)):
+            parent.append(node)
+            length.append(rng.randint(min_len, max_len))
+            frontier.append((len(parent) - 1, depth + 1))
+    return parent, length
+
+
+def layout(parent, length, rng):
+    """Place segments at shuffled, gapped slots; positions follow the root-to-node path."""
+    order = list(range(len(parent)))
+    rng.shuffle(order)
+    start, cursor = [0] * len(parent), 0
+    for s in order:
+        start[s] = cursor
+        cursor += length[s] + rng.randint(0, 3)
+    pos = [0] * len(parent)
+    for s in range(len(parent)):  # parents precede children by construction
+        pos[s] = 0 if parent[s] == -1 else pos[parent[s]] + length[parent[s]]
+    return start, pos, cursor
+
+
+def ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, scale):
+    out = []
+    for row, seg in enumerate(query_segment):
+        path = []
+        while seg != -1:
+            path.append(seg)
+            seg = parent[seg]
+        path.reverse()
+        slots = torch.cat([torch.arange(start[s], start[s] + length[s]) for s in path])
+        kpos = torch.cat([torch.arange(pos[s], pos[s] + length[s]) for s in path])
+        k, v = k_cache[slots].double(), v_cache[slots].double()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
+        s = s.masked_fill(kpos.unsqueeze(0) > query_pos[row], float("-inf"))
+        out.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v))
+    return torch.stack(out)
+
+
+def make_queries(parent, length, pos, rng, prefill_rows):
+    """Decode-style: one query at the end of each leaf; prefill-style: the last rows of random segments."""
+    children = {p for p in parent if p != -1}
+    query_segment, query_pos = [], []
+    for s in range(len(parent)):
+        if s not in children:
+            query_segment.append(s)
+            query_pos.append(pos[s] + length[s] - 1)
+        elif prefill_rows and rng.random() < 0.5:
+            for i in range(min(length[s], prefill_rows)):
+                query_segment.append(s)
+                query_pos.append(pos[s] + i)
+    return query_segment, query_pos
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_random_trees_match_plain_attention(seed, num_heads, num_kv, head_dim):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 8), max_len=rng.choice([1, 17, 37, 300]))
+    start, pos, slots = layout(parent, length, rng)
+    query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=rng.choice([0, 5]))
+    q = torch.randn(len(query_pos), num_heads, head_dim)
+    k_cache = torch.randn(slots, num_kv, head_dim)
+    v_cache = torch.randn(slots, num_kv, head_dim)
+    scale = head_dim**-0.5
+    plan = plan_tree_attention(
+        segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+        query_segment=query_segment, query_pos=query_pos,
+    )
+    got = tree_attention(q, k_cache, v_cache, plan, scale)
+    want = ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, scale)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_segment_gives_no_nan():
+    # root of 5 keys, an empty child (a fork point with no tokens yet), and a leaf of 3 keys below it
+    parent, length, start, pos = [-1, 0, 1], [5, 0, 3], [0, 5, 5], [0, 5, 5]
+    q = torch.randn(2, 2, 64)
+    k, v = torch.randn(8, 1, 64), torch.randn(8, 1, 64)
+    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                               query_segment=[2, 1], query_pos=[7, 4])
+    got = tree_attention(q, k, v, plan, 0.125)
+    assert not torch.isnan(got).any()
+    want = ground_truth(q, k, v, parent, start, length, pos, [2, 1], [7, 4], 0.125)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_merge_with_empty_side_is_identity():
+    o = torch.randn(3, 4, 8)
+    lse = torch.randn(3, 4)
+    empty_o, empty_lse = torch.zeros_like(o), torch.full_like(lse, float("-inf"))
+    merged, merged_lse = merge_attention_states(o, lse, empty_o, empty_lse)
+    torch.testing.assert_close(merged, o)
+    torch.testing.assert_close(merged_lse, lse)
+    both_o, both_lse = merge_attention_states(empty_o, empty_lse, empty_o, empty_lse)
+    assert not torch.isnan(both_o).any() and torch.isinf(both_lse).all()
+
+
+def test_bad_inputs_are_named():
+    plan = plan_tree_attention(segment_parent=[-1], segment_start=[0], segment_len=[2], segment_pos=[0],
+                               query_segment=[0], query_pos=[1])
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        tree_attention(torch.randn(1, 5, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), plan, 1.0)
+    with pytest.raises(ValueError, match="plan was made for 1"):
+        tree_attention(torch.randn(3, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), plan, 1.0)
+    with pytest.raises(ValueError, match="segment 3"):
+        plan_tree_attention(segment_parent=[-1], segment_start=[0], segment_len=[2], segment_pos=[0],
+                            query_segment=[3], query_pos=[1])
+    with pytest.raises(ValueError, match="cycle"):
+        plan_tree_attention(segment_parent=[1, 0], segment_start=[0, 2], segment_len=[2, 2], segment_pos=[0, 2],
+                            query_segment=[0], query_pos=[1])

@@ -1,0 +1,28 @@
+"""treegen: prompt programs that ask a language model many related questions at once.
+
+Programs (Python DSL in :mod:`treegen.lang`) compile to an explicit sharing tree
+(:mod:`treegen.tree`), which the runtime (:mod:`treegen.runtime`) runs with hierarchical
+Hydragen attention (:mod:`treegen.kernels`): every node's KV is stored and read once.
+"""
+
+from treegen.lang import (
+    CompiledProgram,
+    ForkGroup,
+    Program,
+    State,
+    UnsetVariableError,
+    assistant,
+    gen,
+    program,
+    select,
+    system,
+    user,
+)
+from treegen.runtime import Engine, ModelNotFoundError, SamplingParams, UnsupportedModelError
+from treegen.tree import KVShape, SharingTree, TreeStats
+
+__all__ = [
+    "CompiledProgram", "Engine", "ForkGroup", "KVShape", "ModelNotFoundError", "Program", "SamplingParams",
+    "SharingTree", "State", "TreeStats", "UnsetVariableError", "UnsupportedModelError", "assistant", "gen",
+    "program", "select", "system", "user",
+]

@@ -1,0 +1,234 @@
+"""Hierarchical (tree) attention: plan once per tree shape, run once per layer.
+
+The KV cache is a flat pool of slots per layer, ``k_cache: [num_slots, num_kv_heads, head_dim]``.
+A *segment* is a contiguous run of slots holding the keys/values of one tree node; segments form a
+forest through ``segment_parent``. A query row belongs to one segment (its *own* segment) and attends
+
+* fully to every ancestor segment, and
+* causally to its own segment (keys whose absolute position is ``<=`` the query's position).
+
+Both rules are one rule on absolute positions: key visible iff ``key_pos <= query_pos``, because every
+ancestor key precedes every descendant position. The attention is decomposed by tree level: at level
+``d`` every segment of depth ``d`` is attended by all query rows below it, batched into one
+matrix-matrix product (and all query heads that share a KV head are folded into the query axis). The
+partial results are merged exactly with the log-sum-exp trick.
+
+LSE convention (everywhere in treegen): **natural log**, fp32, ``lse = log(sum_j exp(s_j))`` with
+``s_j = scale * q . k_j``. A segment with no visible key has ``lse = -inf`` and output 0; merging
+it with anything leaves the other side unchanged and never produces NaN.
+
+Nothing in this module knows about programs or branches; it sees segments and query rows only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+_NO_POSITION = torch.iinfo(torch.int64).max  # padding key position: never visible
+
+
+@dataclass(frozen=True)
+class LevelPlan:
+    """All segments of one tree depth, padded into a batch.
+
+    ``kv_slots: [n, max_len] int64`` — slot of each key in the flat cache (padding → 0);
+    e.g. two segments at slots 0..2 and 7..8 → ``[[0, 1, 2], [7, 8, 0]]``.
+    ``kv_pos: [n, max_len] int64`` — absolute position of each key (padding → int64 max, masked).
+    ``query_rows: [n, max_rows] int64`` — query rows attending each segment (padding → 0).
+    ``query_valid: [n, max_rows] bool`` — False on padding.
+    """
+
+    kv_slots: Tensor
+    kv_pos: Tensor
+    query_rows: Tensor
+    query_valid: Tensor
+
+
+@dataclass(frozen=True)
+class TreeAttentionPlan:
+    """Index tensors for one tree shape; reused by every layer of a forward pass.
+
+    ``query_pos: [num_queries] int64`` — absolute position of each query row.
+    ``levels`` — one :class:`LevelPlan` per tree depth that has at least one query below it.
+    """
+
+    num_queries: int
+    query_pos: Tensor
+    levels: tuple[LevelPlan, ...]
+
+
+def _pad(rows: Sequence[Sequence[int]], fill: int, device) -> Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), fill, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def plan_tree_attention(
+    *,
+    segment_parent: Sequence[int],
+    segment_start: Sequence[int],
+    segment_len: Sequence[int],
+    segment_pos: Sequence[int],
+    query_segment: Sequence[int],
+    query_pos: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> TreeAttentionPlan:
+    """Build the index tensors for tree attention.
+
+    segment_parent: [num_segments] — parent segment index, -1 for a root; parents may appear in
+        any order. A chain root(len 4) → child(len 2) → ``[-1, 0]``.
+    segment_start: [num_segments] — first slot of the segment in the flat cache; e.g. ``[0, 4]``.
+    segment_len: [num_segments] — number of valid keys (written slots) of the segment; ``[4, 2]``.
+    segment_pos: [num_segments] — absolute position of the segment's first key; ``[0, 4]``.
+    query_segment: [num_queries] — the segment each query row belongs to (attends causally);
+        two decode queries of the child above → ``[1, 1]`` is invalid for one sequence, but two
+        prefill rows of it are ``[1, 1]`` with query_pos ``[4, 5]``.
+    query_pos: [num_queries] — absolute position of each query row.
+    """
+    n = len(segment_parent)
+    for name, seq in (("segment_start", segment_start), ("segment_len", segment_len), ("segment_pos", segment_pos)):
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} entries, segment_parent has {n}")
+    if len(query_segment) != len(query_pos):
+        raise ValueError(f"query_segment has {len(query_segment)} entries, query_pos has {len(query_pos)}")
+
+    depth = [-1] * n
+    for s in range(n):  # iterative depth with cycle detection
+        chain, cur = [], s
+        while cur != -1 and depth[cur] == -1:
+            if cur in chain:
+                raise ValueError(f"segment_parent has a cycle through segment {cur}")
+            if not -1 <= segment_parent[cur] < n:
+                raise ValueError(f"segment {cur} has parent {segment_parent[cur]}, outside [-1, {n})")
+            chain.append(cur)
+            cur = segment_parent[cur]
+        base = -1 if cur == -1 else depth[cur]
+        for c in reversed(chain):
+            base += 1
+            depth[c] = base
+
+    rows_of: dict[int, list[int]] = {}
+    for row, seg in enumerate(query_segment):
+        if not 0 <= seg < n:
+            raise ValueError(f"query row {row} names segment {seg}, outside [0, {n})")
+        cur = seg
+        while cur != -1:
+            rows_of.setdefault(cur, []).append(row)
+            cur = segment_parent[cur]
+
+    levels = []
+    for d in sorted({depth[s] for s in rows_of}):
+        segs = sorted(s for s in rows_of if depth[s] == d)
+        slots = [range(segment_start[s], segment_start[s] + segment_len[s]) for s in segs]
+        pos = [range(segment_pos[s], segment_pos[s] + segment_len[s]) for s in segs]
+        rows = [rows_of[s] for s in segs]
+        query_rows = _pad(rows, 0, device)
+        levels.append(
+            LevelPlan(
+                kv_slots=_pad(slots, 0, device),
+                kv_pos=_pad(pos, _NO_POSITION, device),
+                query_rows=query_rows,
+                query_valid=_pad([[1] * len(r) for r in rows], 0, device).bool(),
+            )
+        )
+    return TreeAttentionPlan(
+        num_queries=len(query_pos),
+        query_pos=torch.as_tensor(list(query_pos), dtype=torch.int64).to(device),
+        levels=tuple(levels),
+    )
+
+
+def merge_attention_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Exactly merge two partial attention results over disjoint key sets.
+
+    o1, o2: [..., head_dim] fp32; lse1, lse2: [...] fp32 natural-log LSE (-inf = no keys).
+    Returns (o, lse) with the same shapes. Empty sides (-inf) never produce NaN.
+    """
+    m = torch.maximum(lse1, lse2)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1 = torch.exp(lse1 - m_safe)
+    w2 = torch.exp(lse2 - m_safe)
+    denom = w1 + w2
+    o = (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / denom.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    return o, m_safe + torch.log(denom)
+
+
+def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float):
+    """Attention of every segment of one level against the query rows below it → (o, lse) per row."""
+    n, rows = level.query_rows.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[1]
+    group = num_heads // num_kv
+    qs = q[level.query_rows].float()  # [n, R, Hq, D]
+    qs = qs.view(n, rows, num_kv, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, num_kv, rows * group, head_dim)
+    k = k_cache[level.kv_slots].float().permute(0, 2, 3, 1)  # [n, Hkv, D, L]
+    v = v_cache[level.kv_slots].float().transpose(1, 2)  # [n, Hkv, L, D]
+    scores = torch.matmul(qs, k) * scale  # [n, Hkv, R*G, L]
+    visible = (level.kv_pos.unsqueeze(1) <= query_pos[level.query_rows].unsqueeze(2)) & level.query_valid.unsqueeze(2)
+    visible = visible.unsqueeze(2).expand(n, rows, group, -1).reshape(n, 1, rows * group, -1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [n, Hkv, R*G]
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = torch.matmul(torch.exp(scores - lse_safe.unsqueeze(-1)), v)  # [n, Hkv, R*G, D]
+    out = out.view(n, num_kv, rows, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, rows, num_heads, head_dim)
+    lse = lse.view(n, num_kv, rows, group).permute(0, 2, 1, 3).reshape(n, rows, num_heads)
+    return out, lse
+
+
+def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float) -> Tensor:
+    """PyTorch reference (fp32 maths): one batched attention per tree level, LSE-merged.
+
+    q: [num_queries, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
+    (the query rows' own keys must already be written). Returns [num_queries, num_heads, head_dim]
+    in q's dtype. Loops in Python over tree levels only, never over segments or query rows.
+    """
+    num_q, num_heads, head_dim = q.shape
+    o_acc = torch.zeros(num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse_acc = torch.full((num_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for level in plan.levels:
+        out, lse = _attend_level(q, k_cache, v_cache, plan.query_pos, level, scale)
+        rows = level.query_rows[level.query_valid]
+        o_lvl = torch.zeros_like(o_acc)
+        lse_lvl = torch.full_like(lse_acc, float("-inf"))
+        o_lvl[rows] = out[level.query_valid]
+        lse_lvl[rows] = lse[level.query_valid]
+        o_acc, lse_acc = merge_attention_states(o_acc, lse_acc, o_lvl, lse_lvl)
+    return o_acc.to(q.dtype)
+
+
+def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan) -> None:
+    """Raise ValueError naming the offending argument when shapes, dtypes or devices disagree."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"expected q [Q, Hq, D] and k_cache == v_cache shape [S, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if q.shape[2] != k_cache.shape[2]:
+        raise ValueError(f"head_dim differs: q has {q.shape[2]}, k_cache has {k_cache.shape[2]}")
+    if q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[1]}")
+    if q.shape[0] != plan.num_queries:
+        raise ValueError(f"q has {q.shape[0]} rows, the plan was made for {plan.num_queries}")
+    if not (q.device == k_cache.device == v_cache.device == plan.query_pos.device):
+        raise ValueError(f"devices differ: q {q.device}, k_cache {k_cache.device}, v_cache {v_cache.device}, plan {plan.query_pos.device}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+
+
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float) -> Tensor:
+    """Dispatcher: the one entry point the runtime calls. Shapes as in :func:`tree_attention_reference`.
+
+    Today every device runs the PyTorch reference; a Triton kernel slots in here for CUDA.
+    """
+    check_inputs(q, k_cache, v_cache, plan)
+    return tree_attention_reference(q, k_cache, v_cache, plan, scale)

@@ -1,0 +1,124 @@
+"""The Python DSL: write a prompt program as a function of a state.
+
+    @treegen.program
+    def solve(s, question, n=8):
+        s += FEW_SHOT + f"Q: {question}\\nA:"
+        branches = s.fork(n)
+        branches += treegen.gen("reasoning", max_tokens=256, stop="\\n\\n", temperature=0.7)
+        s.join(branches)            # s["reasoning"] is now a list of n strings
+
+    result = solve.run(engine, question="...", seed=0)
+    result["reasoning"]
+
+Appending text is immediate (tokens go into the sharing tree); ``gen`` and ``select`` are queued and
+run together, batched over every branch of the program, when the program ends or when a value they
+produce is read. So when a program's structure does not depend on generated text its whole tree is
+known before anything runs (:meth:`Program.compile` builds it without a model), and when it does the
+tree grows as the program runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from treegen.lang.interpreter import ProgramRun, State, StopTrace
+from treegen.lang.ir import Gen, RoleBegin, RoleEnd, Select, Seq, as_ops
+from treegen.runtime.sampler import SamplingParams
+from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
+
+
+def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+        stop: str | list[str] | tuple[str, ...] = (), seed: int | None = None) -> Gen:
+    """Generate text into variable ``name``. Greedy unless ``temperature > 0``; see :class:`SamplingParams`."""
+    _check_name("gen", name)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                stop=stop, seed=seed)
+    except ValueError as e:
+        raise ValueError(f"gen({name!r}): {e}") from None
+    return Gen(name, params)
+
+
+def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:
+    """Append the choice with the highest mean token log-probability and store it in ``name``.
+
+    Every choice becomes a branch of the sharing tree; all are scored in one batched prefill.
+    """
+    _check_name("select", name)
+    if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"select({name!r}): choices must be a non-empty list of non-empty strings, got {choices!r}")
+    return Select(name, tuple(choices))
+
+
+def _check_name(what: str, name) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"{what}: the variable name must be an identifier string, got {name!r}")
+
+
+def _message(role: str, content) -> Seq:
+    return Seq((RoleBegin(role), *as_ops(content), RoleEnd(role)))
+
+
+def system(content) -> Seq:
+    """A system message, rendered with the tokenizer's chat template."""
+    return _message("system", content)
+
+
+def user(content) -> Seq:
+    """A user message, rendered with the tokenizer's chat template."""
+    return _message("user", content)
+
+
+def assistant(content) -> Seq:
+    """An assistant message; ``content`` may be text, ``gen(...)``, or both (``"x" + gen("y")``)."""
+    return _message("assistant", content)
+
+
+class CompiledProgram:
+    """A program's sharing tree built without running the model.
+
+    ``complete`` is False when the program reads a generated value (or continues after a ``select``),
+    in which case the tree shows the part known before running and grows at run time.
+    """
+
+    def __init__(self, tree: SharingTree, complete: bool, stopped_at: str | None) -> None:
+        self.tree, self.complete, self.stopped_at = tree, complete, stopped_at
+
+    def stats(self, kv: KVShape) -> TreeStats:
+        return self.tree.stats(kv)
+
+
+class Program:
+    """A prompt program: a function ``fn(s, *args, **kwargs)`` that appends to the state ``s``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"treegen.program expects a function, got {type(fn).__name__}")
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def run(self, engine, /, *args, seed: int = 0, **kwargs) -> State:
+        """Run on ``engine`` (a :class:`treegen.Engine`) and return the finished root state."""
+        run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed)
+        state = run.root()
+        self.fn(state, *args, **kwargs)
+        run.finish()
+        return state
+
+    def compile(self, /, *args, tokenizer, **kwargs) -> CompiledProgram:
+        """Build the sharing tree with ``tokenizer`` only (no model, nothing generated)."""
+        run = ProgramRun(tokenizer=tokenizer, engine=None, seed=0)
+        try:
+            self.fn(run.root(), *args, **kwargs)
+        except StopTrace as stop:
+            return CompiledProgram(run.tree, False, str(stop))
+        return CompiledProgram(run.tree, True, None)
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"call {self.fn.__name__}.run(engine, ...) to run a program, or .compile(tokenizer=...) to see its tree")
+
+
+def program(fn: Callable[..., Any]) -> Program:
+    """Decorator turning ``fn(s, ...)`` into a :class:`Program`."""
+    return Program(fn)

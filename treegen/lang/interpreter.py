@@ -1,0 +1,329 @@
+"""Executes IR ops on a sharing tree: states, forks, joins, and batched flushing of gen/select.
+
+Each :class:`State` points at a node of the run's sharing tree. Text ops are applied at once; ``gen``
+and ``select`` are queued on the state (with anything appended after them) until a flush runs every
+queued request of every state in one :meth:`~treegen.runtime.engine.TreeRun.execute` call.
+
+Without an engine (tracing, used to compile a tree before running) ``gen`` only books its token budget
+in the tree, and anything that needs a generated value stops the trace with :class:`StopTrace`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treegen.lang.chat import role_affixes
+from treegen.lang.ir import Gen, RoleBegin, RoleEnd, Select, Text, as_ops
+from treegen.runtime.engine import GenRequest, ScoreRequest
+from treegen.runtime.sampler import branch_key
+from treegen.tree.sharing_tree import SharingTree
+
+
+class StopTrace(Exception):
+    """Raised while tracing when the program needs a value only running can produce."""
+
+
+class UnsetVariableError(KeyError):
+    """Reading a variable no gen, select or join has set."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class _Pending:
+    """Marker value: produced by a queued gen/select."""
+
+    def __repr__(self) -> str:
+        return "<pending>"
+
+
+_PENDING = _Pending()
+
+
+class _Joined:
+    """Marker value: the list of ``name`` over joined branch states, resolved on read."""
+
+    def __init__(self, states: list["State"], name: str) -> None:
+        self.states, self.name = states, name
+
+
+class ProgramRun:
+    """One execution (or trace) of a program: tokenizer, tree, engine run, and the states."""
+
+    def __init__(self, *, tokenizer, engine, seed: int) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.tokenizer, self.engine, self.seed = tokenizer, engine, seed
+        self.tree_run = engine.start() if engine is not None else None
+        self.tree = self.tree_run.tree if self.tree_run else SharingTree()
+        self.tracing = engine is None
+        self.states: list[State] = []
+        ids = tokenizer("x").input_ids
+        self.bos = [ids[0]] if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id else []
+        self.finished = False
+
+    def root(self) -> "State":
+        return State(self, node=None, path=(), variables={}, chatting=False)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    # flushing ---------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Run every queued gen/select of every state, in batched phases, until none is left."""
+        if self.tracing:
+            raise StopTrace("a generated value is read")
+        while True:
+            owners, gens, scores = [], [], []
+            for st in self.states:
+                st._apply_immediate()
+                if st.pending:
+                    owners.append(st)
+                    request = st._request(st.pending[0])
+                    (gens if isinstance(request, GenRequest) else scores).append(request)
+            if not owners:
+                return
+            gen_results, score_results = self.tree_run.execute(gens, scores)
+            gen_it, score_it = iter(gen_results), iter(score_results)
+            for st in owners:
+                op = st.pending.pop(0)
+                st._complete(op, next(gen_it) if isinstance(op, Gen) else next(score_it))
+
+    def finish(self) -> None:
+        """Flush, then free all KV (the values stay readable; states accept no more ops)."""
+        self.flush()
+        for node in sorted(self.tree_run.kv.segments):
+            self.tree_run.kv.free(node)
+        self.finished = True
+
+
+class State:
+    """A stream of tokens in a program; ``s += ...`` appends, ``s[name]`` reads a variable."""
+
+    def __init__(self, run: ProgramRun, *, node: int | None, path: tuple, variables: dict, chatting: bool) -> None:
+        self._run = run
+        self.node = node
+        self.path = path  # fork indices from the root: seeds derive from it
+        self.vars: dict[str, Any] = variables
+        self.info: dict[str, dict] = {}  # per variable: finish_reason, scores, ...
+        self.pending: list = []
+        self._chatting = chatting  # a chat message has been emitted (templates treat the first apart)
+        self._message_first: list[bool] = []
+        self._gens = 0
+        self._closed: str | None = None
+        self._after_select = False  # tracing only: the continuation depends on the winner
+        run.states.append(self)
+
+    # appending --------------------------------------------------------------------------------
+    def __iadd__(self, item) -> "State":
+        for op in as_ops(item):
+            self._append(op)
+        return self
+
+    def _append(self, op) -> None:
+        self._check_open()
+        if self._run.tracing:
+            if self._after_select:
+                raise StopTrace("the program continues after a select")
+            self._apply(op)
+        elif self.pending or isinstance(op, (Gen, Select)):
+            self.pending.append(op)
+            if isinstance(op, (Gen, Select)):
+                self.vars[op.name] = _PENDING
+        else:
+            self._apply(op)
+
+    def _check_open(self) -> None:
+        if self._run.finished:
+            raise RuntimeError("the program has finished; this state accepts no more text")
+        if self._closed:
+            raise RuntimeError(f"this branch was {self._closed}; append to it before joining")
+
+    def _leaf(self) -> int:
+        """The node this state appends to, created when the current one is shared (has children)."""
+        tree = self._run.tree
+        if self.node is None:
+            self.node = tree.add_node(None, self._run.bos)
+        elif tree.children(self.node):
+            self.node = tree.add_node(self.node)
+        return self.node
+
+    def _apply_immediate(self) -> None:
+        while self.pending and not isinstance(self.pending[0], (Gen, Select)):
+            self._apply(self.pending.pop(0))
+
+    def _apply(self, op) -> None:
+        tree, run = self._run.tree, self._run
+        if isinstance(op, Text):
+            tree.extend(self._leaf(), run.tokenize(op.text))
+        elif isinstance(op, RoleBegin):
+            self._message_first.append(not self._chatting)
+            self._chatting = True
+            tree.extend(self._leaf(), run.tokenize(role_affixes(run.tokenizer, op.role, self._message_first[-1])[0]))
+        elif isinstance(op, RoleEnd):
+            first = self._message_first.pop() if self._message_first else False
+            tree.extend(self._leaf(), run.tokenize(role_affixes(run.tokenizer, op.role, first)[1]))
+        elif isinstance(op, Gen):  # tracing: book the budget
+            tree.graph.nodes[self._leaf()]["gen_budget"] += op.params.max_tokens
+            self.vars[op.name] = _PENDING
+        elif isinstance(op, Select):  # tracing: show the alternatives
+            self._add_choices(op)
+            self.vars[op.name] = _PENDING
+            self._after_select = True
+
+    def _add_choices(self, op: Select) -> tuple[int, ...]:
+        base = self._leaf() if self.node is None else self.node
+        out = []
+        for choice in op.choices:
+            ids = self._run.tokenize(choice)
+            if not ids:
+                raise ValueError(f"select({op.name!r}): choice {choice!r} has no tokens")
+            out.append(self._run.tree.add_node(base, ids, kind="choice"))
+        return tuple(out)
+
+    def _request(self, op):
+        if isinstance(op, Gen):
+            leaf = self._leaf()
+            self._run.tree.graph.nodes[leaf]["gen_budget"] += op.params.max_tokens
+            seed = op.params.seed if op.params.seed is not None else self._run.seed
+            key = branch_key(seed, self.path + ("gen", self._gens))
+            self._gens += 1
+            return GenRequest(leaf, op.params, key)
+        return ScoreRequest(self.node if self.node is not None else self._leaf(), self._add_choices(op))
+
+    def _complete(self, op, result) -> None:
+        tree = self._run.tree
+        if isinstance(op, Gen):
+            tree.graph.nodes[self.node]["gen_budget"] -= op.params.max_tokens
+            self.vars[op.name] = result.text
+            self.info[op.name] = {"finish_reason": result.finish_reason, "tokens": len(result.tokens)}
+            return
+        request_choices = tree.children(self.node)[-len(op.choices):]
+        best = max(range(len(op.choices)), key=lambda i: (result[i], -i))
+        for i, node in enumerate(request_choices):
+            if i != best:
+                self._run.tree_run.free(node)
+        self.node = request_choices[best]
+        self.vars[op.name] = op.choices[best]
+        self.info[op.name] = {"scores": dict(zip(op.choices, result)), "choice_index": best}
+
+    # forks and joins --------------------------------------------------------------------------
+    def fork(self, n: int, content=None) -> "ForkGroup":
+        """``n`` branches continuing from here. ``content``: appended to each branch — one item for
+        all, a list with one item per branch, or a function of the branch index."""
+        self._check_open()
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"fork(n): n must be an integer >= 1, got {n!r}")
+        if self.pending:
+            self._run.flush()
+        if self._run.tracing and self._after_select:
+            raise StopTrace("the program forks after a select")
+        base = self._leaf() if self.node is None else self.node
+        branches = []
+        for i in range(n):
+            child = State(self._run, node=self._run.tree.add_node(base), path=self.path + (i,),
+                          variables=dict(self.vars), chatting=self._chatting)
+            branches.append(child)
+        group = ForkGroup([self], [branches])
+        if content is not None:
+            group += content
+        return group
+
+    def join(self, branches: "ForkGroup") -> None:
+        """Gather every variable of ``branches`` (forked from this state) into lists on this state."""
+        if not isinstance(branches, ForkGroup):
+            raise TypeError(f"join expects the branches returned by fork(), got {type(branches).__name__}")
+        if branches.parents != [self]:
+            raise ValueError("join: these branches were not forked from this state")
+        branches._join_into([self])
+
+    def _join_children(self, children: list["State"]) -> None:
+        names: list[str] = []
+        for child in children:
+            names += [k for k in child.vars if k not in names and (k not in self.vars or child.vars[k] is not self.vars[k])]
+            child._closed = "joined"
+        for name in names:
+            self.vars[name] = _Joined(children, name)
+            self.info[name] = {"branches": len(children)}
+
+    # reading ----------------------------------------------------------------------------------
+    def __getitem__(self, name: str):
+        if name not in self.vars:
+            have = ", ".join(sorted(self.vars)) or "none"
+            raise UnsetVariableError(f"variable {name!r} is not set (set variables: {have})")
+        value = self.vars[name]
+        if isinstance(value, _Pending):
+            self._run.flush()
+            value = self.vars[name]
+        if isinstance(value, _Joined):
+            return [child[name] for child in value.states]
+        return value
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.vars
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        """Every variable, resolved (runs what is queued)."""
+        return {k: self[k] for k in self.vars}
+
+    @property
+    def tree(self) -> SharingTree:
+        return self._run.tree
+
+    def tokens(self) -> list[int]:
+        """This state's whole token sequence (root to its node)."""
+        if self.pending:
+            self._run.flush()
+        return self._run.tree.path_tokens(self.node) if self.node is not None else []
+
+    def text(self) -> str:
+        return self._run.tokenizer.decode(self.tokens())
+
+    def __repr__(self) -> str:
+        return f"State(path={self.path}, node={self.node}, variables={sorted(self.vars)})"
+
+
+class ForkGroup:
+    """Branches made by ``fork``: ``+=`` appends to each; iterate or index for single branches."""
+
+    def __init__(self, parents: list[State], children: list[list[State]]) -> None:
+        self.parents, self.children = parents, children
+        self.states = [s for group in children for s in group]
+        self._joined = False
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __getitem__(self, i: int) -> State:
+        return self.states[i]
+
+    def __iadd__(self, item) -> "ForkGroup":
+        if isinstance(item, list) and len(item) != len(self.states):
+            raise ValueError(f"a per-branch list must have one item per branch: {len(item)} items for {len(self.states)} branches")
+        for i, st in enumerate(self.states):
+            st += item[i] if isinstance(item, list) else item(i) if callable(item) else item
+        return self
+
+    def fork(self, n: int, content=None) -> "ForkGroup":
+        """Fork every branch ``n`` ways (nested fork); join the result back with ``self.join(...)``."""
+        groups = [st.fork(n, content) for st in self.states]
+        return ForkGroup(list(self.states), [g.states for g in groups])
+
+    def join(self, branches: "ForkGroup") -> None:
+        """Gather each nested group into lists on its own parent branch."""
+        if not isinstance(branches, ForkGroup):
+            raise TypeError(f"join expects the branches returned by fork(), got {type(branches).__name__}")
+        if branches.parents != self.states:
+            raise ValueError("join: these branches were not forked from this group")
+        branches._join_into(self.states)
+
+    def _join_into(self, parents: list[State]) -> None:
+        if self._joined:
+            raise ValueError("join: these branches were already joined")
+        self._joined = True
+        for parent, children in zip(parents, self.children):
+            parent._join_children(children)

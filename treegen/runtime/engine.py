@@ -1,0 +1,231 @@
+"""Runs a model over a sharing tree: one batched prefill of everything pending, then decoding.
+
+An :class:`Engine` holds a loaded model and tokenizer. :meth:`Engine.start` opens a :class:`TreeRun`:
+a sharing tree plus the KV store for its nodes. The language layer grows the tree and calls
+:meth:`TreeRun.execute` with generation and scoring requests; the run
+
+1. prefills, in **one** forward pass, every token of every node on the requests' paths that has no KV
+   yet (a child's tokens attend to their ancestors' KV through the tree-attention decomposition,
+   every node is prefilled once however many branches lie below it);
+2. scores ``select`` choices from that pass (length-normalised log-probability);
+3. decodes all generation requests together, one token per live branch per step, with hierarchical
+   attention; a branch leaves the batch when it hits EOS, a stop string or ``max_tokens``.
+
+The last sampled token of a branch is appended to its node without KV; it is computed when the
+branch continues. When a request's conditioning token already has KV (e.g. a fork after a finished
+phase), that token is run again as a query and writes the identical KV into its own slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+
+from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
+from treegen.runtime.kv_store import KVStore
+from treegen.runtime.sampler import SamplingParams, sample
+from treegen.tree.sharing_tree import KVShape, SharingTree
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """Generate into ``node`` (a leaf owned by one branch). ``key``: the branch's random key."""
+
+    node: int
+    params: SamplingParams
+    key: int
+
+
+@dataclass(frozen=True)
+class GenResult:
+    tokens: tuple[int, ...]
+    text: str
+    finish_reason: str  # "eos" | "stop" | "length"
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Score each child ``choices[i]`` of ``parent`` by its mean token log-probability."""
+
+    parent: int
+    choices: tuple[int, ...]
+
+
+class Engine:
+    """A loaded model + tokenizer; cheap to :meth:`start` many tree runs on."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
+                                torch.empty((), dtype=model.dtype).element_size())
+
+    @classmethod
+    def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Engine":
+        """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id)."""
+        from treegen.runtime.loader import load_model
+
+        return cls(*load_model(model, dtype=dtype, device=device))
+
+    def start(self) -> "TreeRun":
+        return TreeRun(self)
+
+
+class TreeRun:
+    """One sharing tree and the KV of its nodes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.tree = SharingTree()
+        m = self.model
+        self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                          dtype=m.dtype, device=m.device)
+        self.forward_passes = 0
+
+    # ---------------------------------------------------------------------------------------------
+    def free(self, node: int) -> None:
+        """Drop a node's KV and mark it (and its subtree) pruned."""
+        for n in [node, *sorted(nx.descendants(self.tree.graph, node))]:
+            self.kv.free(n)
+        self.tree.prune(node)
+
+    def _conditioning_row(self, node: int) -> tuple[int, int]:
+        """(node, index) of the last token on ``node``'s path — the one whose logits come next."""
+        for n in reversed(self.tree.path(node)):
+            if self.tree.tokens(n):
+                return n, len(self.tree.tokens(n)) - 1
+        raise ValueError("nothing to condition on: append some text before gen or select")
+
+    def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int]) -> torch.Tensor:
+        """Run the model on the given (node, index) token rows → logits [len(logits_rows), vocab].
+
+        Every node on a row's path must already have its KV or have all its missing rows here.
+        """
+        tree, kv, model = self.tree, self.kv, self.model
+        new_len: dict[int, int] = {}
+        for n, i in rows:
+            new_len[n] = max(new_len.get(n, kv.computed(n)), i + 1)
+        segments = sorted({p for n in new_len for p in tree.path(n)})
+        for s in segments:
+            length = new_len.get(s, kv.computed(s))
+            if s not in new_len and length != len(tree.tokens(s)):
+                raise RuntimeError(f"node {s} is missing KV for {len(tree.tokens(s)) - length} tokens")
+            new_len[s] = length
+            kv.reserve(s, max(length, 1))
+        index = {s: j for j, s in enumerate(segments)}
+        pos = {s: tree.position(s) for s in segments}
+        device = model.device
+        input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
+        positions = [pos[n] + i for n, i in rows]
+        slots = torch.tensor([kv.segments[n].start + i for n, i in rows], dtype=torch.int64, device=device)
+        plan = plan_tree_attention(
+            segment_parent=[index.get(tree.parent(s), -1) for s in segments],
+            segment_start=[kv.segments[s].start for s in segments],
+            segment_len=[new_len[s] for s in segments],
+            segment_pos=[pos[s] for s in segments],
+            query_segment=[index[n] for n, _ in rows],
+            query_pos=positions,
+            device=device,
+        )
+        scale = model.head_dim**-0.5
+
+        def attend(layer: int, q, k, v):
+            kv.k[layer].index_copy_(0, slots, k.to(kv.dtype))
+            kv.v[layer].index_copy_(0, slots, v.to(kv.dtype))
+            return tree_attention(q, kv.k[layer], kv.v[layer], plan, scale)
+
+        logits = model.forward(input_ids, torch.tensor(positions, dtype=torch.int64, device=device), attend,
+                               torch.tensor(logits_rows, dtype=torch.int64, device=device))
+        for s in new_len:
+            kv.segments[s].computed = max(kv.segments[s].computed, new_len[s])
+        self.forward_passes += 1
+        return logits
+
+    # ---------------------------------------------------------------------------------------------
+    def execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
+        """Prefill what the requests need, score the choices, generate; see the module docstring."""
+        tree, kv = self.tree, self.kv
+        max_context = self.model.max_context
+        for g in gens:
+            if tree.children(g.node):
+                raise RuntimeError(f"gen into node {g.node}, which has children")
+            total = len(tree.path_tokens(g.node)) + g.params.max_tokens
+            if total > max_context:
+                raise ValueError(f"a branch would reach {total} tokens (prompt + max_tokens={g.params.max_tokens}), "
+                                 f"past the model's context of {max_context}")
+            kv.reserve(g.node, len(tree.tokens(g.node)) + g.params.max_tokens)
+        # 1. rows: every pending token on the requests' paths, plus conditioning tokens to re-run
+        wanted = [g.node for g in gens] + [c for s in scores for c in s.choices]
+        pending = sorted({n for w in wanted for n in tree.path(w) if kv.computed(n) < len(tree.tokens(n))})
+        rows = [(n, i) for n in pending for i in range(kv.computed(n), len(tree.tokens(n)))]
+        row_of = {r: j for j, r in enumerate(rows)}
+        cond = [self._conditioning_row(g.node) for g in gens] + [self._conditioning_row(s.parent) for s in scores]
+        for r in cond:
+            if r not in row_of:
+                row_of[r] = len(rows)
+                rows.append(r)
+        score_rows = [[cond[len(gens) + k]] + [(c, i) for i in range(len(tree.tokens(c)) - 1)]
+                      for k, s in enumerate(scores) for c in s.choices]
+        logit_keys = sorted({r for r in cond} | {r for rs in score_rows for r in rs}, key=row_of.__getitem__)
+        logits = self._forward(rows, [row_of[r] for r in logit_keys]) if rows else None
+        at = {r: j for j, r in enumerate(logit_keys)}
+
+        # 2. select scores
+        score_out, flat = [], iter(score_rows)
+        for s in scores:
+            vals = []
+            for c in s.choices:
+                src = next(flat)
+                targets = torch.tensor(tree.tokens(c), device=self.model.device)
+                lp = logits[[at[r] for r in src]].log_softmax(-1).gather(1, targets.unsqueeze(1))
+                vals.append(float(lp.mean()))
+            score_out.append(vals)
+        if not gens:
+            return [], score_out
+        first = logits[[at[cond[k]] for k in range(len(gens))]]
+        return self._decode(gens, first), score_out
+
+    def _decode(self, gens: list[GenRequest], logits: torch.Tensor) -> list[GenResult]:
+        tree, tok, device = self.tree, self.engine.tokenizer, self.model.device
+        eos = self.model.eos_token_ids
+        temperature = torch.tensor([float(g.params.temperature) for g in gens], device=device)
+        top_p = torch.tensor([float(g.params.top_p) for g in gens], device=device)
+        top_k = torch.tensor([g.params.top_k for g in gens], dtype=torch.int64, device=device)
+        keys = torch.tensor([g.key for g in gens], dtype=torch.int64, device=device)
+        out: list[list[int]] = [[] for _ in gens]
+        results: list[GenResult | None] = [None] * len(gens)
+        live = list(range(len(gens)))
+        step = 0
+        while live:
+            idx = torch.tensor(live, device=device)
+            steps = torch.full((len(live),), step, dtype=torch.int64, device=device)
+            new = sample(logits, temperature=temperature[idx], top_p=top_p[idx], top_k=top_k[idx],
+                         keys=keys[idx], steps=steps).tolist()
+            still = []
+            for b, t in zip(live, new):
+                out[b].append(t)
+                tree.extend(gens[b].node, [t])
+                results[b] = self._finished(out[b], gens[b].params, eos, tok)
+                if results[b] is None:
+                    still.append(b)
+            live, step = still, step + 1
+            if live:
+                rows = [(gens[b].node, len(tree.tokens(gens[b].node)) - 1) for b in live]
+                logits = self._forward(rows, list(range(len(rows))))
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _finished(tokens: list[int], params: SamplingParams, eos: set[int], tok) -> GenResult | None:
+        if params.stop:
+            text = tok.decode(tokens)
+            hits = [text.find(s) for s in params.stop if s in text]
+            if hits:
+                return GenResult(tuple(tokens), text[: min(hits)], "stop")
+        if tokens[-1] in eos:
+            return GenResult(tuple(tokens), tok.decode(tokens[:-1], skip_special_tokens=True), "eos")
+        if len(tokens) >= params.max_tokens:
+            return GenResult(tuple(tokens), tok.decode(tokens, skip_special_tokens=True), "length")
+        return None

@@ -1,0 +1,102 @@
+"""KV cache stored once per tree node, in one flat pool of slots per layer.
+
+``k[layer]`` and ``v[layer]`` are ``[num_slots, num_kv_heads, head_dim]``; each tree node owns one
+contiguous slot range (its *segment*), so attention reads a node's keys as one block for every branch
+below it. A node's range is reserved with room to grow (a branch generating into it); when it must
+grow past its range it moves, once, to a larger one. Nothing is ever copied per branch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Segment:
+    """Slots ``[start, start + capacity)`` of one node; the first ``computed`` hold written KV."""
+
+    start: int
+    capacity: int
+    computed: int = 0
+
+
+class KVStore:
+    """A growable slot pool with first-fit allocation of per-node segments."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, initial_slots: int = 1024) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_layers, initial_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.segments: dict[int, Segment] = {}
+        self._free: list[tuple[int, int]] = [(0, initial_slots)]  # (start, length), sorted by start
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+
+    def computed(self, node: int) -> int:
+        seg = self.segments.get(node)
+        return seg.computed if seg else 0
+
+    def bytes_held(self) -> int:
+        """Bytes of KV actually written, summed over nodes (each shared node counted once)."""
+        return sum(s.computed for s in self.segments.values()) * self.bytes_per_token
+
+    def reserve(self, node: int, length: int) -> Segment:
+        """Make sure ``node`` owns at least ``length`` slots, moving its written KV if it must grow."""
+        seg = self.segments.get(node)
+        if seg is not None and seg.capacity >= length:
+            return seg
+        start = self._allocate(length)
+        new = Segment(start, length, 0)
+        if seg is not None:
+            if seg.computed:
+                src, dst = slice(seg.start, seg.start + seg.computed), slice(start, start + seg.computed)
+                self.k[:, dst] = self.k[:, src]
+                self.v[:, dst] = self.v[:, src]
+            new.computed = seg.computed
+            self._release(seg.start, seg.capacity)
+        self.segments[node] = new
+        return new
+
+    def free(self, node: int) -> None:
+        seg = self.segments.pop(node, None)
+        if seg is not None:
+            self._release(seg.start, seg.capacity)
+
+    def _allocate(self, length: int) -> int:
+        for i, (start, free_len) in enumerate(self._free):
+            if free_len >= length:
+                self._free[i] = (start + length, free_len - length)
+                if self._free[i][1] == 0:
+                    del self._free[i]
+                return start
+        self._grow(length)
+        return self._allocate(length)
+
+    def _grow(self, length: int) -> None:
+        old = self.num_slots
+        new = max(2 * old, old + length)
+        extra = (self.num_layers, new - old, self.num_kv_heads, self.head_dim)
+        self.k = torch.cat([self.k, torch.zeros(extra, dtype=self.dtype, device=self.device)], dim=1)
+        self.v = torch.cat([self.v, torch.zeros(extra, dtype=self.dtype, device=self.device)], dim=1)
+        self._release(old, new - old)
+
+    def _release(self, start: int, length: int) -> None:
+        spans = sorted(self._free + [(start, length)])
+        merged: list[tuple[int, int]] = []
+        for s, n in spans:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((s, n))
+        self._free = merged

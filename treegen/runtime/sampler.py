@@ -1,0 +1,104 @@
+"""Sampling parameters and a batched, per-branch-seeded sampler.
+
+Randomness is counter-based: the noise for branch ``b`` at its step ``t`` is a hash of
+``(key_b, t, token id)``, where ``key_b`` comes from the program seed and the branch's path in the
+tree. So a branch draws the same tokens whatever else is in the batch and in whatever order work is
+scheduled, and sampling needs no per-branch generator objects or Python loop over branches.
+Sampling is Gumbel-max over the temperature-scaled, top-k / top-p filtered logits, which draws
+exactly from the filtered softmax distribution. ``temperature == 0`` is greedy (argmax).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one ``gen`` samples. Validated on construction; errors name the parameter.
+
+    max_tokens: new tokens at most (>= 1). temperature: 0 = greedy (the default), else > 0.
+    top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all.
+    stop: strings that end generation (the value excludes the stop string). seed: overrides the
+    program seed for this ``gen``; None = derive from the program seed and the branch path.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def branch_key(seed: int, path: tuple) -> int:
+    """A 32-bit key for a branch from a seed and its path in the program (fork indices, gen index)."""
+    digest = hashlib.blake2b(repr((seed, tuple(path))).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """lowbias32 integer hash on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(keys: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """Counter-based uniforms in (0, 1). keys, steps: [B] int64 → [B, vocab_size] float32."""
+    ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    x = _hash32((keys.unsqueeze(1) * 0x9E3779B1 + steps.unsqueeze(1)) & _MASK32)
+    x = _hash32((x ^ ids.unsqueeze(0)) & _MASK32)
+    x = _hash32((x + 0x632BE5AB) & _MASK32)
+    return ((x >> 8).float() + 0.5) / float(1 << 24)
+
+
+def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, steps: Tensor) -> Tensor:
+    """Sample one token per row.
+
+    logits: [B, V] fp32; temperature, top_p: [B] float; top_k: [B] int64 (0 = all);
+    keys, steps: [B] int64 (see :func:`uniform_noise`). Returns [B] int64 token ids.
+    """
+    greedy = logits.argmax(dim=-1)
+    if bool((temperature == 0).all()):
+        return greedy
+    scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    drop = (mass_before >= top_p.unsqueeze(1)) | ((top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1)))
+    drop[:, 0] = False
+    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, logits.shape[1])))
+    sampled = (filtered + gumbel).argmax(dim=-1)
+    return torch.where(temperature == 0, greedy, sampled)

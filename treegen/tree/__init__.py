@@ -1,0 +1,3 @@
+from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
+
+__all__ = ["KVShape", "SharingTree", "TreeStats"]

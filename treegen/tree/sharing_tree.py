@@ -1,0 +1,164 @@
+"""The explicit sharing tree: every node is a run of token ids shared by all branches below it.
+
+A branch's token sequence is the concatenation of the node runs on its root-to-leaf path, so a
+node's ids are an exact prefix of every descendant's ids. Text is tokenised segment by segment and
+the ids are concatenated (``ids("ab") + ids("c")``, not ``ids("abc")``); this is what keeps the
+prefix property exact, and it is the token sequence every comparison with Hugging Face uses.
+
+The tree is a ``networkx.DiGraph`` whose node ids are integers in creation order, so the same program
+always builds the same ids. Node attributes:
+
+* ``tokens: list[int]`` — the node's run (grows while a branch in it generates);
+* ``kind: str`` — ``"text"`` (prompt or generated run), ``"choice"`` (a ``select`` alternative);
+* ``pruned: bool`` — True once a node's work is done and its KV was freed (a losing choice);
+* ``gen_budget: int`` — tokens still to be generated into the node (``max_tokens`` of its pending
+  ``gen`` calls), so a tree compiled before running reports the KV it will need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token of KV cache costs for a model: ``2 * layers * kv_heads * head_dim * dtype bytes``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_config(cls, config, dtype_bytes: int = 2) -> "KVShape":
+        """From a Hugging Face config (``head_dim`` read from it when present)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype_bytes)
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    """Totals of a tree for one model: KV bytes stored once per node vs one full copy per branch."""
+
+    nodes: int
+    branches: int
+    stored_tokens: int
+    unshared_tokens: int
+    stored_bytes: int
+    unshared_bytes: int
+
+    @property
+    def saving(self) -> float:
+        """Fraction of KV bytes saved by sharing (0 when nothing is shared)."""
+        return 1.0 - self.stored_bytes / self.unshared_bytes if self.unshared_bytes else 0.0
+
+
+class SharingTree:
+    """A growing forest of token runs. See the module docstring for the node attributes."""
+
+    def __init__(self) -> None:
+        self.graph = nx.DiGraph()
+
+    # building ---------------------------------------------------------------------------------
+    def add_node(self, parent: int | None, tokens=(), kind: str = "text") -> int:
+        """Create a node (a root when ``parent`` is None) and return its id."""
+        node = self.graph.number_of_nodes()
+        self.graph.add_node(node, tokens=list(tokens), kind=kind, pruned=False, gen_budget=0)
+        if parent is not None:
+            self.graph.add_edge(parent, node)
+        return node
+
+    def extend(self, node: int, tokens) -> None:
+        """Append ids to a node's run; only a node without children may grow."""
+        if self.graph.out_degree(node):
+            raise ValueError(f"node {node} has children; its tokens are shared and cannot grow")
+        self.graph.nodes[node]["tokens"].extend(tokens)
+
+    def prune(self, node: int) -> None:
+        """Mark a node and its subtree as finished with (their KV has been freed)."""
+        for n in nx.descendants(self.graph, node) | {node}:
+            self.graph.nodes[n]["pruned"] = True
+
+    # reading ----------------------------------------------------------------------------------
+    def tokens(self, node: int) -> list[int]:
+        return self.graph.nodes[node]["tokens"]
+
+    def size(self, node: int) -> int:
+        """Tokens the node holds now plus those it is still to generate."""
+        return len(self.tokens(node)) + self.graph.nodes[node]["gen_budget"]
+
+    def parent(self, node: int) -> int | None:
+        preds = list(self.graph.predecessors(node))
+        return preds[0] if preds else None
+
+    def children(self, node: int) -> list[int]:
+        return sorted(self.graph.successors(node))
+
+    def path(self, node: int) -> list[int]:
+        """Root-to-node list of node ids."""
+        out = []
+        cur: int | None = node
+        while cur is not None:
+            out.append(cur)
+            cur = self.parent(cur)
+        return out[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        """The full token sequence of a branch ending at ``node``."""
+        return [t for n in self.path(node) for t in self.tokens(n)]
+
+    def position(self, node: int) -> int:
+        """Absolute position of the node's first token (tokens on the path above it)."""
+        return sum(len(self.tokens(n)) for n in self.path(node)[:-1])
+
+    def live_nodes(self) -> list[int]:
+        return [n for n in sorted(self.graph) if not self.graph.nodes[n]["pruned"]]
+
+    def leaves(self) -> list[int]:
+        """Branches: live nodes without live children."""
+        return [n for n in self.live_nodes() if not any(not self.graph.nodes[c]["pruned"] for c in self.graph.successors(n))]
+
+    def branches_below(self, node: int) -> int:
+        leaves = set(self.leaves())
+        return sum(1 for n in nx.descendants(self.graph, node) | {node} if n in leaves)
+
+    def stats(self, kv: KVShape) -> TreeStats:
+        """KV bytes of the live tree stored once per node, vs each branch holding its own copy.
+
+        Counts :meth:`size` (tokens plus the generation budget still to come).
+        """
+        live = self.live_nodes()
+        leaves = self.leaves()
+        stored = sum(self.size(n) for n in live)
+        unshared = sum(self.size(p) for n in leaves for p in self.path(n))
+        return TreeStats(
+            nodes=len(live),
+            branches=len(leaves),
+            stored_tokens=stored,
+            unshared_tokens=unshared,
+            stored_bytes=stored * kv.bytes_per_token,
+            unshared_bytes=unshared * kv.bytes_per_token,
+        )
+
+    def node_table(self, kv: KVShape) -> list[dict]:
+        """Per live node: id, parent, tokens, branches below, KV bytes."""
+        return [
+            {
+                "node": n,
+                "parent": self.parent(n),
+                "kind": self.graph.nodes[n]["kind"],
+                "tokens": len(self.tokens(n)),
+                "gen_budget": self.graph.nodes[n]["gen_budget"],
+                "branches": self.branches_below(n),
+                "kv_bytes": self.size(n) * kv.bytes_per_token,
+            }
+            for n in self.live_nodes()
+        ]
