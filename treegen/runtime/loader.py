@@ -103,6 +103,7 @@ def default_model_path() -> Path:
     logger.warning("treegen: converting %s to an fp32 checkpoint in %s (one-time, ~20 s)", gguf, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
         _convert_gguf(gguf, tmp)
         if _is_complete(target, gguf):  # a concurrent process finished first
             return target
