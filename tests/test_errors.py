@@ -1,0 +1,122 @@
+"""Bad input gets a clear error naming what is wrong, raised in the caller."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+import treegen
+from treegen.runtime.loader import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def compile_body(body, tokenizer):
+    return treegen.program(body).compile(tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("n", [0, -2, 1.5, True])
+def test_fork_needs_a_positive_integer(tokenizer, n):
+    with pytest.raises(ValueError, match=r"fork\(n\): n must be an integer >= 1"):
+        compile_body(lambda s: (s.__iadd__("x"), s.fork(n)), tokenizer)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"max_tokens": 0}, r"gen\('x'\): max_tokens must be an integer >= 1, got 0"),
+        ({"max_tokens": -5}, r"max_tokens must be an integer >= 1, got -5"),
+        ({"temperature": -0.1}, r"gen\('x'\): temperature must be a number >= 0"),
+        ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, r"top_k must be an integer >= 0"),
+        ({"stop": ""}, r"stop must be a non-empty string"),
+        ({"seed": "a"}, r"seed must be an integer"),
+    ],
+)
+def test_gen_parameters_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        treegen.gen("x", **kwargs)
+
+
+def test_gen_and_select_names_and_choices():
+    with pytest.raises(ValueError, match="identifier"):
+        treegen.gen("not a name")
+    with pytest.raises(ValueError, match=r"select\('c'\): choices must be a non-empty list"):
+        treegen.select("c", [])
+    with pytest.raises(ValueError, match="choices must be"):
+        treegen.select("c", "abc")
+
+
+def test_join_without_fork(tokenizer):
+    def body(s):
+        s += "x"
+        s.join(["not", "branches"])
+
+    with pytest.raises(TypeError, match=r"join expects the branches returned by fork\(\), got list"):
+        compile_body(body, tokenizer)
+
+    def other_parent(s):
+        s += "x"
+        a = s.fork(2)
+        a[0].join(a)
+
+    with pytest.raises(ValueError, match="not forked from this state"):
+        compile_body(other_parent, tokenizer)
+
+    def twice(s):
+        s += "x"
+        a = s.fork(2)
+        s.join(a)
+        s.join(a)
+
+    with pytest.raises(ValueError, match="already joined"):
+        compile_body(twice, tokenizer)
+
+
+def test_appending_to_a_joined_branch(tokenizer):
+    def body(s):
+        s += "x"
+        a = s.fork(2)
+        s.join(a)
+        a[0] += "more"
+
+    with pytest.raises(RuntimeError, match="joined"):
+        compile_body(body, tokenizer)
+
+
+def test_unset_variable_names_the_variable(tokenizer):
+    def body(s):
+        s += "x" + treegen.gen("answer", max_tokens=2)
+        s["answr"]
+
+    with pytest.raises(treegen.UnsetVariableError, match=r"variable 'answr' is not set \(set variables: answer\)"):
+        compile_body(body, tokenizer)
+
+
+def test_per_branch_list_length_and_bad_items(tokenizer):
+    def body(s):
+        s += "x"
+        s.fork(3, content=["a", "b"])
+
+    with pytest.raises(ValueError, match="2 items for 3 branches"):
+        compile_body(body, tokenizer)
+    with pytest.raises(TypeError, match="cannot append int"):
+        compile_body(lambda s: s.__iadd__(42), tokenizer)
+
+
+def test_user_errors_surface_in_the_caller(tokenizer):
+    def body(s):
+        s += "x"
+        raise ZeroDivisionError("from the user's program")
+
+    with pytest.raises(ZeroDivisionError, match="user's program"):
+        compile_body(body, tokenizer)
+
+
+def test_calling_a_program_directly_explains_run(tokenizer):
+    with pytest.raises(TypeError, match=r"\.run\(engine"):
+        treegen.program(lambda s: None)()
