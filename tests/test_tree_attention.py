@@ -93,6 +93,45 @@ def test_random_trees_match_plain_attention(seed, num_heads, num_kv, head_dim):
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernels_match_plain_attention(seed, num_heads, num_kv, head_dim, dtype):
+    """The Triton kernels (run by the interpreter on CPU) on random unbalanced trees, prefill and decode rows."""
+    rng = random.Random(100 + seed)
+    torch.manual_seed(seed)
+    parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 4),
+                                 max_len=rng.choice([1, 17, 37, 150]), min_len=rng.choice([0, 1]))
+    length[0] = max(length[0], 1)
+    start, pos, slots = layout(parent, length, rng)
+    query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=rng.choice([0, 5]))
+    keep = [i for i, (s, p) in enumerate(zip(query_segment, query_pos)) if p >= pos[s]]  # empty leaves: no own row
+    query_segment, query_pos = [query_segment[i] for i in keep], [query_pos[i] for i in keep]
+    q = torch.randn(len(query_pos), num_heads, head_dim).to(dtype)
+    k_cache = torch.randn(max(slots, 1), num_kv, head_dim).to(dtype)
+    v_cache = torch.randn(max(slots, 1), num_kv, head_dim).to(dtype)
+    plan = plan_tree_attention(
+        segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+        query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=num_heads, num_kv_heads=num_kv,
+    )
+    got = tree_attention(q, k_cache, v_cache, plan, head_dim**-0.5)
+    want = ground_truth(q.float(), k_cache.float(), v_cache.float(), parent, start, length, pos, query_segment,
+                        query_pos, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_triton_plan_splits_long_segments():
+    """A long shared prefix read by few queries is cut into key chunks (flash-decoding style)."""
+    plan = plan_tree_attention(segment_parent=[-1, 0, 0], segment_start=[0, 5000, 5010], segment_len=[5000, 3, 3],
+                               segment_pos=[0, 5000, 5000], query_segment=[1, 2], query_pos=[5002, 5002],
+                               backend="triton", num_heads=8, num_kv_heads=1, device="cpu")
+    root_items = [w for w in plan.triton.work.tolist() if w[0] == 0]
+    assert len(root_items) > 4 and root_items[0][2:4] == [0, root_items[1][2]]
+    assert plan.triton.merge_ptr.tolist()[-1] == 2 * (len(root_items) + 1)
+
+
 def test_empty_segment_gives_no_nan():
     # root of 5 keys, an empty child (a fork point with no tokens yet), and a leaf of 3 keys below it
     parent, length, start, pos = [-1, 0, 1], [5, 0, 3], [0, 5, 5], [0, 5, 5]

@@ -22,14 +22,13 @@ Nothing in this module knows about programs or branches; it sees segments and qu
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from treegen.kernels.tree_attention_triton import TritonPlan, plan_triton, tree_attention_triton, triton_available
 
 _NO_POSITION = torch.iinfo(torch.int64).max  # padding key position: never visible
 
@@ -56,12 +55,16 @@ class TreeAttentionPlan:
     """Index tensors for one tree shape; reused by every layer of a forward pass.
 
     ``query_pos: [num_queries] int64`` — absolute position of each query row.
-    ``levels`` — one :class:`LevelPlan` per tree depth that has at least one query below it.
+    ``backend`` — ``"reference"`` (PyTorch, any device) or ``"triton"`` (the Triton kernels).
+    ``levels`` — reference: one :class:`LevelPlan` per tree depth that has a query below it.
+    ``triton`` — Triton: the kernels' work tables (None for the reference).
     """
 
     num_queries: int
     query_pos: Tensor
+    backend: str
     levels: tuple[LevelPlan, ...]
+    triton: TritonPlan | None = None
 
 
 def _pad(rows: Sequence[Sequence[int]], fill: int, device) -> Tensor:
@@ -82,6 +85,9 @@ def plan_tree_attention(
     query_segment: Sequence[int],
     query_pos: Sequence[int],
     device: torch.device | str = "cpu",
+    backend: str = "auto",
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> TreeAttentionPlan:
     """Build the index tensors for tree attention.
 
@@ -94,7 +100,17 @@ def plan_tree_attention(
         two decode queries of the child above → ``[1, 1]`` is invalid for one sequence, but two
         prefill rows of it are ``[1, 1]`` with query_pos ``[4, 5]``.
     query_pos: [num_queries] — absolute position of each query row.
+    backend: ``"auto"`` (Triton on CUDA when available, else the reference), ``"reference"``, or
+        ``"triton"`` (also on CPU under ``TRITON_INTERPRET=1``, which is how CI tests the kernels).
+    num_heads, num_kv_heads: query and KV head counts; needed by the Triton backend.
     """
+    device = torch.device(device)
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_available() and num_kv_heads else "reference"
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+    if backend == "triton" and not (num_heads and num_kv_heads):
+        raise ValueError("the triton backend needs num_heads and num_kv_heads at planning time")
     n = len(segment_parent)
     for name, seq in (("segment_start", segment_start), ("segment_len", segment_len), ("segment_pos", segment_pos)):
         if len(seq) != n:
@@ -118,13 +134,24 @@ def plan_tree_attention(
             depth[c] = base
 
     rows_of: dict[int, list[int]] = {}
+    paths: list[list[int]] = []
     for row, seg in enumerate(query_segment):
         if not 0 <= seg < n:
             raise ValueError(f"query row {row} names segment {seg}, outside [0, {n})")
-        cur = seg
+        cur, path = seg, []
         while cur != -1:
             rows_of.setdefault(cur, []).append(row)
+            path.append(cur)
             cur = segment_parent[cur]
+        paths.append(path[::-1])
+    query_pos_t = torch.as_tensor(list(query_pos), dtype=torch.int64).to(device)
+    if backend == "triton":
+        return TreeAttentionPlan(
+            num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),
+            triton=plan_triton(segment_start=segment_start, segment_len=segment_len, segment_pos=segment_pos,
+                               rows_of=rows_of, paths=paths, num_kv_heads=num_kv_heads,
+                               group=num_heads // num_kv_heads, device=device),
+        )
 
     levels = []
     for d in sorted({depth[s] for s in rows_of}):
@@ -141,11 +168,7 @@ def plan_tree_attention(
                 query_valid=_pad([[1] * len(r) for r in rows], 0, device).bool(),
             )
         )
-    return TreeAttentionPlan(
-        num_queries=len(query_pos),
-        query_pos=torch.as_tensor(list(query_pos), dtype=torch.int64).to(device),
-        levels=tuple(levels),
-    )
+    return TreeAttentionPlan(num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=tuple(levels))
 
 
 def merge_attention_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
@@ -171,8 +194,9 @@ def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor
     group = num_heads // num_kv
     qs = q[level.query_rows].float()  # [n, R, Hq, D]
     qs = qs.view(n, rows, num_kv, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, num_kv, rows * group, head_dim)
-    k = k_cache[level.kv_slots].float().permute(0, 2, 3, 1)  # [n, Hkv, D, L]
-    v = v_cache[level.kv_slots].float().transpose(1, 2)  # [n, Hkv, L, D]
+    flat = level.kv_slots.reshape(-1)
+    k = k_cache.index_select(0, flat).view(n, -1, num_kv, head_dim).float().permute(0, 2, 3, 1)  # [n, Hkv, D, L]
+    v = v_cache.index_select(0, flat).view(n, -1, num_kv, head_dim).float().transpose(1, 2)  # [n, Hkv, L, D]
     scores = torch.matmul(qs, k) * scale  # [n, Hkv, R*G, L]
     visible = (level.kv_pos.unsqueeze(1) <= query_pos[level.query_rows].unsqueeze(2)) & level.query_valid.unsqueeze(2)
     visible = visible.unsqueeze(2).expand(n, rows, group, -1).reshape(n, 1, rows * group, -1)
@@ -228,7 +252,12 @@ def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentio
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float) -> Tensor:
     """Dispatcher: the one entry point the runtime calls. Shapes as in :func:`tree_attention_reference`.
 
-    Today every device runs the PyTorch reference; a Triton kernel slots in here for CUDA.
+    Runs the backend the plan was made for (``plan.backend``; see :func:`plan_tree_attention`).
     """
     check_inputs(q, k_cache, v_cache, plan)
+    if plan.backend == "triton":
+        if plan.triton.group != q.shape[1] // k_cache.shape[1]:
+            raise ValueError(f"the plan was made for {plan.triton.group} query heads per KV head, "
+                             f"q/k_cache have {q.shape[1] // k_cache.shape[1]}")
+        return tree_attention_triton(q, k_cache, v_cache, plan.triton, plan.query_pos, scale)
     return tree_attention_reference(q, k_cache, v_cache, plan, scale)

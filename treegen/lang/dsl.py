@@ -29,12 +29,12 @@ from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
 
 
 def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-        stop: str | list[str] | tuple[str, ...] = (), seed: int | None = None) -> Gen:
+        stop: str | list[str] | tuple[str, ...] = (), seed: int | None = None, ignore_eos: bool = False) -> Gen:
     """Generate text into variable ``name``. Greedy unless ``temperature > 0``; see :class:`SamplingParams`."""
     _check_name("gen", name)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed)
+                                stop=stop, seed=seed, ignore_eos=ignore_eos)
     except ValueError as e:
         raise ValueError(f"gen({name!r}): {e}") from None
     return Gen(name, params)

@@ -129,8 +129,10 @@ class TreeRun:
             query_segment=[index[n] for n, _ in rows],
             query_pos=positions,
             device=device,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
         )
-        scale = model.head_dim**-0.5
+        scale = model.attn_scale
 
         def attend(layer: int, q, k, v):
             kv.k[layer].index_copy_(0, slots, k.to(kv.dtype))
@@ -213,6 +215,8 @@ class TreeRun:
         top_p = torch.tensor([float(g.params.top_p) for g in gens], device=device)
         top_k = torch.tensor([g.params.top_k for g in gens], dtype=torch.int64, device=device)
         keys = torch.tensor([g.key for g in gens], dtype=torch.int64, device=device)
+        all_greedy = all(g.params.temperature == 0 for g in gens)
+        filter_needed = any(g.params.temperature > 0 and (g.params.top_p < 1 or g.params.top_k > 0) for g in gens)
         out: list[list[int]] = [[] for _ in gens]
         results: list[GenResult | None] = [None] * len(gens)
         live = list(range(len(gens)))
@@ -221,7 +225,7 @@ class TreeRun:
             idx = torch.tensor(live, device=device)
             steps = torch.full((len(live),), step, dtype=torch.int64, device=device)
             new = sample(logits, temperature=temperature[idx], top_p=top_p[idx], top_k=top_k[idx],
-                         keys=keys[idx], steps=steps).tolist()
+                         keys=keys[idx], steps=steps, all_greedy=all_greedy, filter_needed=filter_needed).tolist()
             still = []
             for b, t in zip(live, new):
                 out[b].append(t)
@@ -242,7 +246,7 @@ class TreeRun:
             hits = [text.find(s) for s in params.stop if s in text]
             if hits:
                 return GenResult(tuple(tokens), text[: min(hits)], "stop")
-        if tokens[-1] in eos:
+        if tokens[-1] in eos and not params.ignore_eos:
             return GenResult(tuple(tokens), tok.decode(tokens[:-1], skip_special_tokens=True), "eos")
         if len(tokens) >= params.max_tokens:
             return GenResult(tuple(tokens), tok.decode(tokens, skip_special_tokens=True), "length")

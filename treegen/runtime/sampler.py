@@ -27,6 +27,7 @@ class SamplingParams:
     top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all.
     stop: strings that end generation (the value excludes the stop string). seed: overrides the
     program seed for this ``gen``; None = derive from the program seed and the branch path.
+    ignore_eos: keep generating past end-of-sequence tokens (benchmarks: exactly max_tokens).
     """
 
     max_tokens: int = 128
@@ -35,6 +36,7 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
 
 def _is_int(x) -> bool:
@@ -82,23 +86,27 @@ def uniform_noise(keys: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     return ((x >> 8).float() + 0.5) / float(1 << 24)
 
 
-def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, steps: Tensor) -> Tensor:
+def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, steps: Tensor,
+           all_greedy: bool = False, filter_needed: bool = True) -> Tensor:
     """Sample one token per row.
 
     logits: [B, V] fp32; temperature, top_p: [B] float; top_k: [B] int64 (0 = all);
     keys, steps: [B] int64 (see :func:`uniform_noise`). Returns [B] int64 token ids.
+    all_greedy / filter_needed: host-side facts about the batch's parameters (no device sync here):
+    every row greedy → argmax only; no row with top_p < 1 or top_k > 0 → the sort is skipped.
     """
     greedy = logits.argmax(dim=-1)
-    if bool((temperature == 0).all()):
+    if all_greedy:
         return greedy
     scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-    drop = (mass_before >= top_p.unsqueeze(1)) | ((top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1)))
-    drop[:, 0] = False
-    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if filter_needed:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+        drop = (mass_before >= top_p.unsqueeze(1)) | ((top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1)))
+        drop[:, 0] = False
+        scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, logits.shape[1])))
-    sampled = (filtered + gumbel).argmax(dim=-1)
+    sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)

@@ -1,0 +1,253 @@
+"""Triton tree attention: every segment's KV is read once for all query rows below it.
+
+Two launches per layer, whatever the tree's depth:
+
+1. ``_segment_attention_kernel`` — one program per *work item* × KV head. A work item is a tile of
+   query rows below one segment (rows × the query heads sharing the KV head, folded into the tile's
+   M axis: GQA/MQA become one matrix-matrix product) against one *chunk* of that segment's keys
+   (long segments are split along the key axis so few queries × a long prefix still fill the GPU,
+   flash-decoding style). Keys are visible iff ``key_pos <= query_pos`` (ancestors fully, the query's
+   own segment causally — the same rule as the reference). It writes a partial output and LSE.
+2. ``_merge_kernel`` — one program per query row merges that row's partials along its whole
+   root-to-leaf path (any depth, unbalanced trees) with the log-sum-exp rule, all heads at once.
+
+LSE convention: partial LSEs are stored as **natural log** in fp32 (the kernel works in base 2
+internally with ``exp2`` and converts on store). A work item with no visible key stores ``-inf``
+and output 0; the merge skips such partials without NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+_LN2 = math.log(2.0)
+
+
+def triton_available() -> bool:
+    return triton is not None
+_LOG2E = 1.0 / _LN2
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """Work tables for the two kernels (all int32 on the plan's device).
+
+    ``work: [num_work, 7]`` — per work item: first cache slot of the segment, absolute position of the
+    segment's first key, key range begin/end within the segment, offset into ``rows`` of the tile's
+    first query row, number of query rows, first partial entry. E.g. a root of 40 keys at slots 0..39
+    read by query rows [0, 1] in one chunk → ``[[0, 0, 0, 40, 0, 2, 0]]``.
+    ``rows: [sum of rows over segments]`` — query rows below each segment, segment after segment.
+    ``merge_ptr: [num_queries + 1]`` and ``merge_idx`` — CSR: partial entries of each query row.
+    """
+
+    work: Tensor
+    rows: Tensor
+    merge_ptr: Tensor
+    merge_idx: Tensor
+    num_partials: int
+    block_m: int
+    block_n: int
+    group: int
+
+
+def plan_triton(
+    *,
+    segment_start: Sequence[int],
+    segment_len: Sequence[int],
+    segment_pos: Sequence[int],
+    rows_of: dict[int, list[int]],
+    paths: list[list[int]],
+    num_kv_heads: int,
+    group: int,
+    device,
+    target_programs: int = 528,
+) -> TritonPlan:
+    """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included);
+    ``paths[q]``: segments on query row ``q``'s root-to-own-segment path."""
+    if group > 128:
+        raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
+    block_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
+    rows_per_tile = block_m // group
+    block_n = 64
+    segs = sorted(s for s in rows_of if segment_len[s] > 0)
+    tiles = {s: -(-len(rows_of[s]) // rows_per_tile) for s in segs}
+    # balance: cut keys into chunks so the total work is spread over ~target_programs programs
+    total = sum(tiles[s] * segment_len[s] for s in segs) * num_kv_heads
+    chunk = max(4 * block_n, -(-total // max(target_programs, 1)))
+    chunk = -(-chunk // block_n) * block_n
+    work, rows, partial_base, local_index = [], [], {}, {}
+    num_partials = 0
+    for s in segs:
+        row_offset = len(rows)
+        rows.extend(rows_of[s])
+        local_index[s] = {q: i for i, q in enumerate(rows_of[s])}
+        count = len(rows_of[s])
+        for c, kb in enumerate(range(0, segment_len[s], chunk)):
+            ke = min(segment_len[s], kb + chunk)
+            partial_base[(s, c)] = num_partials
+            for t in range(tiles[s]):
+                first = t * rows_per_tile
+                work.append([segment_start[s], segment_pos[s], kb, ke, row_offset + first,
+                             min(rows_per_tile, count - first), num_partials + first])
+            num_partials += count
+    merge_ptr, merge_idx = [0], []
+    for q, path in enumerate(paths):
+        for s in path:
+            if s in local_index:
+                chunks = -(-segment_len[s] // chunk)
+                merge_idx.extend(partial_base[(s, c)] + local_index[s][q] for c in range(chunks))
+        merge_ptr.append(len(merge_idx))
+
+    def i32(x, shape=None):
+        t = torch.tensor(x, dtype=torch.int32)
+        return (t.reshape(shape) if shape else t).to(device)
+
+    return TritonPlan(
+        work=i32(work or [[0] * 7], (-1, 7)),
+        rows=i32(rows or [0]),
+        merge_ptr=i32(merge_ptr),
+        merge_idx=i32(merge_idx or [0]),
+        num_partials=num_partials,
+        block_m=block_m,
+        block_n=block_n,
+        group=group,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _segment_attention_kernel(
+        Q, K, V, O_part, LSE_part, work, rows, q_pos,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_lt,
+        scale_log2,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        wid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        slot0 = tl.load(work + wid * 7 + 0)
+        pos0 = tl.load(work + wid * 7 + 1)
+        kb = tl.load(work + wid * 7 + 2)
+        ke = tl.load(work + wid * 7 + 3)
+        row_begin = tl.load(work + wid * 7 + 4)
+        row_count = tl.load(work + wid * 7 + 5)
+        part0 = tl.load(work + wid * 7 + 6)
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        local = offs_m // GROUP
+        head = kvh * GROUP + offs_m % GROUP
+        row_ok = local < row_count
+        qrow = tl.load(rows + row_begin + local, mask=row_ok, other=0)
+        qpos = tl.load(q_pos + qrow, mask=row_ok, other=-1)
+        q = tl.load(Q + qrow[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # keys past the tile's last query position are invisible to all its rows: stop there
+        hi = tl.minimum(ke, tl.max(qpos, axis=0) - pos0 + 1)
+        for start in range(kb, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < hi
+            kv_off = (slot0 + offs_n)[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + offs_d[None, :]
+            k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            visible = key_ok[None, :] & ((pos0 + offs_n)[None, :] <= qpos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        part = (part0 + local).to(tl.int64)
+        tl.store(O_part + part[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :], out,
+                 mask=row_ok[:, None])
+        tl.store(LSE_part + part * stride_lt + head, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge_kernel(
+        O_part, LSE_part, merge_ptr, merge_idx, Out,
+        num_heads, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
+        BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        q = tl.program_id(0)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, HEAD_DIM)
+        h_ok = offs_h < num_heads
+        begin = tl.load(merge_ptr + q)
+        end = tl.load(merge_ptr + q + 1)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for i in range(begin, end):
+            p = tl.load(merge_idx + i).to(tl.int64)
+            lse = tl.load(LSE_part + p * stride_lt + offs_h, mask=h_ok, other=float("-inf"))
+            o = tl.load(O_part + p * stride_pt + offs_h[:, None] * stride_ph + offs_d[None, :], mask=h_ok[:, None],
+                        other=0.0)
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a = tl.exp(m - m_safe)
+            b = tl.exp(lse - m_safe)
+            acc = acc * a[:, None] + o * b[:, None]
+            l = l * a + b
+            m = m_new
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(Out + q.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=h_ok[:, None])
+
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TritonPlan, query_pos: Tensor,
+                          scale: float) -> Tensor:
+    """Triton tree attention. Shapes as :func:`~treegen.kernels.tree_attention.tree_attention_reference`;
+    ``query_pos: [num_queries]`` int32 or int64 absolute positions."""
+    if triton is None:
+        raise RuntimeError("the Triton tree-attention kernel needs the triton package")
+    num_q, num_heads, head_dim = q.shape
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"the Triton tree-attention kernel supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("q, k_cache and v_cache need a contiguous last dimension and k/v equal strides")
+    num_kv = k_cache.shape[1]
+    out = torch.empty_like(q)
+    if num_q == 0:
+        return out
+    o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
+    if plan.num_partials:
+        big = plan.block_m == 128
+        _segment_attention_kernel[(plan.work.shape[0], num_kv)](
+            q, k_cache, v_cache, o_part, lse_part, plan.work, plan.rows, query_pos,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), o_part.stride(0), o_part.stride(1),
+            lse_part.stride(0), scale * _LOG2E,
+            GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            num_warps=8 if big else 4, num_stages=3 if head_dim == 64 or not big else 2,
+        )
+    _merge_kernel[(num_q,)](
+        o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,
+        num_heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1),
+        BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, num_warps=4,
+    )
+    return out

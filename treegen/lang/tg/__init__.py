@@ -1,0 +1,1 @@
+"""The .tg text language."""
