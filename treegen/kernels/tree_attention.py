@@ -88,6 +88,7 @@ def plan_tree_attention(
     backend: str = "auto",
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
+    triton_options: dict | None = None,
 ) -> TreeAttentionPlan:
     """Build the index tensors for tree attention.
 
@@ -103,6 +104,8 @@ def plan_tree_attention(
     backend: ``"auto"`` (Triton on CUDA when available, else the reference), ``"reference"``, or
         ``"triton"`` (also on CPU under ``TRITON_INTERPRET=1``, which is how CI tests the kernels).
     num_heads, num_kv_heads: query and KV head counts; needed by the Triton backend.
+    triton_options: tuning knobs passed to :func:`~treegen.kernels.tree_attention_triton.plan_triton`
+        (``target_programs``, ``block_n``, ``num_stages``); the defaults were measured on an H100.
     """
     device = torch.device(device)
     if backend == "auto":
@@ -150,7 +153,7 @@ def plan_tree_attention(
             num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),
             triton=plan_triton(segment_start=segment_start, segment_len=segment_len, segment_pos=segment_pos,
                                rows_of=rows_of, paths=paths, num_kv_heads=num_kv_heads,
-                               group=num_heads // num_kv_heads, device=device),
+                               group=num_heads // num_kv_heads, device=device, **(triton_options or {})),
         )
 
     levels = []

@@ -28,6 +28,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
@@ -59,6 +60,10 @@ class TritonPlan:
     block_m: int
     block_n: int
     group: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool
+    warp_specialize: bool
 
 
 def plan_triton(
@@ -71,20 +76,28 @@ def plan_triton(
     num_kv_heads: int,
     group: int,
     device,
-    target_programs: int = 528,
+    target_programs: int | None = None,
+    block_n: int = 64,
+    num_stages: int | None = None,
+    use_tma: bool | None = None,
+    warp_specialize: bool = False,
 ) -> TritonPlan:
     """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included);
-    ``paths[q]``: segments on query row ``q``'s root-to-own-segment path."""
+    ``paths[q]``: segments on query row ``q``'s root-to-own-segment path. ``target_programs``: how
+    many programs the key-axis split aims for: by default one per SM of an H100 (132) for large work
+    (fewer, longer programs write fewer partials) and two per SM for small work — measured with
+    ``benchmarks/bench_attention.py --sweep`` (results in benchmarks/results/attention_sweep_h100.json)."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
     block_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
     rows_per_tile = block_m // group
-    block_n = 64
     segs = sorted(s for s in rows_of if segment_len[s] > 0)
     tiles = {s: -(-len(rows_of[s]) // rows_per_tile) for s in segs}
     # balance: cut keys into chunks so the total work is spread over ~target_programs programs
     total = sum(tiles[s] * segment_len[s] for s in segs) * num_kv_heads
-    chunk = max(4 * block_n, -(-total // max(target_programs, 1)))
+    if target_programs is None:
+        target_programs = 132 if total >= 132 * 1024 else 264
+    chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
     chunk = -(-chunk // block_n) * block_n
     work, rows, partial_base, local_index = [], [], {}, {}
     num_partials = 0
@@ -122,17 +135,78 @@ def plan_triton(
         block_m=block_m,
         block_n=block_n,
         group=group,
+        num_warps=8 if block_m == 128 else 4,
+        num_stages=num_stages or 3,
+        use_tma=_tma_default(device) if use_tma is None else use_tma,
+        warp_specialize=warp_specialize,
     )
+
+
+def _tma_default(device) -> bool:
+    """TMA tensor-descriptor loads on Hopper and newer (and in the interpreter, which emulates them)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 if triton is not None:
 
     @triton.jit
+    def _attend_blocks(acc, m_i, l_i, q, qpos, K, V, stride_kt, pos0, lo, hi, scale_log2,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """Online-softmax over keys [lo, hi) of a segment (base-2 running max ``m_i`` and sum ``l_i``).
+        MASKED=False: every key of every block is visible to every row (no bounds or causal checks)."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            kv_off = offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+            if MASKED:
+                key_ok = offs_n < hi
+                k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
+                v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
+            else:
+                k = tl.load(K + kv_off)
+                v = tl.load(V + kv_off)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            if MASKED:
+                visible = key_ok[None, :] & ((pos0 + offs_n)[None, :] <= qpos[:, None])
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, row0, col, lo, hi, scale_log2,
+                           BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        """Unmasked online-softmax over keys [lo, hi) (whole blocks) with TMA tensor-descriptor loads;
+        ``row0`` is the segment's first cache slot, ``col`` the KV head's first column."""
+        col = col.to(tl.int32)
+        for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            row = (row0 + start).to(tl.int32)
+            k = K_desc.load([row, col])
+            v = V_desc.load([row, col])
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
     def _segment_attention_kernel(
-        Q, K, V, O_part, LSE_part, work, rows, q_pos,
+        Q, K, V, K_desc, V_desc, O_part, LSE_part, work, rows, q_pos,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_lt,
         scale_log2,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -157,24 +231,22 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        # keys past the tile's last query position are invisible to all its rows: stop there
+        # keys past the tile's last query position are invisible to all its rows: stop there;
+        # keys before its first query position (and inside the chunk) are visible to all: no mask
         hi = tl.minimum(ke, tl.max(qpos, axis=0) - pos0 + 1)
-        for start in range(kb, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            key_ok = offs_n < hi
-            kv_off = (slot0 + offs_n)[:, None].to(tl.int64) * stride_kt + kvh * stride_kh + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            visible = key_ok[None, :] & ((pos0 + offs_n)[None, :] <= qpos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        qmin = tl.min(tl.where(row_ok, qpos, 2147483647), axis=0)
+        full = tl.minimum(hi, qmin - pos0 + 1)
+        full = tl.maximum(kb, kb + (full - kb) // BLOCK_N * BLOCK_N)
+        kv_base = slot0.to(tl.int64) * stride_kt + kvh * stride_kh
+        if USE_TMA:
+            # a fully visible block has a finite score in every row, so the running max is finite
+            m_i, l_i, acc = _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, slot0, kvh * HEAD_DIM, kb, full,
+                                               scale_log2, BLOCK_N, WARP_SPECIALIZE)
+        else:
+            m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, stride_kt, pos0, kb,
+                                           full, scale_log2, HEAD_DIM, BLOCK_N, False)
+        m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, stride_kt, pos0, full, hi,
+                                       scale_log2, HEAD_DIM, BLOCK_N, True)
 
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -234,16 +306,24 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     out = torch.empty_like(q)
     if num_q == 0:
         return out
+    if plan.use_tma:
+        # 2-D views [slots, kv_heads * head_dim]: one block = BLOCK_N slots x one KV head
+        k_desc = TensorDescriptor(k_cache, [k_cache.shape[0], num_kv * head_dim], [k_cache.stride(0), 1],
+                                  [plan.block_n, head_dim])
+        v_desc = TensorDescriptor(v_cache, [v_cache.shape[0], num_kv * head_dim], [v_cache.stride(0), 1],
+                                  [plan.block_n, head_dim])
+    else:
+        k_desc = v_desc = k_cache  # unused
     o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
     if plan.num_partials:
-        big = plan.block_m == 128
         _segment_attention_kernel[(plan.work.shape[0], num_kv)](
-            q, k_cache, v_cache, o_part, lse_part, plan.work, plan.rows, query_pos,
+            q, k_cache, v_cache, k_desc, v_desc, o_part, lse_part, plan.work, plan.rows, query_pos,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), o_part.stride(0), o_part.stride(1),
             lse_part.stride(0), scale * _LOG2E,
             GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            num_warps=8 if big else 4, num_stages=3 if head_dim == 64 or not big else 2,
+            USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
     _merge_kernel[(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,

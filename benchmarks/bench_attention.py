@@ -1,0 +1,264 @@
+"""Decode attention with a shared prefix: treegen's Triton tree attention vs FlashAttention (GPU).
+
+Each point: `batch` sequences share a `prefix` and each has its own `suffix`; one query token per
+sequence. Timed side by side in one run (triton.testing.do_bench, L2 flushed, median):
+
+* flash      — torch SDPA, flash backend, over per-sequence KV (the prefix copied into every sequence);
+               GQA folded into the query axis ([B, kv_heads, group, D]), so no KV head is duplicated.
+* reference  — treegen's PyTorch tree attention (one batched attention per tree level + LSE merge).
+* triton     — treegen's Triton kernels (segment partials + path merge), planned once, excluded from timing.
+
+Also MHA / GQA shapes, and a two-level tree (2K few-shot root, 16 problems of 512 tokens, 64 samples
+each) against the same workload planned as one level. Prints a table, writes JSON (device and versions)
+and a PNG plot of the speedup over FlashAttention under benchmarks/results/.
+
+    python benchmarks/bench_attention.py [--quick] [--out-dir benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from treegen.kernels.tree_attention import plan_tree_attention, tree_attention, tree_attention_reference
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16 tensor-core peak (SXM)
+PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8}
+
+
+def bench(fn, graph: bool = True) -> float:
+    """Median ms of ``fn`` with L2 flushed between trials; ``graph``: replay a CUDA graph of it (as the
+    runtime's decode step does), so host launch overhead is not what is measured."""
+    if graph:
+        fn()  # compile / autotune outside the capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def layered_layout(levels: list[tuple[int, int]]):
+    """A uniform forest: ``levels = [(fanout, tokens per node), ...]``; the first fanout is the number of
+    roots, the last level holds the leaves. E.g. [(1, 2048), (16, 512), (64, 32)] → one 2K root, 16
+    problems below it, 64 samples of 32 tokens below each problem."""
+    parent, length, frontier = [], [], [-1]
+    for fanout, tokens in levels:
+        nxt = []
+        for node in frontier:
+            for _ in range(fanout):
+                parent.append(node)
+                length.append(tokens)
+                nxt.append(len(parent) - 1)
+        frontier = nxt
+    return parent, length, frontier
+
+
+def tree_inputs(parent, length, leaves):
+    start, pos, cursor = [], [], 0
+    for s in range(len(parent)):
+        start.append(cursor)
+        cursor += length[s]
+        pos.append(0 if parent[s] == -1 else pos[parent[s]] + length[parent[s]])
+    query_pos = [pos[s] + length[s] - 1 for s in leaves]
+    return start, pos, cursor, query_pos
+
+
+def sweep(dtype) -> list[dict]:
+    """Triton tuning knobs at a few paper-grid points (8q/1kv, d=128): time of each configuration."""
+    out = []
+    for batch, prefix in ((1024, 16384), (256, 16384), (1024, 4096), (64, 16384), (64, 1024)):
+        parent, length, leaves = layered_layout([(1, prefix), (batch, 32)])
+        start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
+        q = torch.randn(batch, 8, 128, device="cuda", dtype=dtype)
+        k, v = (torch.randn(slots, 1, 128, device="cuda", dtype=dtype) for _ in range(2))
+        configs = [(264, 64, 3, False, False), (264, 64, 3, True, False), (264, 64, 3, True, True),
+                   (264, 128, 3, True, False), (264, 128, 2, True, True), (132, 64, 3, True, False),
+                   (528, 64, 3, True, False), (132, 128, 3, True, False)]
+        for target, block_n, stages, tma, ws in configs:
+            opts = dict(target_programs=target, block_n=block_n, num_stages=stages, use_tma=tma, warp_specialize=ws)
+            plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length,
+                                       segment_pos=pos, query_segment=leaves, query_pos=query_pos,
+                                       device="cuda", num_heads=8, num_kv_heads=1, triton_options=opts)
+            try:
+                ms = bench(lambda: tree_attention(q, k, v, plan, 128**-0.5))
+            except Exception as e:  # e.g. out of shared memory, or no warp specialisation on this GPU
+                ms = float("nan")
+                print("config failed", opts, type(e).__name__, str(e)[:200])
+            out.append({"batch": batch, "prefix": prefix, **opts, "ms": ms})
+            print(out[-1], flush=True)
+        best = min((r for r in out if r["batch"] == batch and r["prefix"] == prefix), key=lambda r: r["ms"])
+        print("best", best, flush=True)
+    return out
+
+
+def run_point(*, batch, prefix, suffix, heads, kv, head_dim, dtype, with_reference=True, levels=None):
+    """One point: a root of `prefix` tokens with `batch` leaves of `suffix` tokens, or `levels` (see
+    :func:`layered_layout`; `batch` must equal its number of leaves)."""
+    parent, length, leaves = layered_layout(levels or [(1, prefix), (batch, suffix)])
+    assert len(leaves) == batch
+    start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
+    total = query_pos[0] + 1  # tokens per sequence
+    dev = "cuda"
+    q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
+    k_cache = torch.randn(slots, kv, head_dim, device=dev, dtype=dtype)
+    v_cache = torch.randn(slots, kv, head_dim, device=dev, dtype=dtype)
+    scale = head_dim**-0.5
+    common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=leaves, query_pos=query_pos, device=dev, num_heads=heads, num_kv_heads=kv)
+    plan = plan_tree_attention(**common)
+    assert plan.backend == "triton"
+    row = {"batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
+    row["triton_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, plan, scale))
+    row["triton_eager_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, plan, scale), graph=False)
+
+    # FlashAttention over per-sequence KV: gather each leaf's root-to-leaf slots (a copy per sequence)
+    paths = []
+    for leaf in leaves:
+        chain, cur = [], leaf
+        while cur != -1:
+            chain.append(cur)
+            cur = parent[cur]
+        paths.append(torch.cat([torch.arange(start[s], start[s] + length[s]) for s in reversed(chain)]))
+    idx = torch.stack(paths).to(dev)  # [B, total]
+    group = heads // kv
+    k_seq = k_cache[idx].permute(0, 2, 1, 3).contiguous()  # [B, kv, total, D]
+    v_seq = v_cache[idx].permute(0, 2, 1, 3).contiguous()
+    q_seq = q.view(batch, kv, group, head_dim)  # GQA folded into the query axis (decode: all keys visible)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = lambda: F.scaled_dot_product_attention(q_seq, k_seq, v_seq, scale=scale)  # noqa: E731
+        want = flash().reshape(batch, heads, head_dim)
+        row["flash_ms"] = bench(flash)
+    del k_seq, v_seq
+    got = tree_attention(q, k_cache, v_cache, plan, scale)
+    row["max_abs_err_vs_flash"] = float((got.float() - want.float()).abs().max())
+    if with_reference:
+        ref_plan = plan_tree_attention(**common, backend="reference")
+        # the reference indexes with data-dependent shapes (host syncs): it cannot be graph-captured
+        row["reference_ms"] = bench(lambda: tree_attention_reference(q, k_cache, v_cache, ref_plan, scale), graph=False)
+    flops = 4 * batch * heads * head_dim * total
+    unique_kv_bytes = sum(length) * kv * head_dim * 2 * q.element_size()
+    row["triton_tflops"] = flops / row["triton_ms"] / 1e9
+    row["speedup_vs_flash"] = row["flash_ms"] / row["triton_ms"]
+    if "reference_ms" in row:
+        row["speedup_vs_reference"] = row["reference_ms"] / row["triton_ms"]
+    name = torch.cuda.get_device_name()
+    key = "H200" if "H200" in name else "H100"
+    floor_ms = max(flops / (PEAK_BF16_TFLOPS[key] * 1e12 * 0.8), unique_kv_bytes / (PEAK_HBM_TBS[key] * 1e12)) * 1e3
+    row["floor_ms"] = floor_ms
+    row["fraction_of_floor"] = floor_ms / row["triton_ms"]
+    del q, k_cache, v_cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def fmt(rows, keys):
+    head = "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys)
+    lines = [head]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r.get(k):.3f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few points only")
+    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="only time the Triton tuning knobs")
+    args = parser.parse_args()
+    dtype = torch.bfloat16
+    if args.sweep:
+        rows = sweep(dtype)
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.out_dir) / "attention_sweep.json").write_text(json.dumps(rows, indent=1))
+        return
+    grid = [(b, p, s) for b in (64, 256, 1024) for p in (1024, 4096, 16384) for s in (32, 256)]
+    if args.quick:
+        grid = [(64, 1024, 32), (1024, 16384, 32)]
+    rows = []
+    for b, p, s in grid:
+        rows.append(run_point(batch=b, prefix=p, suffix=s, heads=8, kv=1, head_dim=128, dtype=dtype,
+                              with_reference=not args.no_reference))
+        print(rows[-1], flush=True)
+    keys = ["batch", "prefix", "suffix", "flash_ms", "reference_ms", "triton_ms", "triton_eager_ms", "speedup_vs_flash",
+            "speedup_vs_reference", "triton_tflops", "fraction_of_floor", "max_abs_err_vs_flash"]
+    print("\n## Paper grid: 8 query heads, 1 KV head, d=128, bf16\n" + fmt(rows, keys))
+
+    shapes = []
+    for heads, kv in ((32, 32), (32, 8)):
+        for b, p, s in ((64, 4096, 32), (256, 4096, 32)) if not args.quick else ((64, 4096, 32),):
+            shapes.append(run_point(batch=b, prefix=p, suffix=s, heads=heads, kv=kv, head_dim=128, dtype=dtype,
+                                    with_reference=False))
+            print(shapes[-1], flush=True)
+    print("\n## MHA (32/32) and GQA (32/8), d=128, bf16\n" + fmt(shapes, ["heads", "kv_heads"] + keys[:4] + keys[5:8] + keys[9:11]))
+
+    two = []
+    two.append({"layout": "two-level", **run_point(batch=16 * 64, prefix=2048, suffix=32, heads=8, kv=1, head_dim=128,
+                                                   dtype=dtype, with_reference=False,
+                                                   levels=[(1, 2048), (16, 512), (64, 32)])})
+    two.append({"layout": "one-level", **run_point(batch=16 * 64, prefix=2560, suffix=32, heads=8, kv=1, head_dim=128,
+                                                   dtype=dtype, with_reference=False,
+                                                   levels=[(16, 2560), (64, 32)])})
+    print("\n## Two-level tree: 2K root, 16 problems x 512, 64 samples each, suffix 32\n"
+          + fmt(two, ["layout", "flash_ms", "triton_ms", "speedup_vs_flash", "triton_tflops"]))
+
+    result = {
+        "benchmark": "attention", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "dtype": "bfloat16",
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                     "python": platform.python_version()},
+        "timing": "triton.testing.do_bench median (L2 flushed), warmup 10, rep 50 ms; flash and triton replayed "
+                  "from CUDA graphs, the PyTorch reference launched eagerly (it cannot be captured)",
+        "grid": rows, "shapes": shapes, "two_level": two,
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "h200" if "H200" in result["device"] else "h100"
+    (out / f"attention_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        plot(rows, out / f"attention_{tag}.png", result["device"])
+    except ImportError:
+        print("matplotlib missing: no plot")
+    print(f"wrote {out}/attention_{tag}.json")
+
+
+def plot(rows, path, device):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, suffix in zip(axes, (32, 256)):
+        for b in (64, 256, 1024):
+            pts = [r for r in rows if r["batch"] == b and r["suffix"] == suffix]
+            ax.plot([r["prefix"] for r in pts], [r["speedup_vs_flash"] for r in pts], marker="o", label=f"batch {b}")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("shared prefix length")
+        ax.set_title(f"suffix {suffix}")
+    axes[0].set_ylabel("speedup over FlashAttention (x)")
+    axes[0].legend()
+    fig.suptitle(f"treegen Triton tree attention vs FlashAttention, 8q/1kv heads, d=128, bf16 — {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

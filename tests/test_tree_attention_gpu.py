@@ -1,0 +1,68 @@
+"""GPU tests of the Triton tree attention (compiled, not interpreted): bf16/fp16 vs the fp32 reference.
+
+Run on a CUDA machine with TRITON_INTERPRET=0; skipped elsewhere.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+from test_tree_attention import ground_truth, layout, make_queries, random_tree
+from treegen.kernels.tree_attention import plan_tree_attention, tree_attention, tree_attention_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="set TRITON_INTERPRET=0 to compile kernels"),
+]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def plans(parent, start, length, pos, query_segment, query_pos, heads, kv):
+    common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=query_segment, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv)
+    return plan_tree_attention(**common), plan_tree_attention(**common, backend="reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,prefix,suffix", [(64, 1024, 32), (256, 4096, 256), (1024, 1024, 32), (3, 16384, 1)])
+@pytest.mark.parametrize("heads,kv,head_dim", [(8, 1, 128), (32, 8, 128), (32, 32, 128), (9, 3, 64)])
+def test_paper_grid_shapes(dtype, batch, prefix, suffix, heads, kv, head_dim):
+    torch.manual_seed(0)
+    parent = [-1] + [0] * batch
+    length = [prefix] + [suffix] * batch
+    start = [0] + [prefix + i * suffix for i in range(batch)]
+    pos = [0] + [prefix] * batch
+    query_segment = list(range(1, batch + 1))
+    query_pos = [prefix + suffix - 1] * batch
+    slots = prefix + batch * suffix
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
+    fast, ref = plans(parent, start, length, pos, query_segment, query_pos, heads, kv)
+    assert fast.backend == "triton"
+    got = tree_attention(q, k, v, fast, head_dim**-0.5)
+    want = tree_attention_reference(q.float(), k.float(), v.float(), ref, head_dim**-0.5)
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_random_trees(seed, dtype):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    heads, kv, head_dim = rng.choice([(8, 1, 128), (9, 3, 64), (4, 4, 64)])
+    parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 8),
+                                 max_len=rng.choice([17, 37, 300, 2000]))
+    start, pos, slots = layout(parent, length, rng)
+    query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=rng.choice([0, 40]))
+    q = torch.randn(len(query_pos), heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
+    fast, _ = plans(parent, start, length, pos, query_segment, query_pos, heads, kv)
+    got = tree_attention(q, k, v, fast, head_dim**-0.5)
+    want = ground_truth(q.cpu().float(), k.cpu().float(), v.cpu().float(), parent, start, length, pos,
+                        query_segment, query_pos, head_dim**-0.5)
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
