@@ -306,12 +306,16 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     out = torch.empty_like(q)
     if num_q == 0:
         return out
+    # fp32 tiles are twice as large: halve the key block and the pipeline depth to fit shared memory
+    wide = q.element_size() > 2
+    block_n = plan.block_n // 2 if wide else plan.block_n
+    stages = 2 if wide else plan.num_stages
     if plan.use_tma:
         # 2-D views [slots, kv_heads * head_dim]: one block = BLOCK_N slots x one KV head
         k_desc = TensorDescriptor(k_cache, [k_cache.shape[0], num_kv * head_dim], [k_cache.stride(0), 1],
-                                  [plan.block_n, head_dim])
+                                  [block_n, head_dim])
         v_desc = TensorDescriptor(v_cache, [v_cache.shape[0], num_kv * head_dim], [v_cache.stride(0), 1],
-                                  [plan.block_n, head_dim])
+                                  [block_n, head_dim])
     else:
         k_desc = v_desc = k_cache  # unused
     o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -321,9 +325,9 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             q, k_cache, v_cache, k_desc, v_desc, o_part, lse_part, plan.work, plan.rows, query_pos,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), o_part.stride(0), o_part.stride(1),
             lse_part.stride(0), scale * _LOG2E,
-            GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=plan.block_m, BLOCK_N=block_n,
             USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            num_warps=plan.num_warps, num_stages=stages,
         )
     _merge_kernel[(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,

@@ -57,6 +57,7 @@ class ProgramRun:
         self.tree_run = engine.start() if engine is not None else None
         self.tree = self.tree_run.tree if self.tree_run else SharingTree()
         self.tracing = engine is None
+        self.flat = engine is not None and engine.attention == "flat"
         self.states: list[State] = []
         ids = tokenizer("x").input_ids
         self.bos = [ids[0]] if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id else []
@@ -229,11 +230,13 @@ class State:
         if self._run.tracing and self._after_select:
             raise StopTrace("the program forks after a select")
         base = self._leaf() if self.node is None else self.node
+        tree = self._run.tree
         branches = []
         for i in range(n):
-            child = State(self._run, node=self._run.tree.add_node(base), path=self.path + (i,),
-                          variables=dict(self.vars), chatting=self._chatting)
-            branches.append(child)
+            # attention="flat" (a baseline): no sharing, every branch starts from its own copy
+            node = tree.add_node(None, tree.path_tokens(base)) if self._run.flat else tree.add_node(base)
+            branches.append(State(self._run, node=node, path=self.path + (i,), variables=dict(self.vars),
+                                  chatting=self._chatting))
         group = ForkGroup([self], [branches])
         if content is not None:
             group += content

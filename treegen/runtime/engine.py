@@ -25,7 +25,7 @@ import torch
 
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.runtime.kv_store import KVStore
-from treegen.runtime.sampler import SamplingParams, sample
+from treegen.runtime.sampler import SamplingParams
 from treegen.tree.sharing_tree import KVShape, SharingTree
 
 
@@ -53,21 +53,41 @@ class ScoreRequest:
     choices: tuple[int, ...]
 
 
-class Engine:
-    """A loaded model + tokenizer; cheap to :meth:`start` many tree runs on."""
+ATTENTION_MODES = ("tree", "flat", "none")
 
-    def __init__(self, model, tokenizer) -> None:
+
+class Engine:
+    """A loaded model + tokenizer; cheap to :meth:`start` many tree runs on.
+
+    attention: ``"tree"`` (hierarchical attention over the sharing tree), ``"flat"`` (no sharing:
+    every branch gets its own copy of its whole prompt, prefilled and attended per sequence — the
+    FlashAttention/vLLM-style baseline), or ``"none"`` (attention skipped: a throughput ceiling for
+    benchmarks, functionally wrong). cuda_graphs: capture each decode phase's step on CUDA.
+    max_prefill_tokens: prefill runs in chunks of at most this many tokens (bounded activations).
+    """
+
+    def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
+                 max_prefill_tokens: int = 16384) -> None:
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
         self.tokenizer = tokenizer
+        self.attention = attention
+        self.cuda_graphs = cuda_graphs
+        if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens!r}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 torch.empty((), dtype=model.dtype).element_size())
 
     @classmethod
-    def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Engine":
-        """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id)."""
+    def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             **options) -> "Engine":
+        """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id).
+        ``options``: ``attention``, ``cuda_graphs`` (see :class:`Engine`)."""
         from treegen.runtime.loader import load_model
 
-        return cls(*load_model(model, dtype=dtype, device=device))
+        return cls(*load_model(model, dtype=dtype, device=device), **options)
 
     def start(self) -> "TreeRun":
         return TreeRun(self)
@@ -84,6 +104,7 @@ class TreeRun:
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                           dtype=m.dtype, device=m.device)
         self.forward_passes = 0
+        self.decode_phases: list[int] = []  # live branches of each decode phase, in order
 
     # ---------------------------------------------------------------------------------------------
     def free(self, node: int) -> None:
@@ -99,10 +120,13 @@ class TreeRun:
                 return n, len(self.tree.tokens(n)) - 1
         raise ValueError("nothing to condition on: append some text before gen or select")
 
-    def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int]) -> torch.Tensor:
-        """Run the model on the given (node, index) token rows → logits [len(logits_rows), vocab].
+    def plan_rows(self, rows: list[tuple[int, int]], grow: dict[int, int] | None = None):
+        """Inputs and attention plan for running the (node, index) token ``rows`` through the model.
 
         Every node on a row's path must already have its KV or have all its missing rows here.
+        ``grow``: node → extra keys it may gain during a decode phase; its segment is planned that
+        long (keys not yet written sit at positions after every query, so attention masks them).
+        Returns ``(input_ids [T], slots [T], plan)``; ``plan.query_pos`` holds the positions [T].
         """
         tree, kv, model = self.tree, self.kv, self.model
         new_len: dict[int, int] = {}
@@ -114,37 +138,60 @@ class TreeRun:
             if s not in new_len and length != len(tree.tokens(s)):
                 raise RuntimeError(f"node {s} is missing KV for {len(tree.tokens(s)) - length} tokens")
             new_len[s] = length
-            kv.reserve(s, max(length, 1))
+            kv.reserve(s, max(length + (grow or {}).get(s, 0), 1))
         index = {s: j for j, s in enumerate(segments)}
         pos = {s: tree.position(s) for s in segments}
         device = model.device
         input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
-        positions = [pos[n] + i for n, i in rows]
         slots = torch.tensor([kv.segments[n].start + i for n, i in rows], dtype=torch.int64, device=device)
         plan = plan_tree_attention(
             segment_parent=[index.get(tree.parent(s), -1) for s in segments],
             segment_start=[kv.segments[s].start for s in segments],
-            segment_len=[new_len[s] for s in segments],
+            segment_len=[new_len[s] + (grow or {}).get(s, 0) for s in segments],
             segment_pos=[pos[s] for s in segments],
             query_segment=[index[n] for n, _ in rows],
-            query_pos=positions,
+            query_pos=[pos[n] + i for n, i in rows],
             device=device,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
         )
-        scale = model.attn_scale
+        for s in new_len:
+            kv.segments[s].computed = max(kv.segments[s].computed, new_len[s])
+        return input_ids, slots, plan
+
+    def attend_fn(self, plan, slots: torch.Tensor):
+        """The per-layer ``attend`` callback: write the new keys/values at ``slots``, then attend."""
+        kv, scale = self.kv, self.model.attn_scale
+        if self.engine.attention == "none":
+            return lambda layer, q, k, v: q  # benchmark ceiling: no KV traffic, no attention
 
         def attend(layer: int, q, k, v):
             kv.k[layer].index_copy_(0, slots, k.to(kv.dtype))
             kv.v[layer].index_copy_(0, slots, v.to(kv.dtype))
             return tree_attention(q, kv.k[layer], kv.v[layer], plan, scale)
 
-        logits = model.forward(input_ids, torch.tensor(positions, dtype=torch.int64, device=device), attend,
-                               torch.tensor(logits_rows, dtype=torch.int64, device=device))
-        for s in new_len:
-            kv.segments[s].computed = max(kv.segments[s].computed, new_len[s])
-        self.forward_passes += 1
-        return logits
+        return attend
+
+    def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int]) -> torch.Tensor:
+        """Run the model on the (node, index) token rows → fp32 logits [len(logits_rows), vocab].
+
+        Rows are taken in order (parents before children) in chunks of at most
+        ``engine.max_prefill_tokens``, so activations stay bounded however large the prefill."""
+        chunk = self.engine.max_prefill_tokens
+        parts, taken = [], []
+        for begin in range(0, len(rows), chunk):
+            input_ids, slots, plan = self.plan_rows(rows[begin : begin + chunk])
+            mine = [i for i, r in enumerate(logits_rows) if begin <= r < begin + chunk]
+            wanted = torch.tensor([logits_rows[i] - begin for i in mine], dtype=torch.int64, device=self.model.device)
+            parts.append(self.model.forward(input_ids, plan.query_pos, self.attend_fn(plan, slots), wanted))
+            taken += mine
+            self.forward_passes += 1
+        if len(taken) != len(logits_rows):
+            raise ValueError("logits_rows must name rows of this forward pass")
+        logits = torch.cat(parts) if parts else torch.empty(0, self.model.vocab_size, device=self.model.device)
+        out = torch.empty_like(logits)
+        out[torch.tensor(taken, dtype=torch.int64, device=logits.device)] = logits
+        return out
 
     def prefill(self, nodes: list[int]) -> dict[int, torch.Tensor]:
         """Compute the KV of every pending token on the paths of ``nodes`` in one forward pass.
@@ -169,6 +216,12 @@ class TreeRun:
         """Prefill what the requests need, score the choices, generate; see the module docstring."""
         tree, kv = self.tree, self.kv
         max_context = self.model.max_context
+        # plan the KV memory of this phase at once: every pending node, every generation budget
+        need = {n: len(tree.tokens(n)) for w in [g.node for g in gens] + [c for s in scores for c in s.choices]
+                for n in tree.path(w) if n not in kv.segments}
+        for g in gens:
+            need[g.node] = len(tree.tokens(g.node)) + g.params.max_tokens
+        kv.ensure_free(sum(need.values()))
         for g in gens:
             if tree.children(g.node):
                 raise RuntimeError(f"gen into node {g.node}, which has children")
@@ -209,45 +262,6 @@ class TreeRun:
         return self._decode(gens, first), score_out
 
     def _decode(self, gens: list[GenRequest], logits: torch.Tensor) -> list[GenResult]:
-        tree, tok, device = self.tree, self.engine.tokenizer, self.model.device
-        eos = self.model.eos_token_ids
-        temperature = torch.tensor([float(g.params.temperature) for g in gens], device=device)
-        top_p = torch.tensor([float(g.params.top_p) for g in gens], device=device)
-        top_k = torch.tensor([g.params.top_k for g in gens], dtype=torch.int64, device=device)
-        keys = torch.tensor([g.key for g in gens], dtype=torch.int64, device=device)
-        all_greedy = all(g.params.temperature == 0 for g in gens)
-        filter_needed = any(g.params.temperature > 0 and (g.params.top_p < 1 or g.params.top_k > 0) for g in gens)
-        out: list[list[int]] = [[] for _ in gens]
-        results: list[GenResult | None] = [None] * len(gens)
-        live = list(range(len(gens)))
-        step = 0
-        while live:
-            idx = torch.tensor(live, device=device)
-            steps = torch.full((len(live),), step, dtype=torch.int64, device=device)
-            new = sample(logits, temperature=temperature[idx], top_p=top_p[idx], top_k=top_k[idx],
-                         keys=keys[idx], steps=steps, all_greedy=all_greedy, filter_needed=filter_needed).tolist()
-            still = []
-            for b, t in zip(live, new):
-                out[b].append(t)
-                tree.extend(gens[b].node, [t])
-                results[b] = self._finished(out[b], gens[b].params, eos, tok)
-                if results[b] is None:
-                    still.append(b)
-            live, step = still, step + 1
-            if live:
-                rows = [(gens[b].node, len(tree.tokens(gens[b].node)) - 1) for b in live]
-                logits = self._forward(rows, list(range(len(rows))))
-        return results  # type: ignore[return-value]
+        from treegen.runtime.decode import Decoder
 
-    @staticmethod
-    def _finished(tokens: list[int], params: SamplingParams, eos: set[int], tok) -> GenResult | None:
-        if params.stop:
-            text = tok.decode(tokens)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                return GenResult(tuple(tokens), text[: min(hits)], "stop")
-        if tokens[-1] in eos and not params.ignore_eos:
-            return GenResult(tuple(tokens), tok.decode(tokens[:-1], skip_special_tokens=True), "eos")
-        if len(tokens) >= params.max_tokens:
-            return GenResult(tuple(tokens), tok.decode(tokens, skip_special_tokens=True), "length")
-        return None
+        return Decoder(self, gens).run(logits)

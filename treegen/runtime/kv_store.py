@@ -68,6 +68,22 @@ class KVStore:
         self.segments[node] = new
         return new
 
+    def ensure_free(self, slots: int) -> None:
+        """Grow the pool once, if needed, so that ``slots`` more slots fit in one free span at its end.
+
+        Checks device memory first: raises MemoryError naming the bytes needed and available."""
+        tail = self._free[-1][1] if self._free and self._free[-1][0] + self._free[-1][1] == self.num_slots else 0
+        if tail >= slots:
+            return
+        extra = slots - tail
+        need = extra * self.bytes_per_token
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > free:
+                raise MemoryError(f"the KV cache needs {need / 2**30:.2f} GiB more for {extra} token slots "
+                                  f"({self.bytes_per_token} bytes each), {free / 2**30:.2f} GiB is free on {self.device}")
+        self._grow(extra)
+
     def free(self, node: int) -> None:
         seg = self.segments.pop(node, None)
         if seg is not None:
@@ -85,7 +101,7 @@ class KVStore:
 
     def _grow(self, length: int) -> None:
         old = self.num_slots
-        new = max(2 * old, old + length)
+        new = old + length if self.device.type == "cuda" else max(2 * old, old + length)
         extra = (self.num_layers, new - old, self.num_kv_heads, self.head_dim)
         self.k = torch.cat([self.k, torch.zeros(extra, dtype=self.dtype, device=self.device)], dim=1)
         self.v = torch.cat([self.v, torch.zeros(extra, dtype=self.dtype, device=self.device)], dim=1)

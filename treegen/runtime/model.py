@@ -242,6 +242,40 @@ class LlamaFamilyModel:
                 eos.update([ids] if isinstance(ids, int) else ids)
         return cls(config, embed, layers, t(hf_model.model.norm.weight), lm_head, eos)
 
+    @classmethod
+    def random(cls, config, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+               seed: int = 0, std: float = 0.02) -> "LlamaFamilyModel":
+        """Random weights of a config's real shapes, made directly on ``device`` (benchmarks: speed
+        does not depend on the weights). Norm weights are 1; biases exist where the config asks."""
+        check_supported(config)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+        hidden, inter = config.hidden_size, config.intermediate_size
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+
+        def w(*shape):
+            return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+        def b(n, on):
+            return w(n) if on else None
+
+        ones = torch.ones(hidden, device=device, dtype=dtype)
+        layers = [
+            _Layer(ones, w(heads * hd, hidden), b(heads * hd, qkv_bias), w(kv * hd, hidden), b(kv * hd, qkv_bias),
+                   w(kv * hd, hidden), b(kv * hd, qkv_bias), w(hidden, heads * hd),
+                   b(hidden, bool(getattr(config, "attention_bias", False))), ones, w(inter, hidden),
+                   b(inter, mlp_bias), w(inter, hidden), b(inter, mlp_bias), w(hidden, inter), b(hidden, mlp_bias))
+            for _ in range(config.num_hidden_layers)
+        ]
+        embed = w(config.vocab_size, hidden)
+        lm_head = embed if getattr(config, "tie_word_embeddings", False) else w(config.vocab_size, hidden)
+        eos = getattr(config, "eos_token_id", None)
+        eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        return cls(config, embed, layers, ones, lm_head, eos_ids)
+
     # ------------------------------------------------------------------ forward
 
     def rope_cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,168 @@
+"""End-to-end throughput on one GPU: N completions of one shared prompt (the Hydragen paper's setup).
+
+Modes, all on treegen's own runtime with random weights of a real model shape (speed does not depend
+on the weights), bf16, greedy, EOS ignored so every sequence makes exactly `new` tokens:
+
+* tree — hierarchical attention over the sharing tree (the prompt stored and read once);
+* flat — no sharing: every sequence holds and prefills its own copy of the prompt (FlashAttention /
+         vLLM-style baseline; run while its KV fits);
+* none — attention skipped (the throughput ceiling; functionally wrong);
+* hf   — Hugging Face `generate` with the prompt repeated per sequence (what users run today).
+
+Decode throughput = batch * (new - 1) / (time(new tokens) - time(1 token)), as in the paper; the total
+time (prefill included) is reported too. Prints a table, writes JSON and a PNG under benchmarks/results/.
+
+    python benchmarks/bench_end_to_end.py --shape llama3-8b --batches 32 64 128 256 512 1024 --prefix 2048
+    python benchmarks/bench_end_to_end.py --shape llama3-8b --prefix-sweep 1024 2048 4096 8192 16384 --batches 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+from transformers import LlamaConfig
+
+from treegen.runtime.engine import Engine, GenRequest
+from treegen.runtime.model import LlamaFamilyModel
+from treegen.runtime.sampler import SamplingParams
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=32768),
+    "codellama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=32016, rope_theta=1000000.0, max_position_embeddings=32768),
+    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=32768),
+}
+
+
+class IdTokenizer:
+    """Stands in for a tokenizer with random weights: token ids are the text."""
+
+    bos_token_id = None
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: bool) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run = engine.start()
+    tree = run.tree
+    if flat:
+        leaves = [tree.add_node(None, prompt) for _ in range(batch)]
+    else:
+        root = tree.add_node(None, prompt)
+        leaves = [tree.add_node(root) for _ in range(batch)]
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    results, _ = run.execute([GenRequest(leaf, params, key=i) for i, leaf in enumerate(leaves)], [])
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    assert all(len(r.tokens) == new for r in results)
+    del run
+    return elapsed
+
+
+def measure_treegen(model, mode: str, batch: int, prefix: int, new: int) -> dict:
+    engine = Engine(model, IdTokenizer(), attention="tree" if mode == "flat" else mode)
+    prompt = torch.randint(0, model.vocab_size, (prefix,), generator=torch.Generator().manual_seed(0)).tolist()
+    flat = mode == "flat"
+    timed_run(engine, batch=batch, prompt=prompt, new=8, flat=flat)  # warm-up: compile kernels
+    t1 = timed_run(engine, batch=batch, prompt=prompt, new=1, flat=flat)
+    tn = timed_run(engine, batch=batch, prompt=prompt, new=new, flat=flat)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"mode": mode, "batch": batch, "prefix": prefix, "new": new, "total_s": tn, "prefill_s": t1,
+            "decode_tok_s": batch * (new - 1) / (tn - t1)}
+
+
+def measure_hf(config, batch: int, prefix: int, new: int) -> dict:
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, config.vocab_size, (1, prefix), device="cuda").repeat(batch, 1)
+
+    def gen(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    gen(2)
+    t1, tn = gen(1), gen(new)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"mode": "hf", "batch": batch, "prefix": prefix, "new": new, "total_s": tn, "prefill_s": t1,
+            "decode_tok_s": batch * (new - 1) / (tn - t1)}
+
+
+def flat_fits(model, batch: int, prefix: int, new: int) -> bool:
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
+    free, _ = torch.cuda.mem_get_info()
+    return batch * (prefix + new) * per_token < 0.6 * free
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--prefix", type=int, default=2048)
+    parser.add_argument("--prefix-sweep", type=int, nargs="*", default=[])
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", default=["tree", "none", "flat"])
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[], help="batches for HF generate")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    config = LlamaConfig(**SHAPES[args.shape])
+    rows = []
+    for b in args.hf_batches:  # HF first, on its own, then freed
+        rows.append(measure_hf(config, b, args.prefix, args.new))
+        print(rows[-1], flush=True)
+    model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
+    points = [(b, args.prefix) for b in args.batches] + [(args.batches[-1], p) for p in args.prefix_sweep]
+    for b, p in points:
+        for mode in args.modes:
+            if mode == "flat" and not flat_fits(model, b, p, args.new):
+                rows.append({"mode": mode, "batch": b, "prefix": p, "new": args.new, "skipped": "KV does not fit"})
+            else:
+                rows.append(measure_treegen(model, mode, b, p, args.new))
+            print(rows[-1], flush=True)
+
+    print(f"\n## {args.shape}, bf16, {args.new} new tokens — decode tokens/s (total s incl. prefill)\n")
+    print("| batch | prefix | " + " | ".join(["hf"] + args.modes) + " | tree / none | tree / hf |")
+    print("|---|---|" + "---|" * (len(args.modes) + 3))
+    for b, p in sorted({(r["batch"], r["prefix"]) for r in rows}):
+        by = {r["mode"]: r for r in rows if r["batch"] == b and r["prefix"] == p}
+        cell = lambda m: (f"{by[m]['decode_tok_s']:,.0f} ({by[m]['total_s']:.2f})" if m in by and "decode_tok_s" in by[m]  # noqa: E731
+                          else ("does not fit" if m in by else "-"))
+        ratio = lambda a, c: (f"{by[a]['decode_tok_s'] / by[c]['decode_tok_s']:.2f}"  # noqa: E731
+                              if a in by and c in by and "decode_tok_s" in by[a] and "decode_tok_s" in by[c] else "-")
+        print(f"| {b} | {p} | " + " | ".join(cell(m) for m in ["hf"] + args.modes) + f" | {ratio('tree', 'none')} | {ratio('tree', 'hf')} |")
+    result = {"benchmark": "end_to_end", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
+              "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+                           "cuda": torch.version.cuda, "python": platform.python_version()},
+              "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); greedy, EOS ignored; one warm-up run per point",
+              "rows": rows}
+    out = Path(args.out or Path(__file__).parent / "results" / f"end_to_end_{args.shape}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

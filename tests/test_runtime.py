@@ -1,0 +1,93 @@
+"""Runtime modes and mechanics on a tiny random GQA Llama with the SmolLM2 tokenizer (CPU)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import treegen
+from treegen.runtime.engine import Engine
+from treegen.runtime.loader import load_tokenizer
+from treegen.runtime.model import LlamaFamilyModel
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    return hf, LlamaFamilyModel.from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@treegen.program
+def samples(s, n):
+    s += "The quick brown fox jumps over the lazy dog. " * 3
+    b = s.fork(n, content=[f" Variant {i}:" for i in range(n)])
+    b += lambda i: treegen.gen("x", max_tokens=3 + 2 * i)
+    s.join(b)
+
+
+def test_chunked_prefill_gives_the_same_logits(tiny_model):
+    hf, model = tiny_model
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for chunk in (16384, 7):
+        run = Engine(model, None, max_prefill_tokens=chunk).start()
+        root = run.tree.add_node(None, ids[:25])
+        leaves = [run.tree.add_node(root, ids[25:]), run.tree.add_node(root, ids[30:])]
+        outs.append(run.prefill(leaves))
+        assert run.forward_passes == (1 if chunk > 40 else -(-(25 + 15 + 10) // 7))
+    for leaf in outs[0]:
+        torch.testing.assert_close(outs[0][leaf], outs[1][leaf], atol=1e-5, rtol=1e-5)
+
+
+def test_flat_mode_matches_tree_mode_and_stores_more(tiny_model, tokenizer):
+    _, model = tiny_model
+    results, kv = {}, {}
+    for mode in ("tree", "flat"):
+        engine = Engine(model, tokenizer, attention=mode)
+        root = samples.run(engine, 4)
+        results[mode] = root["x"]
+        tree = root.tree
+        kv[mode] = sum(len(tree.tokens(n)) for n in tree.graph)
+    assert results["tree"] == results["flat"]
+    assert kv["flat"] > 3 * kv["tree"] / 2
+
+
+def test_no_attention_mode_runs_and_differs(tiny_model, tokenizer):
+    _, model = tiny_model
+    wrong = samples.run(Engine(model, tokenizer, attention="none"), 2)["x"]
+    right = samples.run(Engine(model, tokenizer), 2)["x"]
+    assert len(wrong) == 2 and wrong != right
+
+
+def test_engine_options_are_validated(tiny_model):
+    _, model = tiny_model
+    with pytest.raises(ValueError, match="attention must be one of tree, flat, none"):
+        Engine(model, None, attention="paged")
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Engine(model, None, max_prefill_tokens=0)
+
+
+def test_decode_phases_shrink_as_branches_finish(tiny_model, tokenizer):
+    """Branches finishing early leave the batch: later phases plan fewer rows (and tokens stay exact)."""
+    _, model = tiny_model
+    engine = Engine(model, tokenizer)
+    root = samples.run(engine, 6)
+    lengths = [st.info["x"]["tokens"] for st in root._run.states[1:]]
+    assert lengths == [3, 5, 7, 9, 11, 13]
+    # a phase ends once at most half its branches are live; the next plans only those
+    phases = root._run.tree_run.decode_phases
+    assert phases[0] == 6 and len(phases) >= 3
+    assert all(later <= earlier // 2 for earlier, later in zip(phases, phases[1:]))
+    # one forward per step of the longest branch: 1 prefill + 12 decode steps
+    assert root._run.tree_run.forward_passes == 13

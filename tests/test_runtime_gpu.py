@@ -1,0 +1,87 @@
+"""GPU runtime tests (CUDA only): a random model of real shape (Llama-3-8B dimensions, 2 layers).
+
+Run on the device machine with TRITON_INTERPRET=0; skipped elsewhere.
+"""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from treegen.runtime.engine import Engine, GenRequest
+from treegen.runtime.model import LlamaFamilyModel
+from treegen.runtime.sampler import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="set TRITON_INTERPRET=0 to compile kernels"),
+]
+# logits of a random model are O(1); fp32 attention runs on TF32 tensor cores in the Triton kernel
+TOL = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
+
+
+class IdTokenizer:
+    bos_token_id = eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+def real_shape(dtype):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    return hf, LlamaFamilyModel.from_hf(hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forced_tokens_tree_matches_flat_and_hf(dtype):
+    hf, model = real_shape(dtype)
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, 128256, (n,), generator=g).tolist()  # noqa: E731
+    prompt, suffixes = rand(300), [rand(k) for k in (1, 20, 37, 5)]
+    forced = [rand(3) for _ in suffixes]
+    logits = {}
+    for layout in ("tree", "flat"):
+        run = Engine(model, IdTokenizer()).start()
+        tree = run.tree
+        if layout == "tree":
+            root = tree.add_node(None, prompt)
+            leaves = [tree.add_node(root, s) for s in suffixes]
+        else:
+            leaves = [tree.add_node(None, prompt + s) for s in suffixes]
+        first = run.prefill(leaves)
+        got = {i: [first[leaf][-1:]] for i, leaf in enumerate(leaves)}
+        for step in range(3):  # decode-shaped passes: one forced token per leaf
+            for i, leaf in enumerate(leaves):
+                tree.extend(leaf, [forced[i][step]])
+            out = run.prefill(leaves)
+            for i, leaf in enumerate(leaves):
+                got[i].append(out[leaf])
+        logits[layout] = {i: torch.cat(v).float() for i, v in got.items()}
+    for i, s in enumerate(suffixes):
+        ids = prompt + s + forced[i]
+        with torch.no_grad():
+            want = hf(torch.tensor([ids], device="cuda")).logits[0, -4:].float()
+        torch.testing.assert_close(logits["tree"][i], want, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(logits["tree"][i], logits["flat"][i], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_cuda_graph_decode_equals_eager_decode():
+    _, model = real_shape(torch.bfloat16)
+    prompt = torch.randint(0, 128256, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    outputs = {}
+    for graphs in (False, True):
+        run = Engine(model, IdTokenizer(), cuda_graphs=graphs).start()
+        root = run.tree.add_node(None, prompt)
+        leaves = [run.tree.add_node(root) for _ in range(16)]
+        gens = [GenRequest(leaf, SamplingParams(max_tokens=5 + 3 * (i % 4), temperature=0.8 if i % 2 else 0.0,
+                                                top_p=0.9, ignore_eos=True), key=i) for i, leaf in enumerate(leaves)]
+        results, _ = run.execute(gens, [])
+        outputs[graphs] = [r.tokens for r in results]
+        assert [len(t) for t in outputs[graphs]] == [5 + 3 * (i % 4) for i in range(16)]
+    assert outputs[True] == outputs[False]

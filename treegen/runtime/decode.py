@@ -1,0 +1,152 @@
+"""Decoding all live branches together, one token per branch per step, in phases.
+
+A *phase* is a fixed set of live branches. It is planned once: every branch's leaf segment is
+planned as long as it can grow in the phase (keys not yet written sit at positions after every query,
+so the position mask hides them), so each step only advances device tensors in place — the token
+fed, its position, its KV slot, the step counter — and the same attention plan serves every step and
+layer. On CUDA the step is captured once per phase as a CUDA graph and replayed.
+
+The host looks at the generated tokens every ``sync_every`` steps (every step on the CPU): branches
+that hit EOS, a stop string or ``max_tokens`` are finished there, their extra tokens dropped. When at
+most half the branches are still live, the phase ends and a new, smaller one is planned, so finished
+branches leave the batch. Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a
+branch's tokens do not depend on phases, batch composition or ``sync_every``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treegen.runtime.sampler import SamplingParams, sample
+
+
+class Decoder:
+    """Generates for a list of requests of one :class:`~treegen.runtime.engine.TreeRun`."""
+
+    def __init__(self, run, gens) -> None:
+        self.tree_run, self.gens = run, gens
+        self.model, self.tree, self.kv = run.model, run.tree, run.kv
+        self.tokenizer = run.engine.tokenizer
+        self.eos = self.model.eos_token_ids
+        device = self.model.device
+        self.graphs = run.engine.cuda_graphs and device.type == "cuda"
+        self.sync_every = 8 if device.type == "cuda" else 1
+        self.out: list[list[int]] = [[] for _ in gens]
+        self.results: list = [None] * len(gens)
+        params = [g.params for g in gens]
+        self.temperature = torch.tensor([float(p.temperature) for p in params], device=device)
+        self.top_p = torch.tensor([float(p.top_p) for p in params], device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        self.keys = torch.tensor([g.key for g in gens], dtype=torch.int64, device=device)
+        self.all_greedy = all(p.temperature == 0 for p in params)
+        self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
+
+    def _sample(self, logits, idx, steps):
+        return sample(logits, temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
+                      keys=self.keys[idx], steps=steps, all_greedy=self.all_greedy, filter_needed=self.filter_needed)
+
+    def run(self, first_logits: torch.Tensor) -> list:
+        """``first_logits [len(gens), vocab]``: the logits each branch's first token is drawn from."""
+        device = self.model.device
+        everyone = torch.arange(len(self.gens), device=device)
+        first = self._sample(first_logits, everyone, torch.zeros(len(self.gens), dtype=torch.int64, device=device))
+        live = []
+        for b, t in enumerate(first.tolist()):
+            self._accept(b, [t])
+            if self.results[b] is None:
+                live.append(b)
+        while live:
+            live = self._phase(live)
+        return self.results
+
+    # ---------------------------------------------------------------------------------------------
+    def _accept(self, b: int, new: list[int]) -> bool:
+        """Append branch ``b``'s new tokens up to where it finishes; True when it finished."""
+        for t in new:
+            self.out[b].append(t)
+            self.tree.extend(self.gens[b].node, [t])
+            self.results[b] = finished(self.out[b], self.gens[b].params, self.eos, self.tokenizer)
+            if self.results[b] is not None:
+                return True
+        return False
+
+    def _phase(self, live: list[int]) -> list[int]:
+        tree, kv, model = self.tree, self.kv, self.model
+        device = model.device
+        self.tree_run.decode_phases.append(len(live))
+        nodes = [self.gens[b].node for b in live]
+        remaining = [self.gens[b].params.max_tokens - len(self.out[b]) for b in live]
+        rows = [(n, len(tree.tokens(n)) - 1) for n in nodes]  # each branch's pending last token
+        input_ids, slots, plan = self.tree_run.plan_rows(rows, grow={n: r for n, r in zip(nodes, remaining)})
+        slot_limit = slots + torch.tensor(remaining, device=device) - 1  # never write past a reservation
+        idx = torch.tensor(live, device=device)
+        steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
+        width = max(remaining)
+        buf = torch.zeros(len(live), width, dtype=torch.int64, device=device)
+        column = torch.zeros(len(live), 1, dtype=torch.int64, device=device)
+        attend = self.tree_run.attend_fn(plan, slots)
+
+        def step() -> None:
+            logits = model.forward(input_ids, plan.query_pos, attend)
+            nxt = self._sample(logits, idx, steps)
+            buf.scatter_(1, column, nxt.unsqueeze(1))
+            input_ids.copy_(nxt)
+            plan.query_pos.add_(1)
+            torch.minimum(slots + 1, slot_limit, out=slots)
+            steps.add_(1)
+            column.add_(1)
+
+        replay = self._capture(step) if self.graphs and plan.backend == "triton" else None
+        done_steps, still = 0, list(live)
+        for t in range(width):
+            (replay or step)()
+            self.tree_run.forward_passes += 1
+            if (t + 1) % self.sync_every and t + 1 < width:
+                continue
+            tokens = buf[:, done_steps : t + 1].tolist()
+            done_steps = t + 1
+            still = [b for j, b in enumerate(live) if self.results[b] is None and not self._accept(b, tokens[j])]
+            if not still or 2 * len(still) <= len(live):
+                break
+        for n in nodes:  # KV is written for every token but each branch's last
+            kv.segments[n].computed = len(tree.tokens(n)) - 1
+        return still
+
+    def _capture(self, step):
+        """Run ``step`` once eagerly (compiles kernels), then capture it; returns the graph's replay.
+
+        The eager run is the phase's first real step, so the capture itself must not count."""
+        first = [True]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+
+        def replay():
+            if first[0]:  # the eager step above already did this step's work
+                first[0] = False
+                return
+            graph.replay()
+
+        return replay
+
+
+def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer):
+    """The :class:`~treegen.runtime.engine.GenResult` of a branch whose generated ``tokens`` end
+    it (stop string, EOS, ``max_tokens``), else None."""
+    from treegen.runtime.engine import GenResult
+
+    if params.stop:
+        text = tokenizer.decode(tokens)
+        hits = [text.find(s) for s in params.stop if s in text]
+        if hits:
+            return GenResult(tuple(tokens), text[: min(hits)], "stop")
+    if tokens[-1] in eos and not params.ignore_eos:
+        return GenResult(tuple(tokens), tokenizer.decode(tokens[:-1], skip_special_tokens=True), "eos")
+    if len(tokens) >= params.max_tokens:
+        return GenResult(tuple(tokens), tokenizer.decode(tokens, skip_special_tokens=True), "length")
+    return None
