@@ -91,3 +91,40 @@ def test_decode_phases_shrink_as_branches_finish(tiny_model, tokenizer):
     assert all(later <= earlier // 2 for earlier, later in zip(phases, phases[1:]))
     # one forward per step of the longest branch: 1 prefill + 12 decode steps
     assert root._run.tree_run.forward_passes == 13
+
+
+@treegen.program
+def two_level(s, n):
+    s += "Solve each problem. " * 4
+    problems = s.fork(3, content=[f" Problem {k}: {k} plus {k} is" for k in range(3)])
+    samples = problems.fork(n)
+    samples += treegen.gen("x", max_tokens=6, temperature=0.8)
+    problems.join(samples)
+    s.join(problems)
+
+
+def test_workload_over_the_kv_budget_runs_in_groups_with_the_same_outputs(tiny_model, tokenizer):
+    _, model = tiny_model
+    whole = Engine(model, tokenizer)
+    want = two_level.run(whole, 4, seed=1)
+    planned = two_level.compile(4, tokenizer=tokenizer).stats(whole.kv_shape).stored_bytes
+    grouped = Engine(model, tokenizer, kv_budget_bytes=planned // 2)
+    got = two_level.run(grouped, 4, seed=1)
+    assert got["x"] == want["x"]
+    assert want._run.tree_run.groups == [1] and got._run.tree_run.groups[0] >= 2
+
+
+def test_over_budget_branches_that_continue_are_refused_before_running(tiny_model, tokenizer):
+    @treegen.program
+    def continues(s):
+        s += "Count: one two"
+        b = s.fork(4)
+        b += treegen.gen("x", max_tokens=8)
+        for branch in b:
+            branch["x"]  # read mid-program: the branches may continue, so they cannot be grouped
+        b += " and then"
+
+    _, model = tiny_model
+    tiny_budget = Engine(model, tokenizer).kv_shape.bytes_per_token * 20
+    with pytest.raises(MemoryError, match="cannot run in groups because their branches continue"):
+        continues.run(Engine(model, tokenizer, kv_budget_bytes=tiny_budget))

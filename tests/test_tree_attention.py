@@ -127,9 +127,20 @@ def test_triton_plan_splits_long_segments():
     plan = plan_tree_attention(segment_parent=[-1, 0, 0], segment_start=[0, 5000, 5010], segment_len=[5000, 3, 3],
                                segment_pos=[0, 5000, 5000], query_segment=[1, 2], query_pos=[5002, 5002],
                                backend="triton", num_heads=8, num_kv_heads=1, device="cpu")
-    root_items = [w for w in plan.triton.work.tolist() if w[0] == 0]
+    items = [w for launch in plan.triton.launches for w in launch.work.tolist()]
+    root_items = [w for w in items if w[0] == 0]
     assert len(root_items) > 4 and root_items[0][2:4] == [0, root_items[1][2]]
     assert plan.triton.merge_ptr.tolist()[-1] == 2 * (len(root_items) + 1)
+
+
+def test_triton_plan_gives_leaves_small_tiles():
+    """One query per leaf: leaves get 16-row tiles, the shared root 128-row tiles."""
+    plan = plan_tree_attention(segment_parent=[-1] + [0] * 64, segment_start=[0] + [100 + i for i in range(64)],
+                               segment_len=[100] + [1] * 64, segment_pos=[0] + [100] * 64,
+                               query_segment=list(range(1, 65)), query_pos=[100] * 64, backend="triton",
+                               num_heads=8, num_kv_heads=2, device="cpu")
+    by_height = {launch.block_m: launch.work.shape[0] for launch in plan.triton.launches}
+    assert by_height == {16: 64, 128: 2}
 
 
 def test_empty_segment_gives_no_nan():

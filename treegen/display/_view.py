@@ -7,7 +7,6 @@ size of every rendering is bounded by :class:`Limits`, not by the tree.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import networkx as nx
@@ -19,22 +18,24 @@ from treegen.tree.sharing_tree import KVShape, SharingTree
 class Limits:
     """How much a rendering shows before it summarises.
 
-    max_nodes: tree nodes drawn (breadth first); the rest are folded into summary nodes.
+    max_nodes: tree nodes drawn in all (breadth first); the rest are folded away.
+    max_width: nodes drawn at one depth (the drawing's height in rows).
     max_children: children drawn under one node; past it, the first ``max_children - 1`` and a summary.
     max_rows: rows of any table (branches, list values, nodes).
     max_chars: characters of one text cell (long texts keep their head and tail).
     """
 
     max_nodes: int = 64
+    max_width: int = 16
     max_children: int = 8
     max_rows: int = 40
     max_chars: int = 240
 
     def __post_init__(self) -> None:
-        for name in ("max_nodes", "max_children", "max_rows", "max_chars"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (2 if name == "max_children" else 1):
-                raise ValueError(f"Limits.{name} must be an integer >= {2 if name == 'max_children' else 1}, got {value!r}")
+        for name in ("max_nodes", "max_width", "max_children", "max_rows", "max_chars"):
+            value, least = getattr(self, name), 1 if name in ("max_rows", "max_chars") else 2
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"Limits.{name} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,11 @@ def subtree_totals(tree: SharingTree) -> dict[int, NodeTotals]:
 
 @dataclass(frozen=True)
 class ViewNode:
-    """A node of the summarised tree: a tree node (``node`` set) or a summary of folded subtrees."""
+    """A node of the summarised tree: a tree node (``node`` set) or a summary of folded sibling subtrees.
+
+    ``hidden``/``hidden_branches``: nodes and branches below a drawn node that the limits left out
+    (its children were not drawn); 0 when its children are drawn or it has none.
+    """
 
     key: str
     node: int | None  # the SharingTree node, None for a summary
@@ -78,36 +83,42 @@ class ViewNode:
     gen_budget: int
     branches: int
     nodes: int  # tree nodes it stands for (1, or a summary's count)
+    hidden: int = 0
+    hidden_branches: int = 0
 
 
 def summarise(tree: SharingTree, limits: Limits, totals: dict[int, NodeTotals] | None = None) -> nx.DiGraph:
-    """A DiGraph of :class:`ViewNode` (attribute ``view``) with at most about ``limits.max_nodes`` nodes.
+    """A DiGraph of :class:`ViewNode` (attribute ``view``): at most ``limits.max_width`` nodes per depth,
+    about ``limits.max_nodes`` in all.
 
-    Breadth first from the roots: a node's children are shown while the budget lasts, at most
-    ``max_children`` of them (else ``max_children - 1`` and one summary of the rest). Children keep their
-    creation order, so the drawing reads top to bottom in branch order.
+    Depth by depth, in branch order: each node's children are drawn while the depth's width and the
+    node budget last, at most ``max_children`` of them (else ``max_children - 1`` and one summary node
+    of the rest); a node whose children do not fit keeps them folded (``hidden``). So the first
+    subtrees are shown in full and the others summarised, whatever the tree's size.
     """
     g = tree.graph
     totals = totals if totals is not None else subtree_totals(tree)
     view = nx.DiGraph()
     budget = limits.max_nodes
-    queue: deque[int] = deque()
 
-    def add_children(parent_key: str | None, nodes: list[int]) -> None:
+    def node_view(n: int, hidden: bool) -> ViewNode:
+        attrs, t = g.nodes[n], totals[n]
+        below = [totals[c] for c in g.successors(n)] if hidden else []
+        return ViewNode(f"n{n}", n, (), attrs["kind"], attrs["pruned"], len(attrs["tokens"]), attrs["gen_budget"],
+                        t.branches, 1, sum(b.nodes for b in below), sum(b.branches for b in below))
+
+    def place(parent_key: str | None, nodes: list[int], width: int) -> tuple[list[int], int]:
+        """Draw up to ``width`` rows of ``nodes`` under ``parent_key``; returns (drawn nodes, rows used)."""
         nonlocal budget
-        shown = len(nodes) if len(nodes) <= limits.max_children else limits.max_children - 1
-        shown = max(0, min(shown, budget))
-        for n in nodes[:shown]:
-            attrs = g.nodes[n]
-            t = totals[n]
-            key = f"n{n}"
-            view.add_node(key, view=ViewNode(key, n, (), attrs["kind"], attrs["pruned"], len(attrs["tokens"]),
-                                             attrs["gen_budget"], t.branches, 1))
+        k = len(nodes) if len(nodes) <= limits.max_children else limits.max_children - 1
+        k = min(k, width, budget)
+        if k < len(nodes) and k == width:  # keep a row for the summary
+            k -= 1
+        drawn, rest = nodes[:k], nodes[k:]
+        for n in drawn:
+            view.add_node(f"n{n}", view=node_view(n, hidden=False))
             if parent_key is not None:
-                view.add_edge(parent_key, key)
-            budget -= 1
-            queue.append(n)
-        rest = nodes[shown:]
+                view.add_edge(parent_key, f"n{n}")
         if rest:
             key = f"more{parent_key or ''}"
             ts = [totals[n] for n in rest]
@@ -116,12 +127,24 @@ def summarise(tree: SharingTree, limits: Limits, totals: dict[int, NodeTotals] |
                                              sum(t.branches for t in ts), sum(t.nodes for t in ts)))
             if parent_key is not None:
                 view.add_edge(parent_key, key)
-            budget -= 1
+        used = len(drawn) + bool(rest)
+        budget -= used
+        return drawn, used
 
-    add_children(None, sorted(n for n in g if g.in_degree(n) == 0))
-    while queue:
-        n = queue.popleft()
-        add_children(f"n{n}", sorted(g.successors(n)))
+    layer, _ = place(None, sorted(n for n in g if g.in_degree(n) == 0), limits.max_width)
+    while layer:
+        width, below = limits.max_width, []
+        for n in layer:
+            kids = sorted(g.successors(n))
+            if not kids:
+                continue
+            if width < 1 or budget < 1 or (width < 2 and len(kids) > 1):  # no room: fold them into the parent
+                view.nodes[f"n{n}"]["view"] = node_view(n, hidden=True)
+                continue
+            drawn, used = place(f"n{n}", kids, width)
+            width -= used
+            below += drawn
+        layer = below
     return view
 
 

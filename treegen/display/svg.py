@@ -30,7 +30,7 @@ from treegen.display._view import (
 from treegen.tree.sharing_tree import KVShape, SharingTree
 
 # geometry (pixels)
-COLUMN = 300  # distance between depths
+COLUMN = 340  # distance between depths (room for the card and the edges fanning out)
 ROW = 54  # distance between nodes of one depth
 CARD_W, CARD_H = 236, 42
 R_MIN, R_MAX = 4.0, 16.0
@@ -87,13 +87,16 @@ def node_text(tree: SharingTree, tokenizer, node: int) -> str:
 
 
 def draw_tree(tree: SharingTree, tokenizer=None, kv_shape: KVShape | None = None, *, limits: Limits = Limits(),
-              totals: dict[int, NodeTotals] | None = None) -> str:
-    """The SVG of ``tree`` summarised to ``limits`` (an empty tree gives a one-line SVG saying so)."""
+              totals: dict[int, NodeTotals] | None = None, view: nx.DiGraph | None = None) -> str:
+    """The SVG of ``tree`` summarised to ``limits`` (an empty tree gives a one-line SVG saying so).
+
+    ``totals`` and ``view`` (from :func:`subtree_totals` and :func:`summarise`) are computed when not given.
+    """
     if tree.graph.number_of_nodes() == 0:
         return (f'<svg xmlns="http://www.w3.org/2000/svg" width="240" height="30"><text x="8" y="20" '
                 f'font-family="{SANS}" font-size="12" fill="#666">empty tree</text></svg>')
     totals = totals if totals is not None else subtree_totals(tree)
-    view = summarise(tree, limits, totals)
+    view = view if view is not None else summarise(tree, limits, totals)
     pos, depths, rows = _positions(view)
     nodes = {k: view.nodes[k]["view"] for k in view}
     biggest = max((v.tokens + v.gen_budget for v in nodes.values() if v.node is not None), default=1) or 1
@@ -135,7 +138,9 @@ def draw_tree(tree: SharingTree, tokenizer=None, kv_shape: KVShape | None = None
         out.append("<g>")
         if v.node is None:
             line1 = f"+ {fmt_count(v.nodes, 'more node')}"
-            line2 = fmt_count(v.branches, "branch") + f" · {v.tokens:,} tok" + (f" · {fmt_bytes(kb)}" if kb is not None else "")
+            line2 = (fmt_count(v.branches, "branch") + f" · {v.tokens:,} tok"
+                     + (f" + {v.gen_budget:,} to gen" if v.gen_budget else "")
+                     + (f" · {fmt_bytes(kb)}" if kb is not None else ""))
             title = f"{v.nodes} nodes not drawn (display limit): {v.branches} branches, {v.tokens} tokens"
             out.append(f'<title>{escape(title)}</title>')
             for dx in (-5, 0, 5):
@@ -154,12 +159,16 @@ def draw_tree(tree: SharingTree, tokenizer=None, kv_shape: KVShape | None = None
             excerpt = f"⟨gen up to {v.gen_budget} tokens⟩"
         elif not text:
             excerpt = "(empty)"
-        stats = [f"{v.tokens:,} tok" + (f" + {v.gen_budget:,} to gen" if v.gen_budget else ""), fmt_count(v.branches, "branch")]
+        size = f"{v.tokens:,} tok" + (f" + {v.gen_budget:,} to gen" if v.gen_budget else "")
+        stats = [size, fmt_count(v.branches, "branch")]
         if kb is not None:
             stats.append(fmt_bytes(kb))
         if v.pruned:
             stats = ["pruned"] + stats[:1]
-        tip = [f"node {v.node} ({v.kind}{', pruned' if v.pruned else ''})", " · ".join(stats), "", clip(text, 600)]
+        tip = [f"node {v.node} ({v.kind}{', pruned' if v.pruned else ''})", " · ".join(stats)]
+        if v.hidden:
+            tip.append(f"{fmt_count(v.hidden, 'node')} below it not drawn (display limits)")
+        tip += ["", clip(text, 600)]
         out.append(f"<title>{escape(chr(10).join(tip))}</title>")
         outer, inner = radius(v)
         if v.gen_budget:
@@ -174,8 +183,15 @@ def draw_tree(tree: SharingTree, tokenizer=None, kv_shape: KVShape | None = None
         fill = "#999" if v.pruned else "#222"
         deco = ' text-decoration="line-through"' if v.pruned else ""
         out.append(f'<text x="{cx0 + 10:.1f}" y="{y - 4:.1f}" font-family="{MONO}" font-size="11" fill="{fill}"{deco}>'
-                   f'{escape(clip(excerpt, 31))}</text>')
-        out.append(f'<text x="{cx0 + 10:.1f}" y="{y + 13:.1f}" font-size="10.5" fill="#666">{escape(" · ".join(stats))}</text>')
+                   f'{escape(clip(excerpt, 31 - (len(f"{v.hidden:,}") + 3 if v.hidden else 0)))}</text>')
+        out.append(f'<text x="{cx0 + 10:.1f}" y="{y + 13:.1f}" font-size="10.5" fill="#666">'
+                   f'{escape(" · ".join(stats))}</text>')
+        if v.hidden:  # children left out by the limits: a dashed stub, and the count in the card's corner
+            x_end = cx0 + CARD_W
+            out.append(f'<path d="M{x_end:.1f},{y:.1f} h14" stroke="#b8c2cc" stroke-width="1.5" '
+                       'stroke-dasharray="3 2"/>')
+            out.append(f'<text x="{x_end - 6:.1f}" y="{y - 4:.1f}" font-size="10.5" fill="#777" text-anchor="end">'
+                       f'+{v.hidden:,} ▸</text>')
         out.append("</g>")
     out.append("</svg>")
     return "".join(out)

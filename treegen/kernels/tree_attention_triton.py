@@ -1,6 +1,6 @@
 """Triton tree attention: every segment's KV is read once for all query rows below it.
 
-Two launches per layer, whatever the tree's depth:
+Two kinds of launch per layer, whatever the tree's depth:
 
 1. ``_segment_attention_kernel`` — one program per *work item* × KV head. A work item is a tile of
    query rows below one segment (rows × the query heads sharing the KV head, folded into the tile's
@@ -8,6 +8,8 @@ Two launches per layer, whatever the tree's depth:
    (long segments are split along the key axis so few queries × a long prefix still fill the GPU,
    flash-decoding style). Keys are visible iff ``key_pos <= query_pos`` (ancestors fully, the query's
    own segment causally — the same rule as the reference). It writes a partial output and LSE.
+   It is launched once per tile height (16 rows for segments read by few queries, 64/128 for shared
+   ones; see :class:`TritonPlan`).
 2. ``_merge_kernel`` — one program per query row merges that row's partials along its whole
    root-to-leaf path (any depth, unbalanced trees) with the log-sum-exp rule, all heads at once.
 
@@ -41,26 +43,39 @@ _LOG2E = 1.0 / _LN2
 
 
 @dataclass(frozen=True)
-class TritonPlan:
-    """Work tables for the two kernels (all int32 on the plan's device).
+class WorkList:
+    """Work items launched together with one tile height.
 
-    ``work: [num_work, 7]`` — per work item: first cache slot of the segment, absolute position of the
-    segment's first key, key range begin/end within the segment, offset into ``rows`` of the tile's
+    ``work: [num_items, 7] int32`` — per item: first cache slot of the segment, absolute position of
+    the segment's first key, key range begin/end within the segment, offset into ``rows`` of the tile's
     first query row, number of query rows, first partial entry. E.g. a root of 40 keys at slots 0..39
     read by query rows [0, 1] in one chunk → ``[[0, 0, 0, 40, 0, 2, 0]]``.
+    ``block_m`` — tile height (query rows x query heads per KV head); ``num_warps`` for the launch.
+    """
+
+    work: Tensor
+    block_m: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """Work tables for the two kernels (int32 tensors on the plan's device).
+
+    ``launches`` — one :class:`WorkList` per tile height: segments read by a handful of query rows
+    (a branch's own leaf) get 16-row tiles, shared segments 64- or 128-row tiles, so a leaf with one
+    query does not pay for a 128-row tile.
     ``rows: [sum of rows over segments]`` — query rows below each segment, segment after segment.
     ``merge_ptr: [num_queries + 1]`` and ``merge_idx`` — CSR: partial entries of each query row.
     """
 
-    work: Tensor
+    launches: tuple[WorkList, ...]
     rows: Tensor
     merge_ptr: Tensor
     merge_idx: Tensor
     num_partials: int
-    block_m: int
     block_n: int
     group: int
-    num_warps: int
     num_stages: int
     use_tma: bool
     warp_specialize: bool
@@ -89,30 +104,31 @@ def plan_triton(
     ``benchmarks/bench_attention.py --sweep`` (results in benchmarks/results/attention_sweep_h100.json)."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
-    block_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
-    rows_per_tile = block_m // group
     segs = sorted(s for s in rows_of if segment_len[s] > 0)
-    tiles = {s: -(-len(rows_of[s]) // rows_per_tile) for s in segs}
+    wide_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
+    tile_m = {s: 16 if len(rows_of[s]) * group <= 16 else wide_m for s in segs}
+    tiles = {s: -(-len(rows_of[s]) // (tile_m[s] // group)) for s in segs}
     # balance: cut keys into chunks so the total work is spread over ~target_programs programs
-    total = sum(tiles[s] * segment_len[s] for s in segs) * num_kv_heads
+    total = sum(tiles[s] * tile_m[s] // 16 * segment_len[s] for s in segs) * num_kv_heads // (wide_m // 16)
     if target_programs is None:
         target_programs = 132 if total >= 132 * 1024 else 264
     chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
     chunk = -(-chunk // block_n) * block_n
-    work, rows, partial_base, local_index = [], [], {}, {}
+    work: dict[int, list] = {}
+    rows, partial_base, local_index = [], {}, {}
     num_partials = 0
     for s in segs:
         row_offset = len(rows)
         rows.extend(rows_of[s])
         local_index[s] = {q: i for i, q in enumerate(rows_of[s])}
-        count = len(rows_of[s])
+        count, rows_per_tile = len(rows_of[s]), tile_m[s] // group
         for c, kb in enumerate(range(0, segment_len[s], chunk)):
             ke = min(segment_len[s], kb + chunk)
             partial_base[(s, c)] = num_partials
             for t in range(tiles[s]):
                 first = t * rows_per_tile
-                work.append([segment_start[s], segment_pos[s], kb, ke, row_offset + first,
-                             min(rows_per_tile, count - first), num_partials + first])
+                work.setdefault(tile_m[s], []).append([segment_start[s], segment_pos[s], kb, ke, row_offset + first,
+                                                       min(rows_per_tile, count - first), num_partials + first])
             num_partials += count
     merge_ptr, merge_idx = [0], []
     for q, path in enumerate(paths):
@@ -127,15 +143,13 @@ def plan_triton(
         return (t.reshape(shape) if shape else t).to(device)
 
     return TritonPlan(
-        work=i32(work or [[0] * 7], (-1, 7)),
+        launches=tuple(WorkList(i32(items, (-1, 7)), m, 8 if m == 128 else 4) for m, items in sorted(work.items())),
         rows=i32(rows or [0]),
         merge_ptr=i32(merge_ptr),
         merge_idx=i32(merge_idx or [0]),
         num_partials=num_partials,
-        block_m=block_m,
         block_n=block_n,
         group=group,
-        num_warps=8 if block_m == 128 else 4,
         num_stages=num_stages or 3,
         use_tma=_tma_default(device) if use_tma is None else use_tma,
         warp_specialize=warp_specialize,
@@ -154,7 +168,8 @@ if triton is not None:
 
     @triton.jit
     def _attend_blocks(acc, m_i, l_i, q, qpos, K, V, stride_kt, pos0, lo, hi, scale_log2,
-                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                       PRECISION: tl.constexpr):
         """Online-softmax over keys [lo, hi) of a segment (base-2 running max ``m_i`` and sum ``l_i``).
         MASKED=False: every key of every block is visible to every row (no bounds or causal checks)."""
         offs_d = tl.arange(0, HEAD_DIM)
@@ -168,7 +183,7 @@ if triton is not None:
             else:
                 k = tl.load(K + kv_off)
                 v = tl.load(V + kv_off)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             if MASKED:
                 visible = key_ok[None, :] & ((pos0 + offs_n)[None, :] <= qpos[:, None])
                 s = tl.where(visible, s, float("-inf"))
@@ -177,13 +192,13 @@ if triton is not None:
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         return m_i, l_i, acc
 
     @triton.jit
     def _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, row0, col, lo, hi, scale_log2,
-                           BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                           BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
         """Unmasked online-softmax over keys [lo, hi) (whole blocks) with TMA tensor-descriptor loads;
         ``row0`` is the segment's first cache slot, ``col`` the KV head's first column."""
         col = col.to(tl.int32)
@@ -191,12 +206,12 @@ if triton is not None:
             row = (row0 + start).to(tl.int32)
             k = K_desc.load([row, col])
             v = V_desc.load([row, col])
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         return m_i, l_i, acc
 
@@ -206,7 +221,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_lt,
         scale_log2,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -241,12 +256,12 @@ if triton is not None:
         if USE_TMA:
             # a fully visible block has a finite score in every row, so the running max is finite
             m_i, l_i, acc = _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, slot0, kvh * HEAD_DIM, kb, full,
-                                               scale_log2, BLOCK_N, WARP_SPECIALIZE)
+                                               scale_log2, BLOCK_N, WARP_SPECIALIZE, PRECISION)
         else:
             m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, stride_kt, pos0, kb,
-                                           full, scale_log2, HEAD_DIM, BLOCK_N, False)
+                                           full, scale_log2, HEAD_DIM, BLOCK_N, False, PRECISION)
         m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, stride_kt, pos0, full, hi,
-                                       scale_log2, HEAD_DIM, BLOCK_N, True)
+                                       scale_log2, HEAD_DIM, BLOCK_N, True, PRECISION)
 
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -320,14 +335,15 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
         k_desc = v_desc = k_cache  # unused
     o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
-    if plan.num_partials:
-        _segment_attention_kernel[(plan.work.shape[0], num_kv)](
-            q, k_cache, v_cache, k_desc, v_desc, o_part, lse_part, plan.work, plan.rows, query_pos,
+    for launch in plan.launches:
+        _segment_attention_kernel[(launch.work.shape[0], num_kv)](
+            q, k_cache, v_cache, k_desc, v_desc, o_part, lse_part, launch.work, plan.rows, query_pos,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), o_part.stride(0), o_part.stride(1),
             lse_part.stride(0), scale * _LOG2E,
-            GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=plan.block_m, BLOCK_N=block_n,
+            GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
             USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
-            num_warps=plan.num_warps, num_stages=stages,
+            PRECISION="ieee" if wide else "tf32",  # fp32 inputs get full fp32 products (no TF32)
+            num_warps=launch.num_warps, num_stages=stages,
         )
     _merge_kernel[(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,

@@ -82,11 +82,27 @@ class CompiledProgram:
     in which case the tree shows the part known before running and grows at run time.
     """
 
-    def __init__(self, tree: SharingTree, complete: bool, stopped_at: str | None) -> None:
+    def __init__(self, tree: SharingTree, complete: bool, stopped_at: str | None, *, tokenizer=None,
+                 kv_shape: KVShape | None = None) -> None:
         self.tree, self.complete, self.stopped_at = tree, complete, stopped_at
+        self.tokenizer, self.kv_shape = tokenizer, kv_shape
 
-    def stats(self, kv: KVShape) -> TreeStats:
+    def stats(self, kv: KVShape | None = None) -> TreeStats:
+        """KV totals for ``kv`` (default: the shape given to ``compile``)."""
+        kv = kv or self.kv_shape
+        if kv is None:
+            raise ValueError("stats needs a KVShape: pass one, or compile(..., kv_shape=engine.kv_shape)")
         return self.tree.stats(kv)
+
+    def _repr_html_(self) -> str:
+        from treegen.display import compiled_html
+
+        return compiled_html(self)
+
+    def __repr__(self) -> str:
+        from treegen.display import compiled_text
+
+        return compiled_text(self)
 
 
 class Program:
@@ -106,14 +122,26 @@ class Program:
         run.finish()
         return state
 
-    def compile(self, /, *args, tokenizer, **kwargs) -> CompiledProgram:
-        """Build the sharing tree with ``tokenizer`` only (no model, nothing generated)."""
+    def compile(self, /, *args, tokenizer, kv_shape: KVShape | None = None, **kwargs) -> CompiledProgram:
+        """Build the sharing tree with ``tokenizer`` only (no model, nothing generated).
+
+        ``kv_shape`` (e.g. ``engine.kv_shape``) lets the result report KV bytes without being told."""
         run = ProgramRun(tokenizer=tokenizer, engine=None, seed=0)
         try:
             self.fn(run.root(), *args, **kwargs)
         except StopTrace as stop:
-            return CompiledProgram(run.tree, False, str(stop))
-        return CompiledProgram(run.tree, True, None)
+            return CompiledProgram(run.tree, False, str(stop), tokenizer=tokenizer, kv_shape=kv_shape)
+        return CompiledProgram(run.tree, True, None, tokenizer=tokenizer, kv_shape=kv_shape)
+
+    def _repr_html_(self) -> str:
+        from treegen.display import program_html
+
+        return program_html(self)
+
+    def __repr__(self) -> str:
+        from treegen.display import program_text
+
+        return program_text(self)
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"call {self.fn.__name__}.run(engine, ...) to run a program, or .compile(tokenizer=...) to see its tree")

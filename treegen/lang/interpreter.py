@@ -73,8 +73,11 @@ class ProgramRun:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # flushing ---------------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Run every queued gen/select of every state, in batched phases, until none is left."""
+    def flush(self, final: bool = False) -> None:
+        """Run every queued gen/select of every state, in batched phases, until none is left.
+
+        ``final``: the program has returned, so a state's last queued ``gen`` is the end of its branch
+        (the runtime may then free its KV early and run over-large workloads in groups)."""
         if self.tracing:
             raise StopTrace("a generated value is read")
         while True:
@@ -83,7 +86,7 @@ class ProgramRun:
                 st._apply_immediate()
                 if st.pending:
                     owners.append(st)
-                    request = st._request(st.pending[0])
+                    request = st._request(st.pending[0], final=final and len(st.pending) == 1)
                     (gens if isinstance(request, GenRequest) else scores).append(request)
             if not owners:
                 return
@@ -95,7 +98,7 @@ class ProgramRun:
 
     def finish(self) -> None:
         """Flush, then free all KV (the values stay readable; states accept no more ops)."""
-        self.flush()
+        self.flush(final=True)
         for node in sorted(self.tree_run.kv.segments):
             self.tree_run.kv.free(node)
         self.finished = True
@@ -190,14 +193,14 @@ class State:
             out.append(self._run.tree.add_node(base, ids, kind="choice"))
         return tuple(out)
 
-    def _request(self, op):
+    def _request(self, op, final: bool = False):
         if isinstance(op, Gen):
             leaf = self._leaf()
             self._run.tree.graph.nodes[leaf]["gen_budget"] += op.params.max_tokens
             seed = op.params.seed if op.params.seed is not None else self._run.seed
             key = branch_key(seed, self.path + ("gen", self._gens))
             self._gens += 1
-            return GenRequest(leaf, op.params, key)
+            return GenRequest(leaf, op.params, key, final=final)
         return ScoreRequest(self.node if self.node is not None else self._leaf(), self._add_choices(op))
 
     def _complete(self, op, result) -> None:
@@ -295,6 +298,16 @@ class State:
 
     def __repr__(self) -> str:
         return f"State(path={self.path}, node={self.node}, variables={sorted(self.vars)})"
+
+    def _repr_html_(self) -> str:
+        from treegen.display import result_html
+
+        return result_html(self)
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        from treegen.display import result_text
+
+        p.text(result_text(self))
 
 
 class ForkGroup:

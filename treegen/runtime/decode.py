@@ -55,9 +55,17 @@ class Decoder:
             self._accept(b, [t])
             if self.results[b] is None:
                 live.append(b)
+        self._report()
         while live:
             live = self._phase(live)
         return self.results
+
+    def _report(self) -> None:
+        hook = self.tree_run.engine.on_step
+        if hook is not None:
+            live = [b for b in range(len(self.gens)) if self.results[b] is None]
+            done = sum(len(o) for o in self.out)
+            hook(len(live), done, done + sum(self.gens[b].params.max_tokens - len(self.out[b]) for b in live))
 
     # ---------------------------------------------------------------------------------------------
     def _accept(self, b: int, new: list[int]) -> bool:
@@ -106,6 +114,7 @@ class Decoder:
             tokens = buf[:, done_steps : t + 1].tolist()
             done_steps = t + 1
             still = [b for j, b in enumerate(live) if self.results[b] is None and not self._accept(b, tokens[j])]
+            self._report()
             if not still or 2 * len(still) <= len(live):
                 break
         for n in nodes:  # KV is written for every token but each branch's last

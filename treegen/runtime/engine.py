@@ -26,16 +26,20 @@ import torch
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.sampler import SamplingParams
+from treegen.runtime.schedule import KVBudget, release_after, request_slots, schedule
 from treegen.tree.sharing_tree import KVShape, SharingTree
 
 
 @dataclass(frozen=True)
 class GenRequest:
-    """Generate into ``node`` (a leaf owned by one branch). ``key``: the branch's random key."""
+    """Generate into ``node`` (a leaf owned by one branch). ``key``: the branch's random key.
+    ``final``: the branch takes nothing more afterwards, so its KV may be freed once it is done
+    (what lets a workload too big for memory run in groups, see :mod:`treegen.runtime.schedule`)."""
 
     node: int
     params: SamplingParams
     key: int
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,10 +68,12 @@ class Engine:
     FlashAttention/vLLM-style baseline), or ``"none"`` (attention skipped: a throughput ceiling for
     benchmarks, functionally wrong). cuda_graphs: capture each decode phase's step on CUDA.
     max_prefill_tokens: prefill runs in chunks of at most this many tokens (bounded activations).
+    kv_budget_bytes: KV memory a run may use (default: the free device memory on CUDA, no limit on
+    the CPU); workloads over it run in groups (:mod:`treegen.runtime.schedule`).
     """
 
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
-                 max_prefill_tokens: int = 16384) -> None:
+                 max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
@@ -77,6 +83,12 @@ class Engine:
         if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens!r}")
         self.max_prefill_tokens = max_prefill_tokens
+        if kv_budget_bytes is not None and (not isinstance(kv_budget_bytes, int) or kv_budget_bytes <= 0):
+            raise ValueError(f"kv_budget_bytes must be a positive integer or None, got {kv_budget_bytes!r}")
+        self.kv_budget_bytes = kv_budget_bytes
+        # progress hook: on_step(live_branches, tokens_done, tokens_budget), called by the decoder
+        # after the first tokens and at every host sync (display/progress.py adapts it to a bar)
+        self.on_step = None
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 torch.empty((), dtype=model.dtype).element_size())
 
@@ -105,6 +117,7 @@ class TreeRun:
                           dtype=m.dtype, device=m.device)
         self.forward_passes = 0
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
+        self.groups: list[int] = []  # memory groups each execute() ran in (1 = everything fit)
 
     # ---------------------------------------------------------------------------------------------
     def free(self, node: int) -> None:
@@ -212,16 +225,39 @@ class TreeRun:
         return {n: logits[idx] if idx else empty for n, idx in per_node.items()}
 
     # ---------------------------------------------------------------------------------------------
+    def kv_budget(self) -> KVBudget:
+        """The KV memory this run may use: ``engine.kv_budget_bytes`` if set; on CUDA what it holds
+        plus what the device has free (cached blocks included) less a margin for activations; on the
+        CPU no limit."""
+        kv, engine = self.kv, self.engine
+        if engine.kv_budget_bytes is not None:
+            return KVBudget(engine.kv_budget_bytes, kv.bytes_per_token)
+        if kv.device.type != "cuda":
+            return KVBudget(None, kv.bytes_per_token)
+        free, total = torch.cuda.mem_get_info(kv.device)
+        free += torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
+        return KVBudget(kv.bytes_reserved() + int(free - max(0.1 * total, 4 * 2**30)), kv.bytes_per_token)
+
     def execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
-        """Prefill what the requests need, score the choices, generate; see the module docstring."""
+        """Prefill what the requests need, score the choices, generate; see the module docstring.
+
+        KV memory is planned first; requests that do not fit run in groups (see
+        :mod:`treegen.runtime.schedule`), and ``groups`` records how many ran."""
+        groups = schedule(self.tree, self.kv, gens, scores, self.kv_budget())
+        self.groups.append(len(groups))
+        if len(groups) == 1:
+            return self._execute(gens, scores)
+        done: dict[int, GenResult] = {}
+        for i, group in enumerate(groups):
+            results, _ = self._execute(group, [])
+            done.update({id(g): r for g, r in zip(group, results)})
+            release_after(self.tree, self.kv, group, [g for later in groups[i + 1:] for g in later])
+        return [done[id(g)] for g in gens], []
+
+    def _execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
         tree, kv = self.tree, self.kv
         max_context = self.model.max_context
-        # plan the KV memory of this phase at once: every pending node, every generation budget
-        need = {n: len(tree.tokens(n)) for w in [g.node for g in gens] + [c for s in scores for c in s.choices]
-                for n in tree.path(w) if n not in kv.segments}
-        for g in gens:
-            need[g.node] = len(tree.tokens(g.node)) + g.params.max_tokens
-        kv.ensure_free(sum(need.values()))
+        kv.ensure_free(sum(request_slots(tree, kv, gens, scores).values()))
         for g in gens:
             if tree.children(g.node):
                 raise RuntimeError(f"gen into node {g.node}, which has children")

@@ -51,6 +51,10 @@ class KVStore:
         """Bytes of KV actually written, summed over nodes (each shared node counted once)."""
         return sum(s.computed for s in self.segments.values()) * self.bytes_per_token
 
+    def bytes_reserved(self) -> int:
+        """Bytes of the slot ranges owned by nodes (written or reserved for generation)."""
+        return sum(s.capacity for s in self.segments.values()) * self.bytes_per_token
+
     def reserve(self, node: int, length: int) -> Segment:
         """Make sure ``node`` owns at least ``length`` slots, moving its written KV if it must grow."""
         seg = self.segments.get(node)
@@ -79,6 +83,7 @@ class KVStore:
         need = extra * self.bytes_per_token
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached
             if need > free:
                 raise MemoryError(f"the KV cache needs {need / 2**30:.2f} GiB more for {extra} token slots "
                                   f"({self.bytes_per_token} bytes each), {free / 2**30:.2f} GiB is free on {self.device}")

@@ -22,7 +22,7 @@ class Source:
 
     def line(self, n: int) -> str:
         lines = self.text.split("\n")
-        return lines[n - 1] if 1 <= n <= len(lines) else ""
+        return lines[n - 1].rstrip("\r") if 1 <= n <= len(lines) else ""
 
 
 @dataclass(frozen=True)

@@ -304,17 +304,30 @@ def _syntax_error(e: UnexpectedInput, source: Source) -> TgError:
         tok = e.token
         end = tok.type == "$END"
         pos = _end_pos(source) if end else Pos(source, tok.line, tok.column)
-        found = "unexpected end of file" if end else f"unexpected {_describe(tok.type)} {str(tok)!r}" \
-            if tok.type in ("NAME", "INT", "FLOAT") else f"unexpected {_describe(tok.type)}"
+        found = _found(tok)
         if label:
             return TgError(f"{label} ({found})", pos)
         expected = sorted({_describe(t) for t in (e.accepts or e.expected)})
+        if end and "'}'" in expected:
+            return TgError("unexpected end of file: a '{' is not closed by '}'", pos)
         if tok.type == "NAME" and "'fork'" in expected:
             hint = ("; a statement starts with a string, param, include, system, user, assistant, gen, select, "
                     "fork or join (reductions such as x = vote(...) go inside join { ... } after a fork)")
             return TgError(found + hint, pos)
         return TgError(f"{found}; expected {_or(expected)}", pos)
     return TgError(label or "syntax error", Pos(source, max(e.line, 1), max(e.column, 1)))
+
+
+def _found(tok: Token) -> str:
+    if tok.type == "$END":
+        return "unexpected end of file"
+    if tok.type == "NAME":
+        return f"unexpected name {str(tok)!r}"
+    if tok.type in ("INT", "FLOAT"):
+        return f"unexpected number {tok}"
+    if tok.type in ("STRING", "LONG_STRING"):
+        return "unexpected string"
+    return f"unexpected {_describe(tok.type)}"
 
 
 def _or(items: list[str]) -> str:
@@ -357,7 +370,9 @@ def _read(path: str, at: Pos | None) -> str:
         raise TgError(f"cannot read {path!r}: {e.strerror}", at, path=path) from None
 
 
-def _resolve(body: tuple, source_path: str, stack: tuple[str, ...], depth: int = 0) -> tuple:
+def _resolve(body: tuple, source_path: str, stack: tuple[tuple[str, str], ...], depth: int = 0) -> tuple:
+    """Replace each ``include`` by the included file's statements; ``stack``: (real path, shown path)
+    of the files being included, to detect cycles."""
     if depth > _MAX_NESTING:
         raise TgError("the program nests too deeply", body[0].pos if body else None, path=source_path)
     out = []
@@ -366,8 +381,9 @@ def _resolve(body: tuple, source_path: str, stack: tuple[str, ...], depth: int =
             base = os.path.dirname(source_path) if not source_path.startswith("<") else ""
             target = os.path.normpath(os.path.join(base, st.path))
             real = os.path.realpath(target)
-            if real in stack:
-                chain = [os.path.relpath(p) for p in stack[stack.index(real):]] + [os.path.relpath(real)]
+            reals = [r for r, _ in stack]
+            if real in reals:
+                chain = [shown for _, shown in stack[reals.index(real):]] + [target]
                 raise TgError("include cycle: " + " -> ".join(chain), st.pos)
             if not os.path.isfile(target):
                 where = os.path.abspath(target)
@@ -377,7 +393,7 @@ def _resolve(body: tuple, source_path: str, stack: tuple[str, ...], depth: int =
             if params:
                 raise TgError("an included file cannot declare parameters (declare them in the main file)",
                               params[0].pos)
-            st = replace(st, body=_resolve(inner, target, stack + (real,), depth + 1), resolved=target)
+            st = replace(st, body=_resolve(inner, target, stack + ((real, target),), depth + 1), resolved=target)
         elif isinstance(st, (ast.Fork, ast.Message)):
             st = replace(st, body=_resolve(st.body, source_path, stack, depth + 1))
         out.append(st)
@@ -388,7 +404,7 @@ def parse(text: str, path: str = "<string>") -> ast.TgFile:
     """Parse a main program from text; ``include`` paths are relative to ``path``'s folder (or the cwd)."""
     body = parse_source(text, path)
     real = os.path.realpath(path) if not path.startswith("<") else path
-    body = _resolve(body, path, (real,))
+    body = _resolve(body, path, ((real, path),))
     params = tuple(st for st in body if isinstance(st, ast.Param))
     return ast.TgFile(Source(path, text), params, body)
 

@@ -1,0 +1,196 @@
+"""The .tg language lowers to the same IR as the Python DSL: the same program written in both front
+ends gives isomorphic sharing trees (compiled with the tokenizer only, no model)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import networkx as nx
+import pytest
+
+import treegen
+from treegen.lang.tg import TgError, loads
+from treegen.runtime.loader import load_tokenizer
+
+FEW = "Q: Tom has 3 apples and buys 2 more. How many?\nA: 3 + 2 = 5. The answer is 5.\n\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def same_node(a, b):
+    return a["tokens"] == b["tokens"] and a["kind"] == b["kind"] and a["gen_budget"] == b["gen_budget"]
+
+
+def assert_same_tree(py_compiled, tg_compiled, min_nodes):
+    g1, g2 = py_compiled.tree.graph, tg_compiled.tree.graph
+    assert g1.number_of_nodes() >= min_nodes
+    assert py_compiled.complete == tg_compiled.complete
+    assert nx.is_isomorphic(g1, g2, node_match=same_node)
+
+
+# 1. self-consistency ---------------------------------------------------------------------------------
+@treegen.program
+def self_consistency(s, question, n=4):
+    s += FEW
+    s += f"Q: {question}\nA:"
+    b = s.fork(n)
+    b += treegen.gen("solution", max_tokens=16, temperature=0.7, stop="\n\n")
+    s.join(b)
+
+
+SELF_CONSISTENCY = r'''
+param question = "Ann has 2 pens and gets 3 more. How many?"
+param n = 4
+"Q: Tom has 3 apples and buys 2 more. How many?\nA: 3 + 2 = 5. The answer is 5.\n\n"
+"Q: {question}\nA:"
+fork n { gen solution(max_tokens=16, temperature=0.7, stop="\n\n") }
+join { answer = vote(solution, extract="The answer is (\d+)") }
+'''
+
+
+def test_self_consistency_trees_are_isomorphic(tokenizer):
+    q = "Ann has 2 pens and gets 3 more. How many?"
+    py = self_consistency.compile(q, n=5, tokenizer=tokenizer)
+    tg = loads(SELF_CONSISTENCY).compile(tokenizer=tokenizer, n=5)
+    assert tg.complete  # the vote is lazy: compiling needs no generated value
+    assert_same_tree(py, tg, min_nodes=6)
+
+
+# 2. two levels, per-branch content, include ------------------------------------------------------------
+PROBLEMS = ["Ann has 2 pens and gets 3 more.", "A box has 4 rows of 6 eggs.", "Sam reads 12 pages a day for 3 days."]
+
+
+@treegen.program
+def two_level(s, problems, n):
+    s += FEW
+    b = s.fork(len(problems), content=[f"Q: {p}\nA:" for p in problems])
+    inner = b.fork(n)
+    inner += treegen.gen("solution", max_tokens=8)
+    b.join(inner)
+    s.join(b)
+
+
+def test_two_level_trees_are_isomorphic(tokenizer, tmp_path):
+    (tmp_path / "few.tg").write_text('"""\nQ: Tom has 3 apples and buys 2 more. How many?\n'
+                                     'A: 3 + 2 = 5. The answer is 5.\n\n"""')
+    main = tmp_path / "two_level.tg"
+    main.write_text('''
+param problems = ["x"]
+param n = 3
+include "few.tg"
+fork problem in problems {
+    "Q: {problem}\\nA:"
+    fork n { gen solution(max_tokens=8) }
+    join { answer = vote(solution) }
+}
+join { answers = collect(answer) }
+''')
+    tg = treegen.lang.tg.load(main).compile(tokenizer=tokenizer, problems=PROBLEMS, n=2)
+    py = two_level.compile(PROBLEMS, 2, tokenizer=tokenizer)
+    assert_same_tree(py, tg, min_nodes=1 + 3 + 6)
+
+
+# 3. chat roles, a fork by index, text after a join -------------------------------------------------------
+@treegen.program
+def chat(s):
+    s += treegen.system("Be brief.") + treegen.user("Name a colour.")
+    b = s.fork(3, content=lambda i: treegen.assistant(f"Attempt {i}: " + treegen.gen("colour", max_tokens=5)))
+    s.join(b)
+    s += treegen.user("Thanks.")
+
+
+CHAT = '''
+system "Be brief."
+user "Name a colour."
+fork i in range(3) {
+    assistant { "Attempt {i}: " gen colour(max_tokens=5) }
+}
+join
+user "Thanks."
+'''
+
+
+def test_chat_trees_are_isomorphic(tokenizer):
+    assert_same_tree(chat.compile(tokenizer=tokenizer), loads(CHAT).compile(tokenizer=tokenizer), min_nodes=5)
+
+
+# 4. select -------------------------------------------------------------------------------------------------
+@treegen.program
+def choose(s):
+    s += FEW + "Q: Is 5 odd?\nA:"
+    b = s.fork(2, content=[" Yes or no?", " Answer:"])
+    b += treegen.select("verdict", [" yes", " no", " maybe not"])
+    s.join(b)
+
+
+CHOOSE = r'''
+"Q: Tom has 3 apples and buys 2 more. How many?\nA: 3 + 2 = 5. The answer is 5.\n\nQ: Is 5 odd?\nA:"
+fork prompt in [" Yes or no?", " Answer:"] {
+    "{prompt}"
+    select verdict from [" yes", " no", " maybe not"]
+}
+join
+'''
+
+
+def test_select_trees_are_isomorphic(tokenizer):
+    py, tg = choose.compile(tokenizer=tokenizer), loads(CHOOSE).compile(tokenizer=tokenizer)
+    assert sum(d["kind"] == "choice" for _, d in tg.tree.graph.nodes(data=True)) == 6
+    assert_same_tree(py, tg, min_nodes=9)
+
+
+def test_a_different_program_is_not_isomorphic(tokenizer):
+    """The comparison can fail: one changed budget or one changed word breaks it."""
+    py = self_consistency.compile("Ann has 2 pens and gets 3 more. How many?", n=4, tokenizer=tokenizer)
+    for change in [("max_tokens=16", "max_tokens=17"), ("Ann has 2", "Ann has 3"), ("fork n", "fork 3")]:
+        tg = loads(SELF_CONSISTENCY.replace(*change)).compile(tokenizer=tokenizer)
+        assert not nx.is_isomorphic(py.tree.graph, tg.tree.graph, node_match=same_node), change
+
+
+# parameters and values known only at run time ----------------------------------------------------------------
+def test_parameters_are_checked_when_bound(tokenizer):
+    prog = loads(SELF_CONSISTENCY, "sc.tg")
+    with pytest.raises(TgError, match=r"unknown parameter 'm'; this program takes question, n") as e:
+        prog.compile(tokenizer=tokenizer, m=3)
+    assert str(e.value).startswith("sc.tg:2:1: ")
+    with pytest.raises(TgError, match=r"wrong type: parameter 'n' is an integer, got '3'"):
+        prog.bind({"n": "3"})
+    with pytest.raises(TgError, match=r"wrong type: parameter 'n' is an integer, got True"):
+        prog.bind({"n": True})
+    assert prog.parse_vars(["n=7", "question=a=b"]) == {"n": 7, "question": "a=b"}
+    with pytest.raises(TgError, match=r"parameter 'n' is an integer, got 'seven'"):
+        prog.parse_vars(["n=seven"])
+    with pytest.raises(TgError, match=r"write NAME=VALUE"):
+        prog.parse_vars(["n"])
+    with pytest.raises(TgError, match=r"unknown parameter 'q'"):
+        prog.parse_vars(["q=1"])
+
+    lists = loads('param xs: list\nparam t = 0.5\nfork x in xs { "{x} {t}" }')
+    assert lists.parse_vars(['xs=["a", 2]', "t=1"]) == {"xs": ["a", 2], "t": 1.0}
+    with pytest.raises(TgError, match=r"'xs' is a list of strings or numbers as JSON"):
+        lists.parse_vars(["xs=a,b"])
+    with pytest.raises(TgError, match=r"parameter 'xs' has no default: give it a value \(--var xs=\.\.\.\)"):
+        lists.bind({})
+
+
+def test_run_time_values_are_range_checked_with_positions(tokenizer):
+    prog = loads(SELF_CONSISTENCY, "sc.tg")
+    with pytest.raises(TgError, match=r"the number of branches must be an integer from 1 to 4096, got 0") as e:
+        prog.compile(tokenizer=tokenizer, n=0)
+    assert (e.value.line, e.value.col) == (6, 6)
+    gen_param = loads('param m = 4\n"x"\ngen a(max_tokens=m)', "g.tg")
+    with pytest.raises(TgError, match=r"gen\('a'\): max_tokens must be an integer >= 1, got -1") as e:
+        gen_param.compile(tokenizer=tokenizer, m=-1)
+    assert (e.value.line, e.value.col) == (3, 18)
+    with pytest.raises(TgError, match=r"fork x in \.\.\. needs a list of 1 to 4096 items, got 0 items"):
+        loads('param xs = ["a"]\nfork x in xs {}').compile(tokenizer=tokenizer, xs=[])
+
+
+def test_compile_stops_where_a_generated_value_is_needed(tokenizer):
+    prog = loads(SELF_CONSISTENCY + '"The answer is {answer}."\n', "sc.tg")
+    compiled = prog.compile(tokenizer=tokenizer)
+    assert not compiled.complete and compiled.stopped_at.startswith("sc.tg:8:")
+    assert compiled.tree.graph.number_of_nodes() == 5  # the prompt and the 4 samples are known

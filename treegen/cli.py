@@ -1,0 +1,213 @@
+"""The ``treegen`` command line: check, show and run ``.tg`` programs.
+
+    treegen check FILE...                         parse and validate (no model)
+    treegen show FILE [--var k=v ...] [--model M]  the compiled sharing tree and its KV bytes
+    treegen run FILE [--var k=v ...] [--model M] [--seed S] [--json OUT]
+
+Results go to stdout, diagnostics (errors, progress) to stderr. Exit status: 0 success, 1 a failure
+while running, 2 a mistake in the program, its parameters or the command line, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_MODEL_HELP = "a local Hugging Face checkpoint directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="treegen", description="Check, show and run .tg prompt programs over an explicit sharing tree.",
+        epilog="Exit status: 0 ok, 1 failure while running, 2 mistake in the program or the command, 130 interrupted.")
+    p.add_argument("--version", action="version", version=f"treegen {_version()}")
+    p.add_argument("--traceback", action="store_true", help="show Python tracebacks of internal failures")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    c = sub.add_parser("check", help="parse and validate .tg files (no model)",
+                       description="Parse and validate .tg files, with their includes; no model is loaded.")
+    c.add_argument("files", nargs="+", metavar="FILE")
+    c.set_defaults(func=cmd_check)
+
+    def common(q):
+        q.add_argument("file", metavar="FILE", help="a .tg program")
+        q.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                       help="set a parameter (repeatable); lists as JSON: --var items='[\"a\", \"b\"]'")
+        q.add_argument("--model", default=None, metavar="M", help=_MODEL_HELP)
+        q.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
+                       help="precision of the model and its KV cache (default float32, what run uses)")
+        q.add_argument("--max-children", type=int, default=8, metavar="N",
+                       help="children shown per node, branches per fork (default 8)")
+
+    s = sub.add_parser("show", help="print the compiled sharing tree with KV bytes (no weights loaded)",
+                       description="Compile FILE with the model's tokenizer and config (no weights) and print its "
+                                   "sharing tree: per node a text excerpt, tokens, branches below and KV bytes; "
+                                   "then totals and the saving against storing every branch separately.")
+    common(s)
+    s.set_defaults(func=cmd_show)
+
+    r = sub.add_parser("run", help="run a program on a model",
+                       description="Run FILE on a model and print its results as a tree.")
+    common(r)
+    r.add_argument("--seed", type=int, default=0, help="program seed (default 0)")
+    r.add_argument("--json", metavar="OUT", help="write the executed tree (every branch's text and variables) "
+                                                 "as JSON to OUT ('-' for stdout)")
+    r.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    r.add_argument("--no-progress", action="store_true", help="no progress display")
+    r.set_defaults(func=cmd_run)
+    return p
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("treegen")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"
+
+
+def _consoles():
+    from rich.console import Console
+
+    return Console(), Console(stderr=True)
+
+
+def _load(path: str):
+    from treegen.lang.tg import load
+
+    return load(path)
+
+
+def _short(value, width: int = 32) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# commands -------------------------------------------------------------------------------------------
+def cmd_check(args) -> int:
+    from treegen.lang.tg import TgError
+
+    status = EXIT_OK
+    for path in args.files:
+        try:
+            prog = _load(path)
+        except TgError as e:
+            print(e, file=sys.stderr)
+            status = EXIT_USAGE
+            continue
+        params = ", ".join(f"{n}: {s.type}" + ("" if s.required else f" = {_short(s.default)}")
+                           for n, s in prog.params.items())
+        print(f"{path}: ok" + (f" (parameters: {params})" if params else ""))
+    return status
+
+
+def cmd_show(args) -> int:
+    from treegen.render import sharing_tree_view, stats_table
+    from treegen.runtime.loader import load_config, load_tokenizer
+    from treegen.tree.sharing_tree import KVShape
+
+    prog = _load(args.file)
+    values = prog.parse_vars(args.var)
+    prog.bind(values)  # report parameter mistakes before loading anything
+    tokenizer = load_tokenizer(args.model)
+    kv = KVShape.from_config(load_config(args.model), _DTYPES[args.dtype])
+    compiled = prog.compile(tokenizer=tokenizer, **values)
+    out, err = _consoles()
+    model = args.model or "SmolLM2-135M-Instruct (embedded)"
+    title = f"{args.file} · {model} · {kv.bytes_per_token} B of KV per token ({args.dtype})"
+    out.print(sharing_tree_view(compiled.tree, kv, tokenizer, title, args.max_children))
+    out.print(stats_table(compiled.stats(kv)))
+    if not compiled.complete:
+        out.print(f"[yellow]partial tree:[/] it grows while running, from {compiled.stopped_at}", highlight=False)
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from treegen.render import TreeWatch, result_view
+    from treegen.runtime.engine import Engine
+
+    prog = _load(args.file)
+    values = prog.parse_vars(args.var)
+    prog.bind(values)
+    if args.json and args.json != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        print(f"treegen: error: --json {args.json}: no such folder", file=sys.stderr)
+        return EXIT_USAGE
+    out, err = _consoles()
+    watch = TreeWatch()
+    dtype = getattr(torch, args.dtype)
+    progress = not args.no_progress
+
+    def work():
+        _quiet_transformers()
+        engine = Engine.load(args.model, dtype=dtype, device=args.device)
+        start = time.perf_counter()
+        return prog.run(engine, seed=args.seed, watch=watch, **values), time.perf_counter() - start
+
+    result, seconds = watch.run(work, err, enabled=progress)
+    if args.json:
+        text = json.dumps(result.to_json(), indent=2, ensure_ascii=False)
+        if args.json == "-":
+            print(text)
+            return EXIT_OK
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    out.print(result_view(result, args.max_children))
+    tokens = sum(len(d["tokens"]) for _, d in result.state.tree.graph.nodes(data=True))
+    err.print(f"[dim]ran in {seconds:.1f} s · {tokens} tokens in the tree"
+              + (f" · wrote {args.json}" if args.json else "") + "[/]", highlight=False)
+    return EXIT_OK
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+
+
+# entry point ----------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse exits with 2 on usage errors)."""
+    args = _parser().parse_args(argv)
+    from treegen.lang.tg import TgError
+    from treegen.runtime.model import ModelNotFoundError, UnsupportedModelError
+
+    try:
+        return args.func(args)
+    except TgError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except (ModelNotFoundError, UnsupportedModelError) as e:
+        print(f"treegen: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # e.g. --json into a missing folder
+        print(f"treegen: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("treegen: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - a failure while running, reported without a traceback
+        if args.traceback or os.environ.get("TREEGEN_TRACEBACK"):
+            traceback.print_exc()
+        print(f"treegen: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def run_cli() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run_cli()

@@ -1,0 +1,317 @@
+"""Static checks of a ``.tg`` program: scopes, types and ranges, before any model is involved.
+
+Every variable has a type: a base (``str``, ``int``, ``float``) and a list depth. ``gen`` and
+``select`` set ``str`` values in the current branch; a fork's ``join`` brings every variable its
+branches set back as a list (depth + 1); reductions turn lists back into values. Text may only read
+single values (depth 0). Values only known at run time (parameters given on the command line) are
+checked again when they are bound or used (:mod:`treegen.lang.tg.lower`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+
+from treegen.lang.tg import ast
+from treegen.lang.tg.errors import Pos, TgError
+from treegen.runtime.sampler import SamplingParams
+
+MAX_BRANCHES = 4096
+PARAM_TYPES = ("str", "int", "float", "list")
+GEN_ARGS = {"max_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int", "stop": "text",
+            "seed": "int"}
+# reduction -> (argument names in order, required ones)
+REDUCTIONS = {"collect": (("values",), ("values",)), "vote": (("values", "extract"), ("values",)),
+              "best": (("values", "by"), ("values", "by")), "top_k": (("values", "by", "k"), ("values", "by", "k"))}
+
+
+@dataclass(frozen=True)
+class Type:
+    base: str  # "str" | "int" | "float"
+    depth: int = 0
+
+    def __str__(self) -> str:
+        return "list of " * self.depth + ("string" if self.base == "str" else self.base)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A declared parameter: its type name (one of PARAM_TYPES), default (None = required)."""
+
+    name: str
+    type: str
+    default: object
+    pos: Pos
+
+    @property
+    def required(self) -> bool:
+        return self.default is None
+
+
+@dataclass
+class _Scope:
+    vars: dict[str, Type]
+    assigned: set[str] = field(default_factory=set)  # set in this branch since its fork
+    unjoined: dict[str, Pos] = field(default_factory=dict)  # set in a fork that has no join
+
+    def set(self, name: str, t: Type) -> None:
+        self.vars[name] = t
+        self.assigned.add(name)
+        self.unjoined.pop(name, None)
+
+    def child(self) -> "_Scope":
+        return _Scope(dict(self.vars), set(), dict(self.unjoined))
+
+
+def literal_value(v: ast.Value, what: str):
+    """The Python value of a literal (a list literal holds strings and numbers)."""
+    if isinstance(v, ast.Lit):
+        return v.value
+    if isinstance(v, ast.ListLit):
+        for item in v.items:
+            if not isinstance(item, ast.Lit):
+                raise TgError(f"{what}: list items must be written as strings or numbers", item.pos)
+        return [item.value for item in v.items]
+    raise TgError(f"{what} must be written literally, not read from a variable", v.pos)
+
+
+def _lit_type(value) -> Type:
+    if isinstance(value, list):
+        bases = {_lit_type(x).base for x in value}
+        return Type(bases.pop() if len(bases) == 1 else "str", 1)
+    return Type("str" if isinstance(value, str) else "int" if isinstance(value, int) else "float")
+
+
+def param_specs(file: ast.TgFile) -> dict[str, ParamSpec]:
+    """Check the parameter declarations; their types and defaults by name."""
+    specs: dict[str, ParamSpec] = {}
+    started = False
+    for st in file.body:
+        if not isinstance(st, ast.Param):
+            started = True
+        elif started:
+            raise TgError("parameters are declared at the top of the file, before other statements", st.pos)
+    for p in file.params:
+        if p.name in specs:
+            raise TgError(f"parameter {p.name!r} is declared twice (first at line {specs[p.name].pos.line})", p.pos)
+        if p.type is not None and p.type not in PARAM_TYPES:
+            raise TgError(f"unknown type {p.type!r}; a parameter is one of {', '.join(PARAM_TYPES)}",
+                          p.type_pos or p.pos)
+        default = literal_value(p.default, f"the default of {p.name!r}") if p.default is not None else None
+        have = None if default is None else "list" if isinstance(default, list) else _lit_type(default).base
+        declared = p.type or have or "str"
+        if have is not None and have != declared and not (declared == "float" and have == "int"):
+            raise TgError(f"wrong type: the default of {p.name!r} is a {_TYPE_WORDS[have]}, "
+                          f"but it is declared {declared}", p.default.pos)
+        if declared == "float" and isinstance(default, int):
+            default = float(default)
+        specs[p.name] = ParamSpec(p.name, declared, default, p.pos)
+    return specs
+
+
+_TYPE_WORDS = {"str": "string", "int": "integer", "float": "number", "list": "list"}
+
+
+def param_type(spec: ParamSpec) -> Type:
+    if spec.type == "list":
+        return _lit_type(spec.default) if spec.default else Type("str", 1)
+    return Type(spec.type)
+
+
+def check(file: ast.TgFile) -> dict[str, ParamSpec]:
+    """Raise :class:`TgError` for the first mistake; return the parameter specs."""
+    specs = param_specs(file)
+    scope = _Scope({name: param_type(s) for name, s in specs.items()})
+    _block([st for st in file.body if not isinstance(st, ast.Param)], scope)
+    return specs
+
+
+def _block(body, scope: _Scope) -> None:
+    for st in body:
+        _statement(st, scope)
+
+
+def _statement(st, scope: _Scope) -> None:
+    if isinstance(st, ast.Param):
+        raise TgError("param is only allowed at the top of the main file", st.pos)
+    if isinstance(st, ast.Text):
+        for part in st.parts:
+            if isinstance(part, ast.Var):
+                t = _read(part, scope)
+                if t.depth:
+                    raise TgError(f"wrong type: {{{part.name}}} is a {t} (one value per branch) and text needs one "
+                                  "value; reduce it in the join (vote, best, ...) or fork over it", part.pos)
+    elif isinstance(st, ast.Message):
+        for inner in st.body:
+            if not isinstance(inner, (ast.Text, ast.Gen, ast.Select)):
+                raise TgError(f"only text, gen and select can appear inside a {st.role} message", inner.pos)
+            _statement(inner, scope)
+    elif isinstance(st, ast.Gen):
+        _gen(st, scope)
+        scope.set(st.name, Type("str"))
+    elif isinstance(st, ast.Select):
+        _select(st, scope)
+        scope.set(st.name, Type("str"))
+    elif isinstance(st, ast.Fork):
+        _fork(st, scope)
+    elif isinstance(st, ast.Include):
+        _block(st.body or (), scope)
+    else:  # a join the parser could not attach cannot reach here
+        raise TgError(f"unexpected {type(st).__name__.lower()}", st.pos)
+
+
+def _read(var: ast.Var, scope: _Scope) -> Type:
+    if var.name in scope.vars:
+        return scope.vars[var.name]
+    if var.name in scope.unjoined:
+        raise TgError(f"undefined variable {var.name!r}: it is set inside the fork at line "
+                      f"{scope.unjoined[var.name].line}, which has no join (add 'join' after that fork's closing '}}')",
+                      var.pos)
+    close = difflib.get_close_matches(var.name, sorted(scope.vars), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise TgError(f"undefined variable {var.name!r}{hint}", var.pos)
+
+
+def _value_type(v: ast.Value, scope: _Scope, what: str) -> Type:
+    if isinstance(v, ast.Var):
+        return _read(v, scope)
+    return _lit_type(literal_value(v, what))
+
+
+def _expect_int(v: ast.Value, scope: _Scope, what: str, low: int, high: int | None = None) -> None:
+    t = _value_type(v, scope, what)
+    if t != Type("int"):
+        shown = f"got {v.value!r}" if isinstance(v, ast.Lit) else f"but {v.name!r} is a {t}" \
+            if isinstance(v, ast.Var) else "got a list"
+        raise TgError(f"wrong type: {what} must be an integer, {shown}", v.pos)
+    if isinstance(v, ast.Lit) and not (low <= v.value and (high is None or v.value <= high)):
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise TgError(f"{what} must be an integer {bound}, got {v.value}", v.pos)
+
+
+def _gen(st: ast.Gen, scope: _Scope) -> None:
+    seen: set[str] = set()
+    for kw in st.args:
+        if kw.name not in GEN_ARGS:
+            close = difflib.get_close_matches(kw.name, list(GEN_ARGS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TgError(f"unknown parameter {kw.name!r} for gen ({hint}gen takes {', '.join(GEN_ARGS)})", kw.pos)
+        if kw.name in seen:
+            raise TgError(f"gen {st.name}: {kw.name} is given twice", kw.pos)
+        seen.add(kw.name)
+        want = GEN_ARGS[kw.name]
+        if isinstance(kw.value, ast.Var):
+            t = _read(kw.value, scope)
+            ok = {"int": t == Type("int"), "number": t in (Type("int"), Type("float")),
+                  "text": t == Type("str") or (t.depth == 1 and t.base == "str")}[want]
+            if not ok:
+                raise TgError(f"wrong type: {kw.name} needs {'text' if want == 'text' else 'a ' + want}, "
+                              f"but {kw.value.name!r} is a {t}", kw.value.pos)
+            continue
+        value = literal_value(kw.value, f"gen {kw.name}")
+        try:
+            SamplingParams(**{kw.name: value})
+        except (ValueError, TypeError) as e:
+            raise TgError(f"gen {st.name}: {e}", kw.value.pos) from None
+
+
+def _select(st: ast.Select, scope: _Scope) -> None:
+    if isinstance(st.choices, ast.Var):
+        t = _read(st.choices, scope)
+        if t.depth != 1:
+            raise TgError(f"wrong type: select needs a list of choices, but {st.choices.name!r} is a {t}",
+                          st.choices.pos)
+        return
+    choices = literal_value(st.choices, "select choices")
+    if not isinstance(choices, list) or not choices:
+        raise TgError('select needs a non-empty list of choices, e.g. from ["yes", "no"]', st.choices.pos)
+    for item, value in zip(st.choices.items, choices):
+        if not isinstance(value, str) or not value:
+            raise TgError(f"each choice must be a non-empty string, got {value!r}", item.pos)
+
+
+def _fork(st: ast.Fork, scope: _Scope) -> None:
+    child = scope.child()
+    if st.kind in ("count", "range"):
+        _expect_int(st.source, scope, "the number of branches", 1, MAX_BRANCHES)
+        if st.var:
+            child.set(st.var, Type("int"))
+    else:
+        if isinstance(st.source, ast.Var):
+            t = _read(st.source, scope)
+            if not t.depth:
+                raise TgError(f"wrong type: fork {st.var} in ... needs a list, but {st.source.name!r} is a {t}",
+                              st.source.pos)
+            elem = Type(t.base, t.depth - 1)
+        else:
+            items = literal_value(st.source, "fork over a list")
+            if not isinstance(items, list) or not items:
+                raise TgError("fork NAME in [...] needs a non-empty list", st.source.pos)
+            if len(items) > MAX_BRANCHES:
+                raise TgError(f"a fork has at most {MAX_BRANCHES} branches, this list has {len(items)}", st.source.pos)
+            elem = Type(_lit_type(items).base)
+        child.set(st.var, elem)
+    _block(st.body, child)
+    if st.join is None:
+        for name in sorted(child.assigned):
+            if name not in scope.vars:
+                scope.unjoined.setdefault(name, st.pos)
+        return
+    for name in sorted(child.assigned):
+        t = child.vars[name]
+        scope.set(name, Type(t.base, t.depth + 1))
+    for red in st.join.reductions:
+        scope.set(red.target, _reduction(red, scope))
+
+
+def _reduction(red: ast.Reduction, scope: _Scope) -> Type:
+    if red.fn not in REDUCTIONS:
+        close = difflib.get_close_matches(red.fn, list(REDUCTIONS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TgError(f"unknown reduction {red.fn!r}{hint}; a join can use {', '.join(REDUCTIONS)}", red.pos)
+    names, required = REDUCTIONS[red.fn]
+    sig = f"{red.fn}({', '.join(names)})"
+    if len(red.args) > len(names):
+        raise TgError(f"too many arguments: {sig}", red.args[len(names)].pos)
+    args: dict[str, ast.Value] = dict(zip(names, red.args))
+    for kw in red.kwargs:
+        if kw.name not in names:
+            raise TgError(f"unknown argument {kw.name!r} for {sig}", kw.pos)
+        if kw.name in args:
+            raise TgError(f"{kw.name} is given twice", kw.pos)
+        args[kw.name] = kw.value
+    for name in required:
+        if name not in args:
+            raise TgError(f"{red.fn} needs {name}: {sig}", red.pos)
+    lists = {}
+    for name in ("values", "by"):
+        if name in args:
+            v = args[name]
+            if not isinstance(v, ast.Var):
+                raise TgError(f"{red.fn}: {name} must be a variable with one value per branch", v.pos)
+            lists[name] = _read(v, scope)
+            if not lists[name].depth:
+                raise TgError(f"wrong type: {red.fn} needs a list (one value per branch), but {v.name!r} is a "
+                              f"{lists[name]}", v.pos)
+    values = lists["values"]
+    if red.fn == "vote":
+        if values.depth != 1:
+            raise TgError(f"wrong type: vote needs a list of single values, but {args['values'].name!r} is a {values}",
+                          args["values"].pos)
+        if "extract" in args:
+            pattern = literal_value(args["extract"], "vote: extract")
+            if not isinstance(pattern, str):
+                raise TgError('vote: extract must be a regular expression in a string, e.g. extract="answer is (\\d+)"',
+                              args["extract"].pos)
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise TgError(f"vote: extract is not a valid regular expression: {e}", args["extract"].pos) from None
+        return Type("str")
+    if red.fn == "top_k":
+        _expect_int(args["k"], scope, "top_k: k", 1)
+        return values
+    if red.fn == "best":
+        return Type(values.base, values.depth - 1)
+    return values  # collect

@@ -1,0 +1,184 @@
+"""A loaded ``.tg`` program: bind its parameters, compile its tree, run it, save the results.
+
+    prog = treegen.lang.tg.load("examples/self_consistency.tg")
+    prog.compile(tokenizer=tok, n=8).tree           # the sharing tree, no model
+    result = prog.run(engine, seed=0, n=8)
+    result["answer"], result.to_json()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Callable, Mapping
+
+from treegen.lang.dsl import CompiledProgram, Program
+from treegen.lang.tg import ast
+from treegen.lang.tg.check import ParamSpec, check
+from treegen.lang.tg.errors import Pos, TgError
+from treegen.lang.tg.lower import Branch, Lowering, read, resolve
+from treegen.lang.tg.parser import parse, parse_file
+
+
+class TgProgram:
+    """A parsed and checked ``.tg`` file."""
+
+    def __init__(self, file: ast.TgFile) -> None:
+        self.file = file
+        self.params: dict[str, ParamSpec] = check(file)
+
+    @property
+    def path(self) -> str:
+        return self.file.source.path
+
+    @property
+    def name(self) -> str:
+        return os.path.splitext(os.path.basename(self.path))[0]
+
+    # parameters -----------------------------------------------------------------------------------
+    def _where(self) -> Pos:
+        return self.file.params[0].pos if self.file.params else Pos(self.file.source, 1, 1)
+
+    def bind(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Every parameter's value: given, else its default. Checks names and types."""
+        unknown = sorted(set(values) - set(self.params))
+        if unknown:
+            takes = ", ".join(self.params) if self.params else "no parameters"
+            raise TgError(f"unknown parameter {unknown[0]!r}; this program takes {takes}", self._where())
+        out = {}
+        for name, spec in self.params.items():
+            if name in values:
+                out[name] = _checked(spec, values[name])
+            elif spec.required:
+                raise TgError(f"parameter {name!r} has no default: give it a value (--var {name}=...)", spec.pos)
+            else:
+                out[name] = spec.default
+        return out
+
+    def parse_vars(self, assignments: list[str]) -> dict[str, Any]:
+        """``["n=8", "question=..."]`` (command-line ``--var``) -> typed values."""
+        out: dict[str, Any] = {}
+        for a in assignments:
+            name, eq, text = a.partition("=")
+            name = name.strip()
+            if not eq or not name:
+                raise TgError(f"--var {a!r}: write NAME=VALUE", self._where())
+            if name not in self.params:
+                self.bind({name: None})  # raises the unknown-parameter error
+            out[name] = _from_text(self.params[name], text)
+        return out
+
+    # running --------------------------------------------------------------------------------------
+    def compile(self, *, tokenizer, **values) -> CompiledProgram:
+        """The sharing tree built with ``tokenizer`` only (see :meth:`treegen.Program.compile`)."""
+        lowering = Lowering(self.file, self.bind(values))
+        return Program(_body(lowering)).compile(tokenizer=tokenizer)
+
+    def run(self, engine, *, seed: int = 0, watch: Callable | None = None, **values) -> "TgResult":
+        """Run on ``engine``. ``watch(tree)`` is called with the run's sharing tree when it starts."""
+        bound = self.bind(values)
+        lowering = Lowering(self.file, bound, watch)
+        root = Program(_body(lowering)).run(engine, seed=seed)
+        assert lowering.root is not None and lowering.root.state is root
+        return TgResult(self, lowering.root, bound, seed, engine.tokenizer)
+
+
+def _body(lowering: Lowering) -> Callable:
+    def body(s):
+        lowering(s)
+    return body
+
+
+_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "list": "a list of strings or numbers"}
+
+
+def _checked(spec: ParamSpec, value):
+    ok = {
+        "str": isinstance(value, str),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "list": isinstance(value, (list, tuple)) and all(isinstance(x, (str, int, float)) and not isinstance(x, bool)
+                                                         for x in value),
+    }[spec.type]
+    if not ok:
+        raise TgError(f"wrong type: parameter {spec.name!r} is {_WORDS[spec.type]}, got {value!r:.80}", spec.pos)
+    return float(value) if spec.type == "float" else list(value) if spec.type == "list" else value
+
+
+def _from_text(spec: ParamSpec, text: str):
+    try:
+        if spec.type == "int":
+            return int(text.strip())
+        if spec.type == "float":
+            return float(text.strip())
+        if spec.type == "list":
+            value = json.loads(text)
+            return _checked(spec, value) if isinstance(value, list) else _checked(spec, None)
+    except (ValueError, json.JSONDecodeError):
+        hint = ' as JSON, e.g. --var NAME=\'["a", "b"]\'' if spec.type == "list" else ""
+        raise TgError(f"wrong type: parameter {spec.name!r} is {_WORDS[spec.type]}{hint}, got {text!r:.80}",
+                      spec.pos) from None
+    return text
+
+
+class TgResult:
+    """A finished run: the root branch (with every fork and branch below), values and texts."""
+
+    def __init__(self, program: TgProgram, root: Branch, values: dict, seed: int, tokenizer) -> None:
+        self.program, self.root, self.values, self.seed, self.tokenizer = program, root, values, seed, tokenizer
+
+    @property
+    def state(self):
+        return self.root.state
+
+    def __getitem__(self, name: str):
+        return read(self.root.state, name)
+
+    def variables(self, branch: Branch) -> dict:
+        """The branch's own variables (not the parameters or what it inherited), resolved."""
+        own = branch.own_variables()
+        if branch is self.root:
+            own = {k: v for k, v in own.items() if k not in self.values or v is not self.values[k]}
+        return {k: resolve(branch.state[k]) for k in own}
+
+    def text(self, branch: Branch) -> str:
+        """The text the branch added after it was forked (the whole text for the root)."""
+        return self.tokenizer.decode(branch.state.tokens()[branch.start:])
+
+    def to_json(self) -> dict:
+        """The executed tree: parameters, then per branch its text, variables and details, forks below."""
+        return _clean({"program": self.program.path, "seed": self.seed, "parameters": self.values,
+                       **self._branch_json(self.root)})
+
+    def _branch_json(self, b: Branch) -> dict:
+        out = {} if b is self.root else {"index": b.index, "bindings": b.bindings}
+        out |= {"text": self.text(b), "variables": self.variables(b),
+                "info": {k: v for k, v in b.state.info.items() if k in b.own_variables()}}
+        if b is not self.root:
+            out["full_text"] = b.state.text()
+        out["forks"] = [{"fork": run.label, "file": run.fork.pos.source.path, "line": run.fork.pos.line,
+                         "joined": run.fork.join is not None, "branches": [self._branch_json(c) for c in run.branches]}
+                        for run in b.forks]
+        return out
+
+
+def _clean(x):
+    """JSON-safe: tuples as lists, non-finite floats as null."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def load(path: str | os.PathLike) -> TgProgram:
+    """Parse, resolve includes and check a ``.tg`` file. Raises :class:`TgError`."""
+    return TgProgram(parse_file(path))
+
+
+def loads(text: str, path: str = "<string>") -> TgProgram:
+    """Like :func:`load`, from text (``include`` paths relative to ``path``'s folder, or the cwd)."""
+    return TgProgram(parse(text, path))

@@ -1,0 +1,195 @@
+"""Rich views for the command line: a sharing tree with its KV bytes, a run's results, live progress."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.tree import Tree
+
+from treegen.lang.tg.lower import Branch
+from treegen.lang.tg.program import TgResult
+from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
+
+
+def excerpt(text, width: int = 48) -> str:
+    """One line, newlines shown as \\n, cut to ``width`` characters with an ellipsis."""
+    s = repr(text) if not isinstance(text, str) else repr(text)[1:-1] if text else "''"
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("ch") else "s")
+
+
+# the sharing tree ----------------------------------------------------------------------------------
+def sharing_tree_view(tree: SharingTree, kv: KVShape, tokenizer, title: str, max_children: int = 8) -> Tree:
+    """Per node: id, a text excerpt, tokens (+ budget still to generate), branches below, KV bytes."""
+    view = Tree(escape(title), guide_style="dim")
+    roots = [n for n in tree.live_nodes() if tree.parent(n) is None]
+
+    def label(n: int) -> str:
+        data = tree.graph.nodes[n]
+        text = escape(excerpt(tokenizer.decode(data["tokens"]))) if data["tokens"] else "[dim](empty)[/]"
+        budget = f" [yellow]+{data['gen_budget']} gen[/]" if data["gen_budget"] else ""
+        kind = " [magenta]choice[/]" if data["kind"] == "choice" else ""
+        kv_bytes = human_bytes(tree.size(n) * kv.bytes_per_token)
+        return (f"[bold]#{n}[/]{kind} [green]{text}[/] [dim]·[/] {len(data['tokens'])} tok{budget} [dim]·[/] "
+                f"{_plural(tree.branches_below(n), 'branch')} [dim]·[/] [cyan]{kv_bytes}[/]")
+
+    def add(parent: Tree, n: int) -> None:
+        node = parent.add(label(n))
+        kids = [c for c in tree.children(n) if not tree.graph.nodes[c]["pruned"]]
+        for c in kids[:max_children]:
+            add(node, c)
+        if len(kids) > max_children:
+            rest = kids[max_children:]
+            more = sum(tree.branches_below(c) for c in rest)
+            node.add(f"[dim]… {len(rest)} more nodes here ({_plural(more, 'branch')}); --max-children shows more[/]")
+
+    for r in roots:
+        add(view, r)
+    return view
+
+
+def stats_table(stats: TreeStats) -> Table:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column(style="dim")
+    table.add_row("nodes", str(stats.nodes), "")
+    table.add_row("branches", str(stats.branches), "")
+    table.add_row("KV stored", human_bytes(stats.stored_bytes), f"{stats.stored_tokens} tokens, each node once")
+    table.add_row("KV unshared", human_bytes(stats.unshared_bytes),
+                  f"{stats.unshared_tokens} tokens, every branch its own copy")
+    table.add_row("saving", f"{100 * stats.saving:.1f} %",
+                  f"{human_bytes(stats.unshared_bytes - stats.stored_bytes)} less")
+    return table
+
+
+# results ---------------------------------------------------------------------------------------------
+def _detail(info: dict) -> str:
+    kind = info.get("reduction")
+    if kind == "vote":
+        votes = ", ".join(f"{excerpt(a, 16)}×{c}" for a, c in info["votes"].items()) or "no answers"
+        return f"votes: {votes}"
+    if kind == "best":
+        return f"branch {info['index']}"
+    if kind == "top_k":
+        return "branches " + ", ".join(map(str, info["indices"]))
+    if "choice_index" in info:
+        return "select"
+    if "finish_reason" in info:
+        return f"{info['tokens']} tok, {info['finish_reason']}"
+    return ""
+
+
+def _variables_label(result: TgResult, b: Branch, width: int) -> str:
+    parts = []
+    for name, value in result.variables(b).items():
+        if name in b.bindings:
+            continue
+        detail = _detail(b.state.info.get(name, {}))
+        detail = f" [dim]({escape(detail)})[/]" if detail else ""
+        parts.append(f"[bold]{name}[/] = [green]{escape(excerpt(value, width))}[/]{detail}")
+    return "\n".join(parts)
+
+
+def result_view(result: TgResult, max_children: int = 8, width: int = 60) -> Tree:
+    """The run as a tree: the root's variables, then each fork's branches with theirs."""
+    view = Tree(f"[bold]{escape(result.program.path)}[/] [dim](seed {result.seed})[/]", guide_style="dim")
+    top = _variables_label(result, result.root, width)
+    if top:
+        view.add(top)
+
+    def add_forks(node: Tree, b: Branch) -> None:
+        for run in b.forks:
+            fork_node = node.add(f"[blue]{escape(run.label)}[/]")
+            for child in run.branches[:max_children]:
+                binds = " ".join(f"{k}={escape(excerpt(v, 24))}" for k, v in child.bindings.items())
+                head = f"[bold]\\[{child.index}][/] {binds}".rstrip()
+                body = _variables_label(result, child, width)
+                sub = fork_node.add(head + ("\n" + body if body else ""))
+                add_forks(sub, child)
+            if len(run.branches) > max_children:
+                fork_node.add(f"[dim]… {len(run.branches) - max_children} more branches (--json has them all)[/]")
+
+    add_forks(view, result.root)
+    return view
+
+
+# progress ---------------------------------------------------------------------------------------------
+class TreeWatch:
+    """Polls a run's sharing tree from the main thread while the program runs in a worker thread.
+
+    The engine has no progress callback, so what is shown is read from the tree: tokens it holds,
+    the growth rate of that count (the decode rate while branches generate), live branches, and
+    branches with a ``gen`` in flight (nodes with a generation budget).
+    """
+
+    def __init__(self) -> None:
+        self.tree: SharingTree | None = None
+
+    def __call__(self, tree: SharingTree) -> None:
+        self.tree = tree
+
+    def sample(self) -> tuple[int, int, int] | None:
+        """(tokens, live branches, generating) or None when the tree changed under the read."""
+        if self.tree is None:
+            return None
+        g = self.tree.graph
+        try:
+            nodes = list(g.nodes(data=True))
+            parents = {u for u, v in list(g.edges()) if not g.nodes[v]["pruned"]}
+        except RuntimeError:  # mutated while reading; try at the next tick
+            return None
+        tokens = sum(len(d["tokens"]) for _, d in nodes)
+        live = [n for n, d in nodes if not d["pruned"]]
+        branches = sum(1 for n in live if n not in parents)
+        generating = sum(1 for _, d in nodes if d["gen_budget"] > 0 and not d["pruned"])
+        return tokens, branches, generating
+
+    def run(self, work: Callable[[], object], console: Console, enabled: bool = True):
+        """Run ``work()`` in a thread, showing progress on ``console``; return its result or raise its error."""
+        box: dict = {}
+
+        def target():
+            try:
+                box["value"] = work()
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name="treegen-run", daemon=True)
+        thread.start()
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=True, disable=not enabled) as progress:
+            task = progress.add_task("loading the model", total=None)
+            last, rate = None, 0.0
+            while thread.is_alive():
+                thread.join(0.25)
+                s = self.sample()
+                if s is None:
+                    continue
+                now = time.perf_counter()
+                if last is not None and s[2] and now > last[0]:
+                    rate = 0.7 * rate + 0.3 * max(s[0] - last[1], 0) / (now - last[0])
+                last = (now, s[0])
+                branches = _plural(s[1], "branch")
+                what = f"generating {s[2]}/{branches}" if s[2] else f"running · {branches}"
+                progress.update(task, description=f"{what} · {s[0]} tokens · {rate:.1f} tok/s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
