@@ -3,6 +3,7 @@
     treegen check FILE...                         parse and validate (no model)
     treegen show FILE [--var k=v ...] [--model M]  the compiled sharing tree and its KV bytes
     treegen run FILE [--var k=v ...] [--model M] [--seed S] [--json OUT]
+    treegen run FILE --batch INPUTS.jsonl ...       one program per line of parameter values, one workload
 
 Results go to stdout, diagnostics (errors, progress) to stderr. Exit status: 0 success, 1 a failure
 while running, 2 a mistake in the program, its parameters or the command line, 130 interrupted.
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="program seed (default 0)")
     r.add_argument("--json", metavar="OUT", help="write the executed tree (every branch's text and variables) "
                                                  "as JSON to OUT ('-' for stdout)")
+    r.add_argument("--batch", metavar="JSONL",
+                   help="run the program once per line of JSONL (a JSON object of parameter values, over the "
+                        "--var values) as one workload: shared prompt prefixes are found and stored once; "
+                        "--json then writes a list with one result per line")
     r.add_argument("--device", default="cpu", help="torch device (default cpu)")
     r.add_argument("--no-progress", action="store_true", help="no progress display")
     r.set_defaults(func=cmd_run)
@@ -138,6 +143,7 @@ def cmd_run(args) -> int:
     prog = _load(args.file)
     values = prog.parse_vars(args.var)
     prog.bind(values)
+    batch = _read_batch(prog, args.batch, values) if args.batch else None
     if args.json and args.json != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         print(f"treegen: error: --json {args.json}: no such folder", file=sys.stderr)
         return EXIT_USAGE
@@ -150,9 +156,13 @@ def cmd_run(args) -> int:
         _quiet_transformers()
         engine = Engine.load(args.model, dtype=dtype, device=args.device)
         start = time.perf_counter()
+        if batch is not None:
+            return prog.run_batch(engine, batch, seed=args.seed, watch=watch), time.perf_counter() - start
         return prog.run(engine, seed=args.seed, watch=watch, **values), time.perf_counter() - start
 
     result, seconds = watch.run(work, err, enabled=progress)
+    if batch is not None:
+        return _report_batch(args, result, seconds, out, err)
     if args.json:
         text = json.dumps(result.to_json(), indent=2, ensure_ascii=False)
         if args.json == "-":
@@ -163,6 +173,56 @@ def cmd_run(args) -> int:
     out.print(result_view(result, args.max_children))
     tokens = sum(len(d["tokens"]) for _, d in result.state.tree.graph.nodes(data=True))
     err.print(f"[dim]ran in {seconds:.1f} s · {tokens} tokens in the tree"
+              + (f" · wrote {args.json}" if args.json else "") + "[/]", highlight=False)
+    return EXIT_OK
+
+
+def _read_batch(prog, path: str, values: dict) -> list[dict]:
+    """The JSONL inputs of ``--batch``: per line a JSON object of parameter values over ``values``."""
+    from treegen.lang.tg import TgError
+    from treegen.lang.tg.errors import Pos, Source
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise TgError(f"--batch {path}: {e.strerror}", prog._where()) from None
+    source, out = Source(path, "\n".join(lines)), []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TgError(f"--batch: not JSON: {e.msg}", Pos(source, i, e.colno)) from None
+        if not isinstance(item, dict):
+            raise TgError("--batch: each line must be a JSON object of parameter values", Pos(source, i, 1))
+        try:
+            prog.bind(values | item)
+        except TgError as e:
+            raise TgError(f"--batch {path} line {i}: {e.message}", e.pos) from None
+        out.append(values | item)
+    if not out:
+        raise TgError(f"--batch {path}: no inputs", prog._where())
+    return out
+
+
+def _report_batch(args, results, seconds: float, out, err) -> int:
+    from treegen.render import result_view
+
+    if args.json:
+        text = json.dumps([r.to_json() for r in results], indent=2, ensure_ascii=False)
+        if args.json == "-":
+            print(text)
+            return EXIT_OK
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    for i, r in enumerate(results):
+        out.rule(f"input {i + 1} of {len(results)}")
+        out.print(result_view(r, args.max_children))
+    tree = results[0].state.tree
+    tokens = sum(len(d["tokens"]) for _, d in tree.graph.nodes(data=True))
+    err.print(f"[dim]{len(results)} programs ran in {seconds:.1f} s as one workload · {tokens} tokens in the tree"
               + (f" · wrote {args.json}" if args.json else "") + "[/]", highlight=False)
     return EXIT_OK
 

@@ -22,9 +22,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from treegen.lang.batch import Cooperative
 from treegen.lang.interpreter import ProgramRun, State, StopTrace
 from treegen.lang.ir import Gen, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.sampler import SamplingParams
+from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
 
 
@@ -133,6 +135,38 @@ class Program:
             return CompiledProgram(run.tree, False, str(stop), tokenizer=tokenizer, kv_shape=kv_shape)
         return CompiledProgram(run.tree, True, None, tokenizer=tokenizer, kv_shape=kv_shape)
 
+    def run_batch(self, engine, inputs, /, *, seed: int = 0, seeds: list[int] | None = None,
+                  share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING) -> list[State]:
+        """Run the program once per input as **one** workload; returns the root states, in input order.
+
+        ``inputs``: one entry per program — a dict of keyword arguments, or a tuple/list of positional
+        ones. All programs' states live in one sharing tree and their ``gen`` / ``select`` requests
+        run together (see :mod:`treegen.lang.batch`). Before the first flush, common token prefixes
+        of the programs' prompts become shared nodes (``share_prefixes``) and shared nodes saving
+        fewer than ``min_shared_saving`` KV token reads per decode step are dissolved (None: keep
+        all; see :func:`treegen.tree.passes.simplify`).
+
+        Seeds: program ``i`` uses ``seeds[i]`` if given, else ``seed``; its branches' random keys come
+        from that seed and their path from the program's own root, never from ``i``, so a program
+        samples the same tokens alone (``run(..., seed=s)``) as inside any batch.
+        """
+        return run_batch(engine, [_bind(self.fn, x) for x in inputs], seed=seed, seeds=seeds,
+                         share_prefixes=share_prefixes, min_shared_saving=min_shared_saving)
+
+    def compile_batch(self, inputs, /, *, tokenizer, kv_shape: KVShape | None = None, share_prefixes: bool = True,
+                      min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING) -> CompiledProgram:
+        """The sharing tree of :meth:`run_batch` over ``inputs``, built with ``tokenizer`` only."""
+        run = ProgramRun(tokenizer=tokenizer, engine=None, seed=0)
+        run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
+        stopped = None
+        for body in [_bind(self.fn, x) for x in inputs]:
+            try:
+                body(run.root())
+            except StopTrace as stop:
+                stopped = stopped or str(stop)
+        run.run_passes()
+        return CompiledProgram(run.tree, stopped is None, stopped, tokenizer=tokenizer, kv_shape=kv_shape)
+
     def _repr_html_(self) -> str:
         from treegen.display import program_html
 
@@ -145,6 +179,33 @@ class Program:
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"call {self.fn.__name__}.run(engine, ...) to run a program, or .compile(tokenizer=...) to see its tree")
+
+
+def _bind(fn: Callable[..., Any], x) -> Callable[[State], None]:
+    if isinstance(x, dict):
+        return lambda s: fn(s, **x)
+    if isinstance(x, (list, tuple)):
+        return lambda s: fn(s, *x)
+    raise TypeError(f"run_batch: each input must be a dict of keyword arguments or a tuple of positional ones, "
+                    f"got {type(x).__name__}")
+
+
+def run_batch(engine, bodies: list[Callable[[State], None]], *, seed: int = 0, seeds: list[int] | None = None,
+              share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING) -> list[State]:
+    """Run each ``body(state)`` as one program of one batch workload; see :meth:`Program.run_batch`."""
+    if seeds is not None and len(seeds) != len(bodies):
+        raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
+    run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed)
+    run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
+    roots = [run.root(seeds[i] if seeds is not None else None) for i in range(len(bodies))]
+    scheduler = Cooperative([functools.partial(body, root) for body, root in zip(bodies, roots)])
+    run.scheduler = scheduler
+    try:
+        scheduler.run(run.flush)
+    finally:
+        run.scheduler = None
+    run.finish()
+    return roots
 
 
 def program(fn: Callable[..., Any]) -> Program:

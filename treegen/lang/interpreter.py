@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import networkx as nx
+
 from treegen.lang.chat import role_affixes
 from treegen.lang.ir import Gen, RoleBegin, RoleEnd, Select, Text, as_ops
 from treegen.runtime.engine import GenRequest, ScoreRequest
@@ -65,9 +67,20 @@ class ProgramRun:
         self.eos = set(engine.model.eos_token_ids) if engine is not None else set()
         if tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
+        self.roots: list[State] = []
+        # batch runs (treegen/lang/batch.py): the cooperative scheduler, and the compiler passes
+        # applied to the roots before the first flush (None: no pass)
+        self.scheduler = None
+        self.share_prefixes = False
+        self.min_shared_saving: int | None = None
+        self.passes_done = False
+        self.pass_report: dict = {}
 
-    def root(self) -> "State":
-        return State(self, node=None, path=(), variables={}, chatting=False)
+    def root(self, seed: int | None = None) -> "State":
+        """A new root state (a program); ``seed`` overrides the run's seed for its branches."""
+        state = State(self, node=None, path=(), variables={}, chatting=False, seed=seed)
+        self.roots.append(state)
+        return state
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -80,6 +93,12 @@ class ProgramRun:
         (the runtime may then free its KV early and run over-large workloads in groups)."""
         if self.tracing:
             raise StopTrace("a generated value is read")
+        if self.scheduler is not None and self.scheduler.in_program():
+            self.scheduler.wait_for_flush()  # the scheduler flushes once every program waits
+            return
+        if not self.passes_done:
+            self.passes_done = True
+            self.run_passes()
         while True:
             owners, gens, scores = [], [], []
             for st in self.states:
@@ -96,6 +115,25 @@ class ProgramRun:
                 op = st.pending.pop(0)
                 st._complete(op, next(gen_it) if isinstance(op, Gen) else next(score_it))
 
+    def run_passes(self) -> None:
+        """Before anything is computed: merge the programs' roots by common token prefix and drop
+        shared nodes too small to be worth an attention step (see :mod:`treegen.tree.passes`)."""
+        from treegen.tree.passes import share_prefixes, simplify
+
+        for st in self.states:
+            st._apply_immediate()
+        if self.flat:
+            return
+        report: dict = {}
+        roots = sorted({st.node for st in self.roots if st.node is not None and self.tree.parent(st.node) is None})
+        if self.share_prefixes and len(roots) > 1:
+            report["shared_nodes"] = share_prefixes(self.tree, roots)
+        if self.min_shared_saving is not None:
+            keep = {n for st in self.states for n in (st.node, st.origin) if n is not None}
+            computed = self.tree_run.kv.computed if self.tree_run is not None else (lambda n: 0)
+            report["simplified"] = simplify(self.tree, min_saving=self.min_shared_saving, keep=keep, computed=computed)
+        self.pass_report = report
+
     def finish(self) -> None:
         """Flush, then free all KV (the values stay readable; states accept no more ops)."""
         self.flush(final=True)
@@ -107,10 +145,13 @@ class ProgramRun:
 class State:
     """A stream of tokens in a program; ``s += ...`` appends, ``s[name]`` reads a variable."""
 
-    def __init__(self, run: ProgramRun, *, node: int | None, path: tuple, variables: dict, chatting: bool) -> None:
+    def __init__(self, run: ProgramRun, *, node: int | None, path: tuple, variables: dict, chatting: bool,
+                 seed: int | None = None) -> None:
         self._run = run
         self.node = node
-        self.path = path  # fork indices from the root: seeds derive from it
+        self.path = path  # fork indices from the program's root: seeds derive from it (not the batch position)
+        self.seed = run.seed if seed is None else seed
+        self.origin = node  # the first node of this branch (made by its fork): what prune() frees
         self.vars: dict[str, Any] = variables
         self.info: dict[str, dict] = {}  # per variable: finish_reason, scores, ...
         self.pending: list = []
@@ -143,6 +184,8 @@ class State:
     def _check_open(self) -> None:
         if self._run.finished:
             raise RuntimeError("the program has finished; this state accepts no more text")
+        if self._closed == "pruned":
+            raise RuntimeError("this branch was pruned; it accepts no more text")
         if self._closed:
             raise RuntimeError(f"this branch was {self._closed}; append to it before joining")
 
@@ -150,7 +193,7 @@ class State:
         """The node this state appends to, created when the current one is shared (has children)."""
         tree = self._run.tree
         if self.node is None:
-            self.node = tree.add_node(None, self._run.bos)
+            self.node = self.origin = tree.add_node(None, self._run.bos)
         elif tree.children(self.node):
             self.node = tree.add_node(self.node)
         return self.node
@@ -197,7 +240,7 @@ class State:
         if isinstance(op, Gen):
             leaf = self._leaf()
             self._run.tree.graph.nodes[leaf]["gen_budget"] += op.params.max_tokens
-            seed = op.params.seed if op.params.seed is not None else self._run.seed
+            seed = op.params.seed if op.params.seed is not None else self.seed
             key = branch_key(seed, self.path + ("gen", self._gens))
             self._gens += 1
             return GenRequest(leaf, op.params, key, final=final)
@@ -239,7 +282,7 @@ class State:
             # attention="flat" (a baseline): no sharing, every branch starts from its own copy
             node = tree.add_node(None, tree.path_tokens(base)) if self._run.flat else tree.add_node(base)
             branches.append(State(self._run, node=node, path=self.path + (i,), variables=dict(self.vars),
-                                  chatting=self._chatting))
+                                  chatting=self._chatting, seed=self.seed))
         group = ForkGroup([self], [branches])
         if content is not None:
             group += content
@@ -261,6 +304,44 @@ class State:
         for name in names:
             self.vars[name] = _Joined(children, name)
             self.info[name] = {"branches": len(children)}
+
+    def prune(self) -> int:
+        """Drop this branch now: free the KV of every node it made (from its fork down, including its
+        own sub-branches), which then accept no more text. Queued work runs first, so the branch's
+        variables stay readable. Returns the bytes of KV freed. Pruning a root drops the whole program.
+
+        Tree search keeps the best branches and prunes the rest: the kept ones continue from the KV
+        they have (nothing is computed again), the pruned ones' memory is free for the next level.
+        """
+        if self._closed == "pruned":
+            return 0
+        if self._run.finished:
+            raise RuntimeError("the program has finished; its KV is already free")
+        if self.pending:
+            self._run.flush()
+        if self.origin is None:  # a root that never appended anything
+            self._closed = "pruned"
+            return 0
+        run, tree = self._run, self._run.tree
+        gone = {self.origin, *nx.descendants(tree.graph, self.origin)}
+        freed = 0
+        if run.tree_run is not None:
+            kv = run.tree_run.kv
+            freed = sum(kv.computed(n) for n in gone) * kv.bytes_per_token
+            run.tree_run.free(self.origin)
+        else:
+            tree.prune(self.origin)
+        for st in run.states:
+            if st.node in gone:
+                st._closed = "pruned"
+        return freed
+
+    def __setitem__(self, name: str, value) -> None:
+        """Set a variable from Python (a reduction's result, a score): ``s["best"] = ...``."""
+        self._check_open()
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"a variable name must be an identifier string, got {name!r}")
+        self.vars[name] = value
 
     # reading ----------------------------------------------------------------------------------
     def __getitem__(self, name: str):

@@ -73,12 +73,13 @@ class KVStore:
         return new
 
     def ensure_free(self, slots: int) -> None:
-        """Grow the pool once, if needed, so that ``slots`` more slots fit in one free span at its end.
+        """Grow the pool once, if needed, so that ``slots`` more slots are free (freed spans reused).
 
         Checks device memory first: raises MemoryError naming the bytes needed and available."""
-        tail = self._free[-1][1] if self._free and self._free[-1][0] + self._free[-1][1] == self.num_slots else 0
-        if tail >= slots:
+        free_slots = sum(n for _, n in self._free)
+        if free_slots >= slots:
             return
+        tail = self._free[-1][1] if self._free and self._free[-1][0] + self._free[-1][1] == self.num_slots else 0
         extra = slots - tail
         need = extra * self.bytes_per_token
         if self.device.type == "cuda":
@@ -107,6 +108,14 @@ class KVStore:
     def _grow(self, length: int) -> None:
         old = self.num_slots
         new = old + length if self.device.type == "cuda" else max(2 * old, old + length)
+        if not any(s.computed for s in self.segments.values()):
+            # nothing written yet: drop the old pool first instead of copying it (no transient 2x)
+            shape = (self.num_layers, new, self.num_kv_heads, self.head_dim)
+            self.k = self.v = None
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._release(old, new - old)
+            return
         extra = (self.num_layers, new - old, self.num_kv_heads, self.head_dim)
         self.k = torch.cat([self.k, torch.zeros(extra, dtype=self.dtype, device=self.device)], dim=1)
         self.v = torch.cat([self.v, torch.zeros(extra, dtype=self.dtype, device=self.device)], dim=1)

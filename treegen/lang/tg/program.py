@@ -84,6 +84,20 @@ class TgProgram:
         return TgResult(self, lowering.root, bound, seed, engine.tokenizer)
 
 
+    def run_batch(self, engine, inputs: list[Mapping[str, Any]], *, seed: int = 0, watch: Callable | None = None,
+                  **options) -> list["TgResult"]:
+        """Run once per entry of ``inputs`` (parameter values) as one workload; see
+        :meth:`treegen.Program.run_batch` (``options``: ``seeds``, ``share_prefixes``,
+        ``min_shared_saving``). Parameters are checked for every input before anything runs."""
+        from treegen.lang.dsl import run_batch
+
+        bound = [self.bind(values) for values in inputs]
+        lowerings = [Lowering(self.file, b, watch) for b in bound]
+        roots = run_batch(engine, [_body(lw) for lw in lowerings], seed=seed, **options)
+        seeds = options.get("seeds") or [seed] * len(roots)
+        return [TgResult(self, lw.root, b, s, engine.tokenizer) for lw, b, s in zip(lowerings, bound, seeds)]
+
+
 def _body(lowering: Lowering) -> Callable:
     def body(s):
         lowering(s)

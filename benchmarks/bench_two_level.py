@@ -1,0 +1,292 @@
+"""Two-level sharing on one GPU: P problems x N samples below one few-shot prefix (the Hydragen paper's APPS setup).
+
+A random-weight Llama-7B-shape model (speed does not depend on the weights), bf16, greedy, EOS ignored
+so every sample makes exactly ``new`` tokens. Per configuration ``PxN`` the same workload is run three ways,
+all on treegen's runtime:
+
+* two   — two-level sharing **detected automatically**: each problem is given as its own root holding
+          prefix + problem (what ``run_batch`` sees); :func:`treegen.tree.passes.share_prefixes` finds the
+          prefix and :func:`~treegen.tree.passes.simplify` (default threshold) cleans up, then the tree
+          prefix -> problem -> N samples is decoded with hierarchical attention;
+* single — single-level sharing: the few-shot prefix is shared, each sample holds its own copy of
+          its problem;
+* flat  — no sharing: every sample holds prefix + problem (FlashAttention / vLLM-style baseline).
+
+A mode is skipped where its KV does not fit. Decode throughput = samples * (new - 1) / (t(new) - t(1));
+total time (prefill included) reported too. Prints a table, writes JSON (and a PNG when matplotlib is
+installed) under benchmarks/results/.
+
+``--threshold-sweep`` measures the simplification threshold instead: a 1024-token root, C middle nodes
+of t tokens with g leaves each, decoded with the middle level shared vs dissolved into the leaves
+(copied), over t and g; the saving ``(g - 1) * t`` above which sharing is faster is what
+``simplify(min_saving=...)`` should be (see treegen/tree/passes.py).
+
+    python benchmarks/bench_two_level.py                                   # default configurations (< 5 min on an H100)
+    python benchmarks/bench_two_level.py --configs 120x128 --new 512      # the paper's size (needs far more memory)
+    python benchmarks/bench_two_level.py --threshold-sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig
+
+from treegen.runtime.engine import Engine, GenRequest
+from treegen.runtime.model import LlamaFamilyModel
+from treegen.runtime.sampler import SamplingParams
+from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING, share_prefixes, simplify
+
+SHAPES = {
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=8192),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192),
+}
+MODES = ("two", "single", "flat")
+
+
+class IdTokenizer:
+    """Stands in for a tokenizer with random weights: token ids are the text."""
+
+    bos_token_id = None
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+def workload(vocab: int, prefix: int, problems: int, problem_len: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    few_shot = torch.randint(0, vocab, (prefix,), generator=g).tolist()
+    # problem lengths vary around problem_len (+-20%), as real problems do
+    lens = torch.randint(int(problem_len * 0.8), int(problem_len * 1.2) + 1, (problems,), generator=g).tolist()
+    return few_shot, [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def build(run, mode: str, few_shot: list[int], problems: list[list[int]], samples: int) -> tuple[list[int], dict]:
+    """Grow ``run.tree`` for ``mode``; returns the leaves to generate into and facts about the tree."""
+    tree, leaves, info = run.tree, [], {}
+    if mode == "two":
+        start = time.perf_counter()
+        roots = [tree.add_node(None, few_shot + p) for p in problems]
+        for r in roots:
+            leaves += [tree.add_node(r) for _ in range(samples)]
+        info["shared_nodes"] = len(share_prefixes(tree, roots))
+        info["dissolved"] = len(simplify(tree, min_saving=DEFAULT_MIN_SHARED_SAVING, keep=set(roots)).dissolved)
+        info["pass_s"] = time.perf_counter() - start
+    elif mode == "single":
+        root = tree.add_node(None, few_shot)
+        for p in problems:
+            leaves += [tree.add_node(root, p) for _ in range(samples)]
+    else:
+        for p in problems:
+            leaves += [tree.add_node(None, few_shot + p) for _ in range(samples)]
+    info["nodes"] = len(tree.live_nodes())
+    return leaves, info
+
+
+def stored_tokens(mode: str, few_shot, problems, samples: int, new: int) -> int:
+    p, lens = len(few_shot), [len(x) for x in problems]
+    if mode == "two":
+        return p + sum(lens) + len(problems) * samples * new
+    if mode == "single":
+        return p + samples * sum(lens) + len(problems) * samples * new
+    return samples * sum(p + n for n in lens) + len(problems) * samples * new
+
+
+def fits(model, tokens: int) -> bool:
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
+    gc.collect()
+    if model.device.type != "cuda":
+        return True
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    return tokens * per_token < 0.7 * free
+
+
+def sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(engine, model, make, new: int) -> tuple[float, dict]:
+    """Build a tree with ``make(run)`` and generate ``new`` tokens into its leaves; seconds, tree facts."""
+    sync(model)
+    start = time.perf_counter()
+    run = engine.start()
+    leaves, info = make(run)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    results, _ = run.execute([GenRequest(leaf, params, key=i) for i, leaf in enumerate(leaves)], [])
+    sync(model)
+    elapsed = time.perf_counter() - start
+    assert all(len(r.tokens) == new for r in results)
+    info["kv_bytes"] = run.kv.bytes_held()
+    del run, results
+    gc.collect()
+    return elapsed, info
+
+
+def measure(engine, model, make, samples: int, new: int) -> dict:
+    timed(engine, model, make, min(new, 8))  # warm-up: compile kernels, capture graphs
+    t1, _ = timed(engine, model, make, 1)
+    tn, info = timed(engine, model, make, new)
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"total_s": tn, "prefill_s": t1, "decode_tok_s": samples * (new - 1) / (tn - t1), **info}
+
+
+def run_configs(args, model, engine) -> list[dict]:
+    rows = []
+    for cfg in args.configs:
+        n_problems, samples = map(int, cfg.split("x"))
+        few_shot, problems = workload(model.vocab_size, args.prefix, n_problems, args.problem_len)
+        for mode in args.modes:
+            row = {"mode": mode, "config": cfg, "problems": n_problems, "samples": samples,
+                   "sequences": n_problems * samples, "prefix": args.prefix, "problem_len": args.problem_len,
+                   "new": args.new, "stored_tokens": stored_tokens(mode, few_shot, problems, samples, args.new)}
+            if not fits(model, row["stored_tokens"]):
+                row["skipped"] = "KV does not fit"
+            else:
+                make = lambda run, m=mode: build(run, m, few_shot, problems, samples)  # noqa: E731
+                row |= measure(engine, model, make, n_problems * samples, args.new)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def run_threshold_sweep(args, model, engine) -> list[dict]:
+    """Middle level shared vs dissolved: root (1024 tokens) -> C nodes of t tokens -> g leaves each."""
+    rows, c = [], args.sweep_nodes
+    g0 = torch.Generator().manual_seed(1)
+    root_ids = torch.randint(0, model.vocab_size, (1024,), generator=g0).tolist()
+    for t in args.sweep_tokens:
+        mids = [torch.randint(0, model.vocab_size, (t,), generator=g0).tolist() for _ in range(c)]
+        for g in args.sweep_branches:
+            def make(run, shared):
+                tree, leaves = run.tree, []
+                root = tree.add_node(None, root_ids)
+                for m in mids:
+                    if shared:
+                        mid = tree.add_node(root, m)
+                        leaves += [tree.add_node(mid) for _ in range(g)]
+                    else:
+                        leaves += [tree.add_node(root, m) for _ in range(g)]
+                return leaves, {}
+            row = {"tokens": t, "branches": g, "nodes": c, "saving": (g - 1) * t}
+            for shared in (True, False):
+                r = measure(engine, model, lambda run, s=shared: make(run, s), c * g, args.new)
+                row["shared_tok_s" if shared else "dissolved_tok_s"] = r["decode_tok_s"]
+            row["shared_over_dissolved"] = row["shared_tok_s"] / row["dissolved_tok_s"]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def print_table(rows: list[dict], modes) -> None:
+    print("\n| config | sequences | " + " | ".join(modes) + " | two / single | two / flat |")
+    print("|---|---|" + "---|" * (len(modes) + 2))
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        by = {r["mode"]: r for r in rows if r["config"] == cfg}
+        cell = lambda m: (f"{by[m]['decode_tok_s']:,.0f} tok/s ({by[m]['total_s']:.2f} s)" if "decode_tok_s" in by.get(m, {})  # noqa: E731
+                          else ("does not fit" if m in by else "-"))
+        ratio = lambda a, b: (f"{by[a]['decode_tok_s'] / by[b]['decode_tok_s']:.2f}"  # noqa: E731
+                              if "decode_tok_s" in by.get(a, {}) and "decode_tok_s" in by.get(b, {}) else "-")
+        seqs = next(iter(by.values()))["sequences"]
+        print(f"| {cfg} | {seqs} | " + " | ".join(cell(m) for m in modes) + f" | {ratio('two', 'single')} | {ratio('two', 'flat')} |")
+    print("\nlargest configuration each mode fits (decode tok/s):")
+    for m in modes:
+        ok = [r for r in rows if r["mode"] == m and "decode_tok_s" in r]
+        if ok:
+            best = max(ok, key=lambda r: r["sequences"])
+            print(f"  {m}: {best['config']} ({best['sequences']} sequences) {best['decode_tok_s']:,.0f} tok/s")
+
+
+def plot(rows: list[dict], modes, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in modes:
+        pts = [(r["sequences"], r["decode_tok_s"]) for r in rows if r["mode"] == m and "decode_tok_s" in r]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequences (problems x samples)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("Two-level sharing: few-shot prefix -> problem -> samples")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b")
+    parser.add_argument("--configs", nargs="+", default=["4x16", "8x16", "8x32", "16x32", "32x32"],
+                        help="PROBLEMSxSAMPLES per point (default scaled down from the paper's 120x128)")
+    parser.add_argument("--prefix", type=int, default=2400, help="few-shot prefix tokens")
+    parser.add_argument("--problem-len", type=int, default=500, help="mean problem tokens")
+    parser.add_argument("--new", type=int, default=128, help="new tokens per sample (paper: 512)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--threshold-sweep", action="store_true", help="measure simplify's threshold instead")
+    parser.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--sweep-branches", type=int, nargs="+", default=[2, 4, 16, 64])
+    parser.add_argument("--sweep-nodes", type=int, default=16)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    config = LlamaConfig(**SHAPES[args.shape])
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = LlamaFamilyModel.random(config, dtype=dtype, device=args.device)
+    engine = Engine(model, IdTokenizer(), cuda_graphs=args.device.startswith("cuda"))
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    meta = {"shape": args.shape, "config": SHAPES[args.shape], "dtype": str(dtype).removeprefix("torch."),
+            "device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "cuda": torch.version.cuda, "python": platform.python_version()}}
+    results = Path(__file__).parent / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    if args.threshold_sweep:
+        rows = run_threshold_sweep(args, model, engine)
+        print("\n| tokens t | branches g | (g-1)*t | shared / dissolved |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['tokens']} | {r['branches']} | {r['saving']} | {r['shared_over_dissolved']:.3f} |")
+        worth = sorted(r["saving"] for r in rows if r["shared_over_dissolved"] >= 1.0)
+        print(f"\nsmallest saving where sharing was at least as fast: {worth[0] if worth else 'none'} "
+              f"(current default min_saving={DEFAULT_MIN_SHARED_SAVING})")
+        out = Path(args.out or results / f"two_level_threshold_{args.shape}.json")
+        out.write_text(json.dumps({"benchmark": "two_level_threshold", **meta, "new": args.new,
+                                   "method": "decode tok/s, middle level shared vs dissolved; one warm-up per point",
+                                   "rows": rows}, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
+    rows = run_configs(args, model, engine)
+    print(f"\n## {args.shape}, {meta['dtype']}, prefix {args.prefix}, problems ~{args.problem_len} tokens, "
+          f"{args.new} new tokens — decode tokens/s (total s incl. prefill)")
+    print_table(rows, args.modes)
+    out = Path(args.out or results / f"two_level_{args.shape}.json")
+    out.write_text(json.dumps({"benchmark": "two_level", **meta,
+                               "method": "decode tok/s = sequences*(new-1)/(t(new)-t(1)); greedy, EOS ignored; "
+                                         "one warm-up run per point", "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    plot(rows, args.modes, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Many programs as one workload: automatic prefix sharing, simplification, batch determinism."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+import treegen
+from treegen.runtime.engine import Engine
+from treegen.tree.passes import share_prefixes, simplify
+from treegen.tree.sharing_tree import SharingTree
+
+FEW_SHOT = "Q: Tom has 3 apples and buys 2 more. How many apples does he have?\nA: 3 + 2 = 5. The answer is 5.\n\n"
+QUESTIONS = ["Ann has 2 pens and gets 3 more. How many pens?", "Ann has 4 pens and gets 5 more. How many pens?",
+             "A bag has 9 sweets. Mia eats 4. How many are left?"]
+
+
+@treegen.program
+def solve(s, question, n=2, temperature=0.0):
+    s += FEW_SHOT
+    s += f"Q: {question}\nA:"
+    samples = s.fork(n)
+    samples += treegen.gen("answer", max_tokens=6, temperature=temperature)
+    s.join(samples)
+
+
+@treegen.program
+def reads_then_forks(s, question):
+    """Its shape depends on a generated value: the batch must pause and resume it."""
+    s += FEW_SHOT + f"Q: {question}\nA:"
+    s += treegen.gen("first", max_tokens=3)
+    words = len(s["first"].split()) % 2 + 1
+    more = s.fork(words, content=" So")
+    more += treegen.gen("more", max_tokens=3)
+    s.join(more)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return Engine.load()
+
+
+@pytest.fixture(scope="module")
+def tok(smol):
+    return smol.tokenizer
+
+
+def ids(tok, text):
+    return tok(text, add_special_tokens=False).input_ids
+
+
+# passes on hand-made trees ------------------------------------------------------------------------------
+def test_share_prefixes_builds_the_radix_tree():
+    t = SharingTree()
+    for toks in ([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2, 6], [7], [1, 2]):
+        t.add_node(None, toks)
+    child = t.add_node(0, [9])  # a fork below root 0 stays below it
+    created = share_prefixes(t, [0, 1, 2, 3, 4, 5])
+    # node 5 holds exactly the common prefix [1, 2]: it becomes the shared node (no new node for it)
+    assert created == [7]
+    assert {n: (t.parent(n), t.tokens(n)) for n in t.graph} == {
+        0: (7, [4]), 1: (7, [5]), 2: (5, [6]), 3: (2, []), 4: (None, [7]), 5: (None, [1, 2]), 6: (0, [9]),
+        7: (5, [3])}
+    # every branch's tokens are unchanged
+    assert t.path_tokens(6) == [1, 2, 3, 4, 9] and t.path_tokens(1) == [1, 2, 3, 5] and t.path_tokens(3) == [1, 2, 6]
+
+
+def test_simplify_dissolves_small_shared_nodes_only():
+    t = SharingTree()
+    root = t.add_node(None, list(range(100)))           # 100 tokens x 4 branches: worth sharing
+    small = t.add_node(root, [1, 2])                     # 2 tokens x 2 branches: saving 2
+    big = t.add_node(root, list(range(40)))              # 40 tokens x 2 branches: saving 40
+    leaves = [t.add_node(small, [7]), t.add_node(small, [8]), t.add_node(big, [7]), t.add_node(big, [8])]
+    before = {n: t.path_tokens(n) for n in leaves}
+    done = simplify(t, min_saving=30)
+    assert done.dissolved == (small,) and done.copied_tokens == 2
+    assert {n: t.path_tokens(n) for n in leaves} == before
+    assert t.children(root) == [big, leaves[0], leaves[1]]
+    assert simplify(t, min_saving=30, keep={big}).dissolved == ()
+    assert simplify(t, min_saving=1000, keep={big}).dissolved == (root,)  # children become roots
+    assert {n: t.path_tokens(n) for n in leaves} == before
+
+
+# compile: the tree of a batch, before running ----------------------------------------------------------
+def test_batch_prompts_form_a_two_level_tree(tok):
+    compiled = solve.compile_batch([{"question": q, "n": 3} for q in QUESTIONS], tokenizer=tok, min_shared_saving=None)
+    tree = compiled.tree
+    assert compiled.complete
+    prefix = ids(tok, FEW_SHOT)
+    problems = [ids(tok, f"Q: {q}\nA:") for q in QUESTIONS]
+    # the first two problems share "Q: Ann has" ... ; the radix tree finds the longest common runs
+    common_all = len(prefix) + len(os.path.commonprefix(problems))
+    common_01 = len(prefix) + len(os.path.commonprefix(problems[:2]))
+    roots = [n for n in tree.live_nodes() if tree.parent(n) is None]
+    assert len(roots) == 1 and len(tree.tokens(roots[0])) == common_all
+    assert tree.branches_below(roots[0]) == 9
+    problem_nodes = [n for n in tree.graph if tree.graph.nodes[n]["gen_budget"] == 0 and len(tree.children(n)) == 3]
+    assert [len(tree.path_tokens(n)) for n in problem_nodes] == [len(prefix) + len(p) for p in problems]
+    # problems 0 and 1 hang below their own shared node; problem 2 right below the root
+    mid = tree.parent(problem_nodes[0])
+    assert mid == tree.parent(problem_nodes[1]) != roots[0] and tree.parent(problem_nodes[2]) == roots[0]
+    assert len(tree.path_tokens(mid)) == common_01
+    assert len(tree.leaves()) == 9 and all(tree.graph.nodes[n]["gen_budget"] == 6 for n in tree.leaves())
+
+
+def test_batch_simplify_dissolves_the_thin_node(tok):
+    inputs = [{"question": q, "n": 3} for q in QUESTIONS]
+    kept = solve.compile_batch(inputs, tokenizer=tok, min_shared_saving=None).tree
+    simple = solve.compile_batch(inputs, tokenizer=tok, min_shared_saving=10_000).tree
+    # the node shared by problems 0 and 1 saves (6 - 1) * a few tokens: dissolved; the few-shot root is
+    # shared by 9 branches (8 * ~40 tokens): dissolved too at this threshold, so every problem is a root
+    assert len(kept.live_nodes()) == len(simple.live_nodes()) + 2
+    assert sorted(map(tuple, (simple.path_tokens(n) for n in simple.leaves()))) == \
+        sorted(map(tuple, (kept.path_tokens(n) for n in kept.leaves())))
+
+
+# running ----------------------------------------------------------------------------------------------
+def test_batch_greedy_equals_each_program_alone_in_one_decode_phase(smol):
+    inputs = [{"question": q} for q in QUESTIONS]
+    roots = solve.run_batch(smol, inputs, seed=0)
+    run = roots[0]._run
+    assert all(r._run is run for r in roots)
+    assert run.tree_run.decode_phases == [6]  # every program's 2 samples decoded together
+    assert len([n for n in run.tree.graph if run.tree.parent(n) is None and not run.tree.graph.nodes[n]["pruned"]]) == 1
+    for inp, root in zip(inputs, roots):
+        alone = solve.run(smol, **inp, seed=0)
+        assert root["answer"] == alone["answer"]
+        assert [b.tokens() for b in root.vars["answer"].states] == [b.tokens() for b in alone.vars["answer"].states]
+
+
+def test_batch_sampling_does_not_depend_on_batch_position(smol):
+    q = QUESTIONS[1]
+    alone = solve.run(smol, q, n=3, temperature=1.0, seed=7)["answer"]
+    assert len(set(alone)) > 1  # the samples differ from each other
+    batch = solve.run_batch(smol, [(QUESTIONS[0], 2, 1.0), (QUESTIONS[2], 4, 1.0), (q, 3, 1.0)], seed=7)
+    assert batch[2]["answer"] == alone
+    reordered = solve.run_batch(smol, [(q, 3, 1.0), (QUESTIONS[0], 2, 1.0)], seeds=[7, 3])
+    assert reordered[0]["answer"] == alone
+    assert reordered[1]["answer"] == solve.run(smol, QUESTIONS[0], n=2, temperature=1.0, seed=3)["answer"]
+
+
+def test_batch_programs_that_read_values_pause_and_resume(smol):
+    inputs = [{"question": q} for q in QUESTIONS]
+    roots = reads_then_forks.run_batch(smol, inputs)
+    assert len(roots[0]._run.tree_run.decode_phases) == 2  # first gens together, then the "more" gens
+    for inp, root in zip(inputs, roots):
+        alone = reads_then_forks.run(smol, **inp)
+        assert (root["first"], root["more"]) == (alone["first"], alone["more"])
+
+
+def test_batch_identical_inputs_share_everything(smol):
+    roots = solve.run_batch(smol, [{"question": QUESTIONS[0]}] * 2 + [{"question": QUESTIONS[1]}])
+    assert roots[0]["answer"] == roots[1]["answer"] == solve.run(smol, QUESTIONS[0])["answer"]
+    assert roots[2]["answer"] == solve.run(smol, QUESTIONS[1])["answer"]
+
+
+def test_batch_errors(smol):
+    with pytest.raises(ValueError, match="2 seeds for 1 inputs"):
+        solve.run_batch(smol, [{"question": "x"}], seeds=[1, 2])
+    with pytest.raises(TypeError, match="dict of keyword arguments"):
+        solve.run_batch(smol, ["x"])
+
+    @treegen.program
+    def broken(s, k):
+        s += "Hi" + treegen.gen("a", max_tokens=2)
+        s["a"]
+        if k == 1:
+            raise RuntimeError("program 1 failed")
+
+    with pytest.raises(RuntimeError, match="program 1 failed"):
+        broken.run_batch(smol, [{"k": 0}, {"k": 1}, {"k": 2}])
+
+
+# the .tg front end and the command line ---------------------------------------------------------------
+def test_tg_run_batch_equals_runs_alone(smol):
+    from treegen.lang.tg import loads
+
+    prog = loads('param q = "x"\nparam n = 2\n"' + FEW_SHOT.replace("\n", "\\n") + 'Q: {q}\\nA:"\n'
+                 'fork n {\ngen answer(max_tokens=4, temperature=0.8)\n}\njoin { answers = collect(answer) }')
+    inputs = [{"q": q} for q in QUESTIONS]
+    results = prog.run_batch(smol, inputs, seed=3)
+    assert [r["answers"] for r in results] == [prog.run(smol, seed=3, **i)["answers"] for i in inputs]
+    assert results[1].to_json()["parameters"] == {"q": QUESTIONS[1], "n": 2}
+
+
+def test_cli_run_batch(smol, tmp_path, capsys, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from treegen.cli import main
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: smol))
+    monkeypatch.setenv("COLUMNS", "200")
+    inputs = tmp_path / "inputs.jsonl"
+    inputs.write_text("\n".join(json.dumps({"problems": [q]}) for q in QUESTIONS[:2]) + "\n\n")
+    example = Path(__file__).resolve().parents[1] / "examples" / "two_level.tg"
+    out_json = tmp_path / "out.json"
+    code = main(["run", str(example), "--batch", str(inputs), "--var", "n=2", "--var", "max_tokens=3",
+                 "--json", str(out_json), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    assert [d["parameters"]["problems"] for d in data] == [[q] for q in QUESTIONS[:2]]
+    assert all(d["parameters"]["n"] == 2 for d in data)
+    assert "input 2 of 2" in out and "2 programs ran" in err
+    alone = main(["run", str(example), "--var", f"problems={json.dumps([QUESTIONS[1]])}", "--var", "n=2",
+                  "--var", "max_tokens=3", "--json", "-", "--no-progress"])
+    single = json.loads(capsys.readouterr()[0])
+    assert alone == 0 and single["variables"] == data[1]["variables"]
+    inputs.write_text('{"problems": ["a"]}\n{"nope": 1}\n')
+    code = main(["run", str(example), "--batch", str(inputs), "--no-progress"])
+    assert code == 2 and "line 2: unknown parameter 'nope'" in capsys.readouterr()[1]
+    inputs.write_text('{"problems": ["a"]}\n[1\n')
+    code = main(["run", str(example), "--batch", str(inputs), "--no-progress"])
+    assert code == 2 and "inputs.jsonl:2:" in capsys.readouterr()[1]

@@ -1,0 +1,156 @@
+"""Compiler passes over a :class:`~treegen.tree.sharing_tree.SharingTree` before its KV is computed.
+
+:func:`share_prefixes` — global prefix identification (BatchLLM, Sec. 4.2): the token sequences of
+several root nodes (one per program of a batch) are put in a token radix tree; every common prefix
+becomes one shared node. A few-shot prefix shared by all problems, each problem shared by its N
+samples: a two-level tree, found without the user saying so.
+
+:func:`simplify` — drop shared nodes that are too small or too thinly shared to be worth their own
+attention step, by copying their tokens into each child (BatchLLM's "fork the child and merge it with
+the grandchild", Algorithm 1).
+
+Both passes keep the tree's invariant (a node's ids are a prefix of every descendant's ids; every
+branch's full token sequence is unchanged), keep every existing node id (so states pointing at nodes
+stay valid) and create new nodes in a deterministic order. They only touch nodes without KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treegen.tree.sharing_tree import SharingTree
+
+DEFAULT_MIN_SHARED_SAVING = 64
+"""Default of :func:`simplify`'s ``min_saving``: a shared node is kept as its own attention step only
+when sharing it saves at least this many KV tokens of reads per decode step,
+``(branches below - 1) * tokens``. A placeholder until measured on the GPU (see :func:`simplify`)."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _reparent(tree: SharingTree, node: int, parent: int) -> None:
+    old = tree.parent(node)
+    if old is not None:
+        tree.graph.remove_edge(old, node)
+    tree.graph.add_edge(parent, node)
+
+
+def share_prefixes(tree: SharingTree, nodes: list[int]) -> list[int]:
+    """Merge the sibling (or root) ``nodes`` by longest common token prefix; returns the new nodes.
+
+    ``nodes`` must all have the same parent (or all be roots) and no KV yet. Each group of nodes that
+    share a first token is split at their longest common prefix ``L``: if one of them holds exactly
+    ``L`` tokens (the lowest id of those) it becomes the shared node and the others move below it,
+    else a new node holding the ``L`` tokens is created and the group moves below it; the nodes keep
+    their ids and their tokens after the prefix. Repeats inside each group until no two nodes below
+    the same shared node start with the same token. Node ids of new nodes are assigned in order of the
+    lowest member id of each group, so the same inputs always give the same tree.
+
+    Example (token ids): roots ``[1,2,3,4]``, ``[1,2,3,5]``, ``[1,2,6]`` → new node ``[1,2]`` with
+    children: new node ``[3]`` (children ``[4]``, ``[5]``) and ``[6]``.
+    """
+    created: list[int] = []
+    parents = {tree.parent(n) for n in nodes}
+    if len(parents) > 1:
+        raise ValueError("share_prefixes: the nodes must be siblings (or all roots)")
+    stack: list[tuple[int | None, list[int]]] = [(parents.pop() if parents else None, sorted(nodes))]
+    while stack:
+        parent, group_nodes = stack.pop()
+        groups: dict[int, list[int]] = {}
+        for n in group_nodes:
+            toks = tree.tokens(n)
+            if toks:
+                groups.setdefault(toks[0], []).append(n)
+        todo = sorted((g for g in groups.values() if len(g) > 1), key=min)
+        for members in reversed(todo):  # the stack pops the lowest group first
+            first = tree.tokens(members[0])
+            length = min(_common_prefix(first, tree.tokens(m)) for m in members[1:])
+            exact = [m for m in members if len(tree.tokens(m)) == length]
+            if exact:
+                shared = exact[0]
+                rest = [m for m in members if m != shared]
+            else:
+                shared = tree.add_node(parent, first[:length])
+                created.append(shared)
+                rest = members
+            for m in rest:
+                toks = tree.graph.nodes[m]["tokens"]
+                tree.graph.nodes[m]["tokens"] = toks[length:]
+                _reparent(tree, m, shared)
+            stack.append((shared, rest))
+    return created
+
+
+@dataclass(frozen=True)
+class Simplified:
+    """What :func:`simplify` did: the nodes dissolved into their children and the KV tokens it copies."""
+
+    dissolved: tuple[int, ...]
+    copied_tokens: int
+
+
+def simplify(tree: SharingTree, *, min_saving: int = DEFAULT_MIN_SHARED_SAVING, keep=frozenset(),
+             computed=lambda n: 0) -> Simplified:
+    """Dissolve shared nodes not worth a separate attention step into their children.
+
+    A node with ``c >= 2`` children, ``t`` tokens and ``b`` branches below saves ``(b - 1) * t`` KV
+    token reads per decode step by being shared, and costs one more segment (a partial attention and a
+    log-sum-exp merge per query). When the saving is below ``min_saving`` its tokens are copied to the
+    front of each child and the node is removed from the path (it keeps its id, empty, and left
+    detached as a pruned root so ids never move). A node with one child is always merged into it.
+    Processed bottom-up, so a dissolved node's tokens may move further down.
+
+    ``keep``: nodes never dissolved (states still pointing at them, nodes being generated into).
+    ``computed(node)``: tokens of the node that already have KV; only nodes where it is 0 (and whose
+    children have none) are touched.
+
+    ``min_saving`` — how to measure it (on the GPU, with the decode step's tree attention): for a
+    two-level tree (a root of ``P`` tokens, ``c`` children of ``t`` tokens with ``b/c`` branches each)
+    time one decode step with the middle level shared vs dissolved, over ``t`` in 1..256 and ``b`` in
+    2..64; the break-even ``(b - 1) * t`` where sharing stops being slower is the threshold. The default
+    is a placeholder to be replaced by that measurement.
+    """
+    graph = tree.graph
+    order = [n for n in reversed(list(_topological(tree)))]
+    dissolved, copied = [], 0
+    for n in order:
+        children = tree.children(n)
+        if not children or n in keep or computed(n) or any(computed(c) for c in children):
+            continue
+        if graph.nodes[n]["pruned"] or graph.nodes[n]["gen_budget"]:
+            continue
+        t = len(tree.tokens(n))
+        if len(children) > 1:
+            b = tree.branches_below(n)
+            if (b - 1) * t >= min_saving:
+                continue
+        parent = tree.parent(n)  # None: a root, whose children become roots
+        toks = list(tree.tokens(n))
+        for c in children:
+            graph.nodes[c]["tokens"] = toks + graph.nodes[c]["tokens"]
+            graph.remove_edge(n, c)
+            if parent is not None:
+                graph.add_edge(parent, c)
+        copied += t * (len(children) - 1)
+        graph.nodes[n]["tokens"] = []
+        if parent is not None:
+            graph.remove_edge(parent, n)
+        graph.nodes[n]["pruned"] = True
+        dissolved.append(n)
+    return Simplified(tuple(dissolved), copied)
+
+
+def _topological(tree: SharingTree):
+    """Nodes parents-first, children in id order."""
+    roots = [n for n in sorted(tree.graph) if tree.parent(n) is None]
+    stack = list(reversed(roots))
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(reversed(tree.children(n)))
