@@ -22,7 +22,7 @@ Nothing in this module knows about programs or branches; it sees segments and qu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -42,12 +42,17 @@ class LevelPlan:
     ``kv_pos: [n, max_len] int64`` — absolute position of each key (padding → int64 max, masked).
     ``query_rows: [n, max_rows] int64`` — query rows attending each segment (padding → 0).
     ``query_valid: [n, max_rows] bool`` — False on padding.
+    ``valid_rows: [V] int64`` / ``valid_index: [V] int64`` — the real (non-padding) entries: their query
+    row, and their position in the flattened ``[n * max_rows]`` layout (no boolean indexing at run time).
     """
 
     kv_slots: Tensor
     kv_pos: Tensor
     query_rows: Tensor
     query_valid: Tensor
+    valid_rows: Tensor
+    valid_index: Tensor
+    mask_cache: dict = field(default_factory=dict, compare=False, repr=False)  # see _hidden
 
 
 @dataclass(frozen=True)
@@ -163,12 +168,16 @@ def plan_tree_attention(
         pos = [range(segment_pos[s], segment_pos[s] + segment_len[s]) for s in segs]
         rows = [rows_of[s] for s in segs]
         query_rows = _pad(rows, 0, device)
+        width = query_rows.shape[1]
         levels.append(
             LevelPlan(
                 kv_slots=_pad(slots, 0, device),
                 kv_pos=_pad(pos, _NO_POSITION, device),
                 query_rows=query_rows,
                 query_valid=_pad([[1] * len(r) for r in rows], 0, device).bool(),
+                valid_rows=torch.tensor([q for r in rows for q in r], dtype=torch.int64, device=device),
+                valid_index=torch.tensor([i * width + j for i, r in enumerate(rows) for j in range(len(r))],
+                                         dtype=torch.int64, device=device),
             )
         )
     return TreeAttentionPlan(num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=tuple(levels))
@@ -189,6 +198,22 @@ def merge_attention_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -
     return o, m_safe + torch.log(denom)
 
 
+def _hidden(level: LevelPlan, query_pos: Tensor, group: int) -> Tensor:
+    """[n, 1, R*G, L] bool, True where a key is invisible to a query row (position rule or padding).
+
+    Depends only on the plan's positions, so it is made once per forward pass and reused by every
+    layer (``query_pos`` moves in place between decode steps; its version counter tells)."""
+    key = (query_pos.data_ptr(), query_pos._version, group)
+    cached = level.mask_cache.get("hidden")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    n, rows = level.query_rows.shape
+    visible = (level.kv_pos.unsqueeze(1) <= query_pos[level.query_rows].unsqueeze(2)) & level.query_valid.unsqueeze(2)
+    hidden = ~visible.unsqueeze(2).expand(n, rows, group, -1).reshape(n, 1, rows * group, -1)
+    level.mask_cache["hidden"] = (key, hidden)
+    return hidden
+
+
 def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float):
     """Attention of every segment of one level against the query rows below it → (o, lse) per row."""
     n, rows = level.query_rows.shape
@@ -200,12 +225,9 @@ def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor
     flat = level.kv_slots.reshape(-1)
     k = k_cache.index_select(0, flat).view(n, -1, num_kv, head_dim).float().permute(0, 2, 3, 1)  # [n, Hkv, D, L]
     v = v_cache.index_select(0, flat).view(n, -1, num_kv, head_dim).float().transpose(1, 2)  # [n, Hkv, L, D]
-    scores = torch.matmul(qs, k) * scale  # [n, Hkv, R*G, L]
-    visible = (level.kv_pos.unsqueeze(1) <= query_pos[level.query_rows].unsqueeze(2)) & level.query_valid.unsqueeze(2)
-    visible = visible.unsqueeze(2).expand(n, rows, group, -1).reshape(n, 1, rows * group, -1)
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = torch.matmul(qs, k).mul_(scale).masked_fill_(_hidden(level, query_pos, group), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [n, Hkv, R*G]
-    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)
     out = torch.matmul(torch.exp(scores - lse_safe.unsqueeze(-1)), v)  # [n, Hkv, R*G, D]
     out = out.view(n, num_kv, rows, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, rows, num_heads, head_dim)
     lse = lse.view(n, num_kv, rows, group).permute(0, 2, 1, 3).reshape(n, rows, num_heads)
@@ -222,14 +244,15 @@ def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
     num_q, num_heads, head_dim = q.shape
     o_acc = torch.zeros(num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_acc = torch.full((num_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
-    for level in plan.levels:
+    for i, level in enumerate(plan.levels):
         out, lse = _attend_level(q, k_cache, v_cache, plan.query_pos, level, scale)
-        rows = level.query_rows[level.query_valid]
-        o_lvl = torch.zeros_like(o_acc)
-        lse_lvl = torch.full_like(lse_acc, float("-inf"))
-        o_lvl[rows] = out[level.query_valid]
-        lse_lvl[rows] = lse[level.query_valid]
-        o_acc, lse_acc = merge_attention_states(o_acc, lse_acc, o_lvl, lse_lvl)
+        o_new = out.reshape(-1, num_heads, head_dim).index_select(0, level.valid_index)
+        lse_new = lse.reshape(-1, num_heads).index_select(0, level.valid_index)
+        if i:  # merge into what the rows hold from the levels above (each row appears once per level)
+            o_new, lse_new = merge_attention_states(o_acc.index_select(0, level.valid_rows),
+                                                    lse_acc.index_select(0, level.valid_rows), o_new, lse_new)
+        o_acc.index_copy_(0, level.valid_rows, o_new)
+        lse_acc.index_copy_(0, level.valid_rows, lse_new)
     return o_acc.to(q.dtype)
 
 
