@@ -114,6 +114,9 @@ def plan_triton(
         target_programs = 132 if total >= 132 * 1024 else 264
     chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
     chunk = -(-chunk // block_n) * block_n
+    # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
+    narrow = sum(1 for s in segs if tile_m[s] == 16) * num_kv_heads
+    seg_chunk = {s: 2 * block_n if tile_m[s] == 16 and narrow < 2 * 132 else chunk for s in segs}
     work: dict[int, list] = {}
     rows, partial_base, local_index = [], {}, {}
     num_partials = 0
@@ -122,8 +125,8 @@ def plan_triton(
         rows.extend(rows_of[s])
         local_index[s] = {q: i for i, q in enumerate(rows_of[s])}
         count, rows_per_tile = len(rows_of[s]), tile_m[s] // group
-        for c, kb in enumerate(range(0, segment_len[s], chunk)):
-            ke = min(segment_len[s], kb + chunk)
+        for c, kb in enumerate(range(0, segment_len[s], seg_chunk[s])):
+            ke = min(segment_len[s], kb + seg_chunk[s])
             partial_base[(s, c)] = num_partials
             for t in range(tiles[s]):
                 first = t * rows_per_tile
@@ -134,7 +137,7 @@ def plan_triton(
     for q, path in enumerate(paths):
         for s in path:
             if s in local_index:
-                chunks = -(-segment_len[s] // chunk)
+                chunks = -(-segment_len[s] // seg_chunk[s])
                 merge_idx.extend(partial_base[(s, c)] + local_index[s][q] for c in range(chunks))
         merge_ptr.append(len(merge_idx))
 
