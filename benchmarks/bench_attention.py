@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention, tree_attention_reference
+from treegen.runtime.cuda_graph import capture
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16 tensor-core peak (SXM)
 PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8}
@@ -39,16 +40,7 @@ def bench(fn, graph: bool = True) -> float:
     """Median ms of ``fn`` with L2 flushed between trials; ``graph``: replay a CUDA graph of it (as the
     runtime's decode step does), so host launch overhead is not what is measured."""
     if graph:
-        fn()  # compile / autotune outside the capture
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
+        fn = capture(fn).replay
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 

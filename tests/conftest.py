@@ -4,3 +4,40 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded SmolLM2-135M-Instruct on an Engine (fp32, CPU)."""
+    from treegen.runtime.engine import Engine
+
+    return Engine.load()
+
+
+@pytest.fixture(scope="session")
+def hf_smol():
+    """Hugging Face's model on the same converted weights, for exactness checks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from treegen.runtime.loader import default_model_path
+
+    return AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """(HF model, our model) of a random Llama with GQA (4 query / 2 KV heads), the SmolLM2 vocabulary
+    size (so its tokenizer works with it), 2 layers; fp32, CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from treegen.runtime.model import LlamaFamilyModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    return hf, LlamaFamilyModel.from_hf(hf)

@@ -6,24 +6,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import treegen
 from treegen.runtime.engine import Engine
-from treegen.runtime.loader import default_model_path
-from treegen.runtime.model import LlamaFamilyModel
 
 FEW_SHOT = "Q: Tom has 3 apples and buys 2 more. How many apples does he have?\nA: 3 + 2 = 5. The answer is 5.\n\n"
-
-
-@pytest.fixture(scope="session")
-def smol():
-    return Engine.load()
-
-
-@pytest.fixture(scope="session")
-def hf_smol():
-    return AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
 
 
 def gen_records(root):
@@ -189,19 +176,10 @@ def test_compiled_tree_is_known_before_running(smol):
     assert not partial.complete and partial.tree.graph.number_of_nodes() == 1
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """A random Llama with GQA (4 query heads, 2 KV heads) and the SmolLM2 tokenizer's vocabulary size."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    return hf, Engine(LlamaFamilyModel.from_hf(hf), None)
-
-
-def test_random_gqa_logits_match_hf_with_forced_tokens(tiny):
+def test_random_gqa_logits_match_hf_with_forced_tokens(tiny_llama):
     """Prefill a tree, then force tokens into every leaf step by step (decode path): logits match HF."""
-    hf, engine = tiny
+    hf, model = tiny_llama
+    engine = Engine(model, None)
     g = torch.Generator().manual_seed(1)
     rand = lambda n: torch.randint(0, 49152, (n,), generator=g).tolist()  # noqa: E731
     run = engine.start()

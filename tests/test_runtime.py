@@ -6,21 +6,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import treegen
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import load_tokenizer
-from treegen.runtime.model import LlamaFamilyModel
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    return hf, LlamaFamilyModel.from_hf(hf)
+def tiny_model(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

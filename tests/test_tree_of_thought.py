@@ -9,24 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import networkx as nx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import treegen
-from treegen.runtime.engine import Engine
-from treegen.runtime.loader import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from tree_of_thought import INTRO, JUDGE, PUZZLE, step_prompt, tree_of_thought  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return Engine.load()
-
-
-@pytest.fixture(scope="module")
-def hf_smol():
-    return AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
 
 
 def hf_tree_of_thought(hf, tok, eos, *, k, b, d, max_tokens):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from treegen.runtime.cuda_graph import capture
 from treegen.runtime.sampler import SamplingParams, sample
 
 
@@ -121,22 +122,15 @@ class Decoder:
             kv.segments[n].computed = len(tree.tokens(n)) - 1
         return still
 
-    def _capture(self, step):
-        """Run ``step`` once eagerly (compiles kernels), then capture it; returns the graph's replay.
-
-        The eager run is the phase's first real step, so the capture itself must not count."""
+    @staticmethod
+    def _capture(step):
+        """Capture ``step`` as a CUDA graph; returns a replay function for the phase's steps. Capturing
+        runs the step once for real, which is the phase's first step, so the first call does nothing."""
+        graph = capture(step)
         first = [True]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
 
         def replay():
-            if first[0]:  # the eager step above already did this step's work
+            if first[0]:
                 first[0] = False
                 return
             graph.replay()

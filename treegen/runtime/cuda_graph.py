@@ -1,0 +1,19 @@
+"""Capturing a function as a CUDA graph (the decode step; benchmarks time kernels the same way)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """Run ``fn`` once for real on a side stream (compiles kernels, warms the allocator), then capture
+    it. The capture records ``fn``'s kernels without running them; ``graph.replay()`` runs them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
