@@ -4,12 +4,13 @@ An :class:`Engine` holds a loaded model and tokenizer. :meth:`Engine.start` open
 a sharing tree plus the KV store for its nodes. The language layer grows the tree and calls
 :meth:`TreeRun.execute` with generation and scoring requests; the run
 
-1. prefills, in **one** forward pass, every token of every node on the requests' paths that has no KV
-   yet (a child's tokens attend to their ancestors' KV through the tree-attention decomposition,
-   every node is prefilled once however many branches lie below it);
+1. prefills, in one forward pass (in chunks of ``max_prefill_tokens``), every token of every node on
+   the requests' paths that has no KV yet (a child's tokens attend to their ancestors' KV through the
+   tree-attention decomposition; every node is prefilled once however many branches lie below it);
+   KV memory is planned first, and over-large workloads run in groups (:mod:`~treegen.runtime.schedule`);
 2. scores ``select`` choices from that pass (length-normalised log-probability);
 3. decodes all generation requests together, one token per live branch per step, with hierarchical
-   attention; a branch leaves the batch when it hits EOS, a stop string or ``max_tokens``.
+   attention, in phases (:mod:`~treegen.runtime.decode`); finished branches leave the batch.
 
 The last sampled token of a branch is appended to its node without KV; it is computed when the
 branch continues. When a request's conditioning token already has KV (e.g. a fork after a finished
