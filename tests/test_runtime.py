@@ -122,3 +122,25 @@ def test_over_budget_branches_that_continue_are_refused_before_running(tiny_mode
     tiny_budget = Engine(model, tokenizer).kv_shape.bytes_per_token * 20
     with pytest.raises(MemoryError, match="cannot run in groups because their branches continue"):
         continues.run(Engine(model, tokenizer, kv_budget_bytes=tiny_budget))
+
+
+def test_finished_final_branches_free_their_kv_when_their_phase_ends(tiny_model, tokenizer):
+    _, model = tiny_model
+    engine = Engine(model, tokenizer)
+    reserved = []
+    engine.on_step = lambda live, done, budget: reserved.append((live, run_holder[0].tree_run.kv.bytes_reserved()))
+    run_holder = []
+
+    @treegen.program
+    def uneven(s):
+        run_holder.append(s._run)
+        s += "Count with me: one two three"
+        b = s.fork(4)
+        b += lambda i: treegen.gen("x", max_tokens=[2, 2, 3, 12][i])
+        s.join(b)
+
+    uneven.run(engine)
+    lives = [live for live, _ in reserved]
+    assert lives[0] == 4 and lives[-1] == 0
+    # once the short branches are done and their phase has ended, less KV is reserved than at the start
+    assert min(b for live, b in reserved if live == 1) < reserved[0][1]

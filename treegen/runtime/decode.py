@@ -9,7 +9,7 @@ layer. On CUDA the step is captured once per phase as a CUDA graph and replayed.
 The host looks at the generated tokens every ``sync_every`` steps (every step on the CPU): branches
 that hit EOS, a stop string or ``max_tokens`` are finished there, their extra tokens dropped. When at
 most half the branches are still live, the phase ends and a new, smaller one is planned, so finished
-branches leave the batch. Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a
+branches leave the batch; those that take nothing more (``GenRequest.final``) free their KV then. Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a
 branch's tokens do not depend on phases, batch composition or ``sync_every``.
 """
 
@@ -56,6 +56,8 @@ class Decoder:
             self._accept(b, [t])
             if self.results[b] is None:
                 live.append(b)
+            elif self.gens[b].final:
+                self.kv.free(self.gens[b].node)
         self._report()
         while live:
             live = self._phase(live)
@@ -118,8 +120,12 @@ class Decoder:
             self._report()
             if not still or 2 * len(still) <= len(live):
                 break
-        for n in nodes:  # KV is written for every token but each branch's last
-            kv.segments[n].computed = len(tree.tokens(n)) - 1
+        for b, n in zip(live, nodes):
+            if self.results[b] is not None and self.gens[b].final:
+                kv.free(n)  # a finished branch that takes nothing more gives its KV back at once
+            else:  # KV is written for every token but each branch's last
+                kv.segments[n].computed = len(tree.tokens(n)) - 1
+        self._report()
         return still
 
     @staticmethod
