@@ -12,11 +12,15 @@ from treegen.lang import (
     State,
     UnsetVariableError,
     assistant,
+    best,
+    concat,
     gen,
     program,
     select,
     system,
+    top_k,
     user,
+    vote,
 )
 from treegen.runtime import Engine, ModelNotFoundError, SamplingParams, UnsupportedModelError
 from treegen.tree import KVShape, SharingTree, TreeStats
@@ -24,5 +28,5 @@ from treegen.tree import KVShape, SharingTree, TreeStats
 __all__ = [
     "CompiledProgram", "Engine", "ForkGroup", "KVShape", "ModelNotFoundError", "Program", "SamplingParams",
     "SharingTree", "State", "TreeStats", "UnsetVariableError", "UnsupportedModelError", "assistant", "gen",
-    "program", "select", "system", "user",
+    "program", "select", "system", "user", "vote", "best", "top_k", "concat",
 ]

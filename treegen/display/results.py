@@ -194,7 +194,7 @@ def summary(state) -> str:
     run = state._run
     states = descendants(state)
     finish = Counter(i["finish_reason"] for st in states for i in st.info.values() if "finish_reason" in i)
-    selects = sum(1 for st in states for i in st.info.values() if "scores" in i)
+    selects = sum(1 for st in states for i in st.info.values() if "choice_index" in i)
     parts = [f"{len(states):,} state{'s' if len(states) != 1 else ''}"]
     if finish:
         reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(finish.items()))

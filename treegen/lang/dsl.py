@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from treegen.lang.batch import Cooperative
 from treegen.lang.interpreter import ProgramRun, State, StopTrace
-from treegen.lang.ir import Gen, RoleBegin, RoleEnd, Select, Seq, as_ops
+from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
@@ -51,6 +51,43 @@ def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:
     if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"select({name!r}): choices must be a non-empty list of non-empty strings, got {choices!r}")
     return Select(name, tuple(choices))
+
+
+def vote(source: str, *, extract=None) -> Reduce:
+    """At a join: the majority answer among the branches' ``source`` values. ``extract``: a regex
+    (last match, group 1 if any), a function ``text -> answer``, or None (the whole text)."""
+    _check_name("vote", source)
+    return Reduce("vote", source, extract=extract)
+
+
+def best(source: str, *, by) -> Reduce:
+    """At a join: the ``source`` value of the branch with the highest score. ``by``: a variable the
+    branches set (numbers or text with a number), ``"logprob"``, or a function of the value."""
+    _check_name("best", source)
+    _check_by("best", by)
+    return Reduce("best", source, by=by)
+
+
+def top_k(source: str, *, by, k: int) -> Reduce:
+    """At a join: the ``k`` best ``source`` values, best first (``by`` as in :func:`best`)."""
+    _check_name("top_k", source)
+    _check_by("top_k", by)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"top_k({source!r}): k must be an integer >= 1, got {k!r}")
+    return Reduce("top_k", source, by=by, k=k)
+
+
+def concat(source: str, *, sep: str = "\n") -> Reduce:
+    """At a join: the branches' ``source`` values joined by ``sep`` (append it to build a new prompt)."""
+    _check_name("concat", source)
+    if not isinstance(sep, str):
+        raise ValueError(f"concat({source!r}): sep must be a string, got {sep!r}")
+    return Reduce("concat", source, sep=sep)
+
+
+def _check_by(what: str, by) -> None:
+    if not (callable(by) or (isinstance(by, str) and by.isidentifier())):
+        raise ValueError(f"{what}: by must be a variable name, 'logprob' or a function, got {by!r}")
 
 
 def _check_name(what: str, name) -> None:

@@ -14,8 +14,9 @@ from typing import Any
 
 import networkx as nx
 
+from treegen.lang import reduce
 from treegen.lang.chat import role_affixes
-from treegen.lang.ir import Gen, RoleBegin, RoleEnd, Select, Text, as_ops
+from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Text, as_ops
 from treegen.runtime.engine import GenRequest, ScoreRequest
 from treegen.runtime.sampler import branch_key
 from treegen.tree.sharing_tree import SharingTree
@@ -47,6 +48,16 @@ class _Joined:
 
     def __init__(self, states: list["State"], name: str) -> None:
         self.states, self.name = states, name
+
+
+class _Reduced:
+    """Marker value: a :class:`~treegen.lang.ir.Reduce` over joined branches, computed on first read."""
+
+    def __init__(self, children: list["State"], spec) -> None:
+        self.children, self.spec = children, spec
+
+    def __repr__(self) -> str:
+        return f"<{self.spec.kind} of {self.spec.source!r}, computed when read>"
 
 
 class ProgramRun:
@@ -137,6 +148,10 @@ class ProgramRun:
     def finish(self) -> None:
         """Flush, then free all KV (the values stay readable; states accept no more ops)."""
         self.flush(final=True)
+        for st in self.states:  # every value is there now: settle the reductions (cheap, no model)
+            for name, value in list(st.vars.items()):
+                if isinstance(value, _Reduced):
+                    st._reduce(name, value)
         for node in sorted(self.tree_run.kv.segments):
             self.tree_run.kv.free(node)
         self.finished = True
@@ -253,6 +268,7 @@ class State:
             self.vars[op.name] = result.text
             start = len(tree.path_tokens(self.node)) - len(result.tokens)
             self.info[op.name] = {"finish_reason": result.finish_reason, "tokens": len(result.tokens), "start": start,
+                                  "logprob": sum(result.logprobs) / len(result.logprobs) if result.logprobs else None,
                                   "max_tokens": op.params.max_tokens, "stop": op.params.stop}
             return
         request_choices = tree.children(self.node)[-len(op.choices):]
@@ -288,22 +304,61 @@ class State:
             group += content
         return group
 
-    def join(self, branches: "ForkGroup") -> None:
-        """Gather every variable of ``branches`` (forked from this state) into lists on this state."""
+    def join(self, branches: "ForkGroup", **reductions) -> None:
+        """Gather every variable of ``branches`` (forked from this state) into lists on this state.
+
+        ``reductions``: new variables made from those lists, e.g. ``answer=treegen.vote("reasoning",
+        extract=r"answer is (\\d+)")`` (see :class:`~treegen.lang.ir.Reduce`); computed on first read."""
         if not isinstance(branches, ForkGroup):
             raise TypeError(f"join expects the branches returned by fork(), got {type(branches).__name__}")
         if branches.parents != [self]:
             raise ValueError("join: these branches were not forked from this state")
-        branches._join_into([self])
+        branches._join_into([self], reductions)
 
-    def _join_children(self, children: list["State"]) -> None:
+    def _join_children(self, children: list["State"], reductions: dict | None = None) -> None:
         names: list[str] = []
         for child in children:
             names += [k for k in child.vars if k not in names and (k not in self.vars or child.vars[k] is not self.vars[k])]
             child._closed = "joined"
+        for name, spec in (reductions or {}).items():
+            _check_reduction(name, spec, names)
         for name in names:
             self.vars[name] = _Joined(children, name)
             self.info[name] = {"branches": len(children)}
+        for name, spec in (reductions or {}).items():
+            self.vars[name] = _Reduced(children, spec)
+            fork_node = self._run.tree.parent(children[0].origin) if children and children[0].origin is not None else None
+            if fork_node is not None:  # the compiled tree shows what the join computes
+                self._run.tree.graph.nodes[fork_node].setdefault("reductions", []).append(
+                    {"name": name, "kind": spec.kind, "source": spec.source,
+                     "by": spec.by if isinstance(spec.by, str) else getattr(spec.by, "__name__", None)})
+
+    def _reduce(self, name: str, red: _Reduced):
+        """Compute a reduction from the joined values; records how it was decided in ``info[name]``."""
+        spec, children = red.spec, red.children
+        values = [child[spec.source] for child in children]
+        info: dict = {"kind": spec.kind, "source": spec.source, "branches": len(children)}
+        if spec.kind == "vote":
+            counts = reduce.tally(values, spec.extract)
+            result = reduce.vote(values, spec.extract)
+            info.update(tally=counts, winners=[i for i, v in enumerate(values)
+                                               if result is not None and reduce.extract(v, spec.extract) == result])
+        elif spec.kind == "concat":
+            result = spec.sep.join(str(v) for v in values)
+        else:
+            if spec.by == "logprob":
+                scores = [child.info.get(spec.source, {}).get("logprob") for child in children]
+            elif callable(spec.by):
+                scores = [spec.by(v) for v in values]
+            else:
+                scores = [child[spec.by] for child in children]
+            order = reduce.ranking(scores)
+            keep = order[:1] if spec.kind == "best" else order[: spec.k]
+            result = values[keep[0]] if spec.kind == "best" else [values[i] for i in keep]
+            info.update(scores=scores, winners=keep)
+        self.vars[name] = result
+        self.info[name] = info
+        return result
 
     def prune(self) -> int:
         """Drop this branch now: free the KV of every node it made (from its fork down, including its
@@ -354,6 +409,8 @@ class State:
             value = self.vars[name]
         if isinstance(value, _Joined):
             return [child[name] for child in value.states]
+        if isinstance(value, _Reduced):
+            return self._reduce(name, value)
         return value
 
     def __contains__(self, name: str) -> bool:
@@ -420,17 +477,31 @@ class ForkGroup:
         groups = [st.fork(n, content) for st in self.states]
         return ForkGroup(list(self.states), [g.states for g in groups])
 
-    def join(self, branches: "ForkGroup") -> None:
-        """Gather each nested group into lists on its own parent branch."""
+    def join(self, branches: "ForkGroup", **reductions) -> None:
+        """Gather each nested group into lists on its own parent branch (``reductions`` as in
+        :meth:`State.join`, computed per parent branch)."""
         if not isinstance(branches, ForkGroup):
             raise TypeError(f"join expects the branches returned by fork(), got {type(branches).__name__}")
         if branches.parents != self.states:
             raise ValueError("join: these branches were not forked from this group")
-        branches._join_into(self.states)
+        branches._join_into(self.states, reductions)
 
-    def _join_into(self, parents: list[State]) -> None:
+    def _join_into(self, parents: list[State], reductions: dict | None = None) -> None:
         if self._joined:
             raise ValueError("join: these branches were already joined")
         self._joined = True
         for parent, children in zip(parents, self.children):
-            parent._join_children(children)
+            parent._join_children(children, reductions)
+
+
+def _check_reduction(name: str, spec, names: list[str]) -> None:
+    """A join's reduction: a Reduce, a fresh identifier, reading variables the branches set."""
+    if not isinstance(spec, Reduce):
+        raise TypeError(f"join: {name}= must be a reduction such as treegen.vote(...), got {type(spec).__name__}")
+    if not name.isidentifier() or name in names:
+        raise ValueError(f"join: reduction name {name!r} must be a new identifier (the branches set: {', '.join(names)})")
+    reads = [spec.source] + ([spec.by] if isinstance(spec.by, str) and spec.by != "logprob" else [])
+    for var in reads:
+        if var not in names:
+            raise ValueError(f"join: reduction {name!r} reads {var!r}, which the branches do not set "
+                             f"(they set: {', '.join(names) or 'nothing'})")

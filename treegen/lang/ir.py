@@ -64,6 +64,27 @@ class Select(_Appendable):
 
 Op = Text | RoleBegin | RoleEnd | Gen | Select
 
+REDUCTIONS = ("vote", "best", "top_k", "concat")
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """A reduction at a join: one variable made from the joined branches' values of ``source``.
+
+    kind: ``"vote"`` (majority of the answers ``extract`` finds; ties to the first seen),
+    ``"best"`` / ``"top_k"`` (by ``by``: a variable the branches set, ``"logprob"`` — the mean token
+    log-probability of the ``gen`` that made ``source`` — or a function of the value), or
+    ``"concat"`` (the values joined by ``sep``, e.g. to become a new prompt). Recorded on the fork
+    node of the sharing tree (attribute ``reductions``) so the compiled tree shows it.
+    """
+
+    kind: str
+    source: str
+    extract: object = None
+    by: object = None
+    k: int = 1
+    sep: str = "\n"
+
 
 class Seq(tuple):
     """A sequence of ops appended together (what ``user(...)`` or ``s += a + b`` builds)."""

@@ -15,6 +15,8 @@ branch's tokens do not depend on phases, batch composition or ``sync_every``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from treegen.runtime.cuda_graph import capture
@@ -33,6 +35,7 @@ class Decoder:
         self.graphs = run.engine.cuda_graphs and device.type == "cuda"
         self.sync_every = 8 if device.type == "cuda" else 1
         self.out: list[list[int]] = [[] for _ in gens]
+        self.logprobs: list[list[float]] = [[] for _ in gens]
         self.results: list = [None] * len(gens)
         params = [g.params for g in gens]
         self.temperature = torch.tensor([float(p.temperature) for p in params], device=device)
@@ -51,9 +54,10 @@ class Decoder:
         device = self.model.device
         everyone = torch.arange(len(self.gens), device=device)
         first = self._sample(first_logits, everyone, torch.zeros(len(self.gens), dtype=torch.int64, device=device))
+        first_lp = first_logits.log_softmax(-1).gather(1, first.unsqueeze(1)).squeeze(1)
         live = []
-        for b, t in enumerate(first.tolist()):
-            self._accept(b, [t])
+        for b, (t, lp) in enumerate(zip(first.tolist(), first_lp.tolist())):
+            self._accept(b, [t], [lp])
             if self.results[b] is None:
                 live.append(b)
             elif self.gens[b].final:
@@ -71,13 +75,15 @@ class Decoder:
             hook(len(live), done, done + sum(self.gens[b].params.max_tokens - len(self.out[b]) for b in live))
 
     # ---------------------------------------------------------------------------------------------
-    def _accept(self, b: int, new: list[int]) -> bool:
+    def _accept(self, b: int, new: list[int], logprobs: list[float]) -> bool:
         """Append branch ``b``'s new tokens up to where it finishes; True when it finished."""
-        for t in new:
+        for t, lp in zip(new, logprobs):
             self.out[b].append(t)
+            self.logprobs[b].append(lp)
             self.tree.extend(self.gens[b].node, [t])
-            self.results[b] = finished(self.out[b], self.gens[b].params, self.eos, self.tokenizer)
-            if self.results[b] is not None:
+            result = finished(self.out[b], self.gens[b].params, self.eos, self.tokenizer)
+            if result is not None:
+                self.results[b] = dataclasses.replace(result, logprobs=tuple(self.logprobs[b]))
                 return True
         return False
 
@@ -94,6 +100,7 @@ class Decoder:
         steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
         width = max(remaining)
         buf = torch.zeros(len(live), width, dtype=torch.int64, device=device)
+        lp_buf = torch.zeros(len(live), width, dtype=torch.float32, device=device)
         column = torch.zeros(len(live), 1, dtype=torch.int64, device=device)
         attend = self.tree_run.attend_fn(plan, slots)
 
@@ -101,6 +108,7 @@ class Decoder:
             logits = model.forward(input_ids, plan.query_pos, attend)
             nxt = self._sample(logits, idx, steps)
             buf.scatter_(1, column, nxt.unsqueeze(1))
+            lp_buf.scatter_(1, column, logits.log_softmax(-1).gather(1, nxt.unsqueeze(1)))
             input_ids.copy_(nxt)
             plan.query_pos.add_(1)
             torch.minimum(slots + 1, slot_limit, out=slots)
@@ -115,8 +123,10 @@ class Decoder:
             if (t + 1) % self.sync_every and t + 1 < width:
                 continue
             tokens = buf[:, done_steps : t + 1].tolist()
+            lps = lp_buf[:, done_steps : t + 1].tolist()
             done_steps = t + 1
-            still = [b for j, b in enumerate(live) if self.results[b] is None and not self._accept(b, tokens[j])]
+            still = [b for j, b in enumerate(live)
+                     if self.results[b] is None and not self._accept(b, tokens[j], lps[j])]
             self._report()
             if not still or 2 * len(still) <= len(live):
                 break

@@ -45,9 +45,14 @@ class GenRequest:
 
 @dataclass(frozen=True)
 class GenResult:
+    """A branch's generation: its tokens, the text (stop string excluded), why it ended, and the
+    natural-log probability of each token under the distribution it was drawn from (before
+    temperature and filtering)."""
+
     tokens: tuple[int, ...]
     text: str
     finish_reason: str  # "eos" | "stop" | "length"
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

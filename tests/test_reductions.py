@@ -1,0 +1,103 @@
+"""Reductions at a join (vote, best, top_k, concat) as program nodes: values, tie rules, the compiled
+tree, log-probability scores against Hugging Face, and errors."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+import treegen
+from treegen.lang import reduce
+
+FEW_SHOT = "Q: 2 + 2?\nA: The answer is 4.\n\nQ: 3 + 5?\nA: The answer is 8.\n\n"
+
+
+@treegen.program
+def voting(s, n):
+    s += FEW_SHOT + "Q: 4 + 3?\nA:"
+    b = s.fork(n)
+    b += treegen.gen("reasoning", max_tokens=10, stop="\n", temperature=1.0)
+    s.join(b, answer=treegen.vote("reasoning", extract=r"answer is (-?\d+)"),
+           longest=treegen.best("reasoning", by=len), shortest2=treegen.top_k("reasoning", by=lambda t: -len(t), k=2),
+           likeliest=treegen.best("reasoning", by="logprob"), transcript=treegen.concat("reasoning", sep=" | "))
+
+
+def test_reductions_compute_from_the_joined_values(smol):
+    s = voting.run(smol, 6, seed=5)
+    texts = s["reasoning"]
+    assert s["answer"] == reduce.vote(texts, r"answer is (-?\d+)")
+    assert s.info["answer"]["tally"] == reduce.tally(texts, r"answer is (-?\d+)")
+    assert s["longest"] == max(texts, key=len)  # max keeps the first of equal lengths, as the rule says
+    assert s["shortest2"] == sorted(texts, key=len)[:2]  # sorted is stable: ties in branch order
+    lps = [st.info["reasoning"]["logprob"] for st in s._run.states[1:]]
+    assert s["likeliest"] == texts[max(range(len(lps)), key=lambda i: (lps[i], -i))]
+    assert s["transcript"] == " | ".join(texts)
+
+
+def test_the_compiled_tree_shows_the_reductions(smol):
+    tree = voting.compile(3, tokenizer=smol.tokenizer).tree
+    recorded = tree.graph.nodes[0]["reductions"]
+    assert [(r["name"], r["kind"], r["source"], r["by"]) for r in recorded] == [
+        ("answer", "vote", "reasoning", None), ("longest", "best", "reasoning", "len"),
+        ("shortest2", "top_k", "reasoning", "<lambda>"), ("likeliest", "best", "reasoning", "logprob"),
+        ("transcript", "concat", "reasoning", None)]
+
+
+def test_logprob_scores_are_the_models_own(smol, hf_smol):
+    @treegen.program
+    def greedy(s):
+        s += FEW_SHOT
+        b = s.fork(2, content=["Q: 1 + 1?\nA:", "Q: 6 + 1?\nA:"])
+        b += treegen.gen("x", max_tokens=6)
+        s.join(b, pick=treegen.best("x", by="logprob"))
+
+    s = greedy.run(smol)
+    for st in s._run.states[1:]:
+        ids = st.tree.path_tokens(st.node)
+        start, n = st.info["x"]["start"], st.info["x"]["tokens"]
+        with torch.no_grad():
+            logp = hf_smol(torch.tensor([ids])).logits[0].log_softmax(-1)
+        want = torch.stack([logp[start - 1 + i, ids[start + i]] for i in range(n)]).mean()
+        assert st.info["x"]["logprob"] == pytest.approx(float(want), abs=1e-4)
+    assert s["pick"] == s["x"][s.info["pick"]["winners"][0]]
+    assert s.info["pick"]["winners"][0] == max(range(2), key=lambda i: s._run.states[1 + i].info["x"]["logprob"])
+
+
+def test_concat_builds_a_new_prompt(smol):
+    @treegen.program
+    def summarise(s):
+        s += FEW_SHOT
+        b = s.fork(2, content=["Q: 1 + 1?\nA:", "Q: 2 + 1?\nA:"])
+        b += treegen.gen("x", max_tokens=5, stop="\n")
+        s.join(b, both=treegen.concat("x", sep="\n"))
+        s += "Answers so far:\n" + s["both"] + "\nSummary:" + treegen.gen("summary", max_tokens=4)
+
+    s = summarise.run(smol)
+    assert "Answers so far:\n" + "\n".join(s["x"]) in s.text()
+    assert isinstance(s["summary"], str)
+
+
+def test_reduction_errors_name_what_is_wrong(smol):
+    def body(reduction, name="r"):
+        @treegen.program
+        def p(s):
+            s += "x"
+            b = s.fork(2)
+            b += treegen.gen("y", max_tokens=2)
+            s.join(b, **{name: reduction})
+        return p.compile(tokenizer=smol.tokenizer)
+
+    with pytest.raises(ValueError, match="reads 'z', which the branches do not set \\(they set: y\\)"):
+        body(treegen.vote("z"))
+    with pytest.raises(ValueError, match="reads 'score'"):
+        body(treegen.best("y", by="score"))
+    with pytest.raises(ValueError, match="must be a new identifier"):
+        body(treegen.vote("y"), name="y")
+    with pytest.raises(TypeError, match="must be a reduction"):
+        body("y")
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        treegen.top_k("y", by=len, k=0)
+    with pytest.raises(ValueError, match="by must be a variable name"):
+        treegen.best("y", by=3)
