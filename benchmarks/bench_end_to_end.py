@@ -35,6 +35,7 @@ import triton
 from transformers import LlamaConfig
 
 from treegen.runtime.engine import Engine, GenRequest
+from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
 
@@ -46,16 +47,6 @@ SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=32768),
 }
-
-
-class IdTokenizer:
-    """Stands in for a tokenizer with random weights: token ids are the text."""
-
-    bos_token_id = None
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(map(str, ids))
 
 
 def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: bool) -> float:

@@ -41,6 +41,7 @@ import transformers
 from transformers import LlamaConfig
 
 from treegen.runtime.engine import Engine, GenRequest
+from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING, share_prefixes, simplify
@@ -52,16 +53,6 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192),
 }
 MODES = ("two", "single", "flat")
-
-
-class IdTokenizer:
-    """Stands in for a tokenizer with random weights: token ids are the text."""
-
-    bos_token_id = None
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(map(str, ids))
 
 
 def workload(vocab: int, prefix: int, problems: int, problem_len: int, seed: int = 0):

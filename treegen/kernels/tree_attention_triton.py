@@ -170,6 +170,22 @@ def _tma_default(device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _online_softmax_step(acc, m_i, l_i, s, v, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr):
+        """Fold one block of base-2 scores ``s`` [M, N] and values ``v`` [N, D] into the running max
+        ``m_i``, sum ``l_i`` and output ``acc``. MAY_BE_EMPTY: a row may have seen no visible key yet
+        (max -inf), which must not turn into NaN."""
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MAY_BE_EMPTY:
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(s - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _attend_blocks(acc, m_i, l_i, q, qpos, K, V, stride_kt, pos0, lo, hi, scale_log2,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                        PRECISION: tl.constexpr):
@@ -190,13 +206,7 @@ if triton is not None:
             if MASKED:
                 visible = key_ok[None, :] & ((pos0 + offs_n)[None, :] <= qpos[:, None])
                 s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, s, v, True, PRECISION)
         return m_i, l_i, acc
 
     @triton.jit
@@ -210,12 +220,8 @@ if triton is not None:
             k = K_desc.load([row, col])
             v = V_desc.load([row, col])
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            # a fully visible block gives every row a finite score, so the max is never -inf here
+            m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, s, v, False, PRECISION)
         return m_i, l_i, acc
 
     @triton.jit

@@ -77,15 +77,17 @@ class Decoder:
     # ---------------------------------------------------------------------------------------------
     def _accept(self, b: int, new: list[int], logprobs: list[float]) -> bool:
         """Append branch ``b``'s new tokens up to where it finishes; True when it finished."""
+        out, before = self.out[b], len(self.out[b])
+        result = None
         for t, lp in zip(new, logprobs):
-            self.out[b].append(t)
+            out.append(t)
             self.logprobs[b].append(lp)
-            self.tree.extend(self.gens[b].node, [t])
-            result = finished(self.out[b], self.gens[b].params, self.eos, self.tokenizer)
+            result = finished(out, self.gens[b].params, self.eos, self.tokenizer)
             if result is not None:
                 self.results[b] = dataclasses.replace(result, logprobs=tuple(self.logprobs[b]))
-                return True
-        return False
+                break
+        self.tree.extend(self.gens[b].node, out[before:])  # one extend per branch per sync
+        return result is not None
 
     def _phase(self, live: list[int]) -> list[int]:
         tree, kv, model = self.tree, self.kv, self.model

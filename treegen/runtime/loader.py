@@ -43,6 +43,18 @@ _STAMP = "treegen-source.json"
 # --------------------------------------------------------------------------- embedded default
 
 
+class IdTokenizer:
+    """A stand-in tokenizer for random-weight models (benchmarks, GPU tests): there is no vocabulary,
+    so generated token ids are their own text. Has no BOS/EOS and no chat template."""
+
+    bos_token_id = None
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
 def cache_dir() -> Path:
     """Root of treegen's on-disk cache."""
     if os.environ.get("TREEGEN_CACHE"):
@@ -220,6 +232,6 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
 
 
 __all__ = [
-    "DEFAULT_MODEL_NAME", "ModelNotFoundError", "UnsupportedModelError", "cache_dir",
+    "DEFAULT_MODEL_NAME", "IdTokenizer", "ModelNotFoundError", "UnsupportedModelError", "cache_dir",
     "default_model_path", "load_config", "load_model", "load_tokenizer",
 ]

@@ -50,26 +50,29 @@ def schedule(tree, kv, gens: list, scores: list, budget: KVBudget) -> list[list]
             f"these requests need {total / 2**30:.2f} GiB of KV and {room / 2**30:.2f} GiB is left of the "
             f"budget; they cannot run in groups because their branches continue afterwards"
         )
+    def cost(g, counted: set[int]) -> dict[int, int]:
+        """Slots ``g`` adds to a group that already counts the nodes ``counted``."""
+        extra = {n: len(tree.tokens(n)) for n in tree.path(g.node) if n not in kv.segments and n not in counted}
+        extra[g.node] = len(tree.tokens(g.node)) + g.params.max_tokens
+        return extra
+
     groups: list[list] = [[]]
-    used: set[int] = set()
+    counted: set[int] = set()
     slots = 0
     for g in sorted(gens, key=lambda g: g.node):
-        extra = {n: len(tree.tokens(n)) for n in tree.path(g.node) if n not in kv.segments and n not in used}
-        extra[g.node] = len(tree.tokens(g.node)) + g.params.max_tokens
-        cost = sum(extra.values())
-        if cost * budget.bytes_per_token > room:
-            raise MemoryError(f"one branch needs {cost * budget.bytes_per_token / 2**30:.2f} GiB of KV, more than "
-                              f"the {room / 2**30:.2f} GiB left of the budget")
-        if groups[-1] and (slots + cost) * budget.bytes_per_token > room:
+        extra = cost(g, counted)
+        if sum(cost(g, set()).values()) * budget.bytes_per_token > room:
+            raise MemoryError(f"one branch needs {sum(cost(g, set()).values()) * budget.bytes_per_token / 2**30:.2f} "
+                              f"GiB of KV, more than the {room / 2**30:.2f} GiB left of the budget")
+        if groups[-1] and (slots + sum(extra.values())) * budget.bytes_per_token > room:
+            # a new group counts its shared path nodes again: a safe over-estimate, since those
+            # nodes stay allocated while later groups read them
             groups.append([])
-            used, slots = set(), 0
-            # shared path nodes stay allocated across groups: only count what this group adds
-            extra = {n: len(tree.tokens(n)) for n in tree.path(g.node) if n not in kv.segments}
-            extra[g.node] = len(tree.tokens(g.node)) + g.params.max_tokens
-            cost = sum(extra.values())
+            counted, slots = set(), 0
+            extra = cost(g, counted)
         groups[-1].append(g)
-        used |= set(extra)
-        slots += cost
+        counted |= set(extra)
+        slots += sum(extra.values())
     return groups
 
 
