@@ -20,6 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treegen.kernels.fused_ops import (add_rms_norm, fused_ops_available, rms_norm_reference, rope_,
+                                       rope_reference, silu_mul)
+
+rms_norm = rms_norm_reference
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # attend(layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim],
@@ -113,20 +118,6 @@ def max_context_of(config) -> int:
 # --------------------------------------------------------------------------- building blocks
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF ``LlamaRMSNorm``: normalise in fp32, cast back, then scale.  x [..., hidden]."""
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """[..., d] -> [..., d] with halves (x1, x2) -> (-x2, x1), as in HF."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rope_inv_freq(config) -> tuple[Tensor, float]:
     """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling) exactly as transformers computes them."""
     rp = _rope_parameters(config)
@@ -143,7 +134,11 @@ def rope_inv_freq(config) -> tuple[Tensor, float]:
 
 @dataclass
 class _Layer:
-    """Weights of one decoder layer (plain tensors; biases may be None)."""
+    """Weights of one decoder layer (plain tensors; biases may be None).
+
+    The q/k/v and gate/up projections are also kept fused (``qkv_w``, ``gate_up_w``: one matrix
+    product each per step instead of three / two); the separate weights are views into them.
+    """
 
     attn_norm: Tensor  # [hidden]
     q_w: Tensor  # [num_heads * head_dim, hidden]
@@ -161,6 +156,32 @@ class _Layer:
     up_b: Tensor | None
     down_w: Tensor  # [hidden, intermediate]
     down_b: Tensor | None
+    qkv_w: Tensor | None = None  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_b: Tensor | None = None
+    gate_up_w: Tensor | None = None  # [2 * intermediate, hidden]
+    gate_up_b: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.qkv_w, self.qkv_b = _fuse(self, ("q_w", "k_w", "v_w"), ("q_b", "k_b", "v_b"))
+        self.gate_up_w, self.gate_up_b = _fuse(self, ("gate_w", "up_w"), ("gate_b", "up_b"))
+
+
+def _fuse(layer: _Layer, weights: tuple[str, ...], biases: tuple[str, ...]) -> tuple[Tensor, Tensor | None]:
+    """Concatenate ``layer``'s weights (and biases, zero where one is missing) along the output axis
+    and make the separate ones views of the result, so the memory is held once."""
+    parts = [getattr(layer, n) for n in weights]
+    fused = torch.cat(parts)
+    sizes = [p.shape[0] for p in parts]
+    for name, view in zip(weights, fused.split(sizes)):
+        setattr(layer, name, view)
+    if all(getattr(layer, n) is None for n in biases):
+        return fused, None
+    fused_b = torch.cat([getattr(layer, n) if getattr(layer, n) is not None else fused.new_zeros(k)
+                         for n, k in zip(biases, sizes)])
+    for name, view in zip(biases, fused_b.split(sizes)):
+        if getattr(layer, name) is not None:
+            setattr(layer, name, view)
+    return fused, fused_b
 
 
 # --------------------------------------------------------------------------- the model
@@ -200,6 +221,9 @@ class LlamaFamilyModel:
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[config.hidden_act]
+        self.intermediate_size = int(layers[0].gate_w.shape[0]) if layers else 0
+        # on CUDA the element-wise steps run as fused Triton kernels (see treegen/kernels/fused_ops.py)
+        self.fused = fused_ops_available(self.device) and config.hidden_act == "silu"
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.inv_freq = inv_freq.to(self.device)  # [head_dim // 2] fp32
 
@@ -303,24 +327,37 @@ class LlamaFamilyModel:
             raise ValueError(f"input_ids and positions must both be [T]; got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         n_tok, nh, nkv, hd = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self.rope_cos_sin(positions)
+        fused, inter = self.fused, self.intermediate_size
+        cos, sin = self.rope_cos_sin(positions)  # [T, 1, D]
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        y = None  # the output of the previous sub-layer, not yet added to the residual stream h
         for i, L in enumerate(self.layers):
-            x = rms_norm(h, L.attn_norm, self.eps)
-            q = F.linear(x, L.q_w, L.q_b).view(n_tok, nh, hd)
-            k = F.linear(x, L.k_w, L.k_b).view(n_tok, nkv, hd)
-            v = F.linear(x, L.v_w, L.v_b).view(n_tok, nkv, hd)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            o = attend(i, q, k, v)  # [T, H, D]
-            h = h + F.linear(o.reshape(n_tok, nh * hd), L.o_w, L.o_b)
-            x = rms_norm(h, L.mlp_norm, self.eps)
-            gated = self.act(F.linear(x, L.gate_w, L.gate_b)) * F.linear(x, L.up_w, L.up_b)
-            h = h + F.linear(gated, L.down_w, L.down_b)
+            h, x = self._add_norm(h, y, L.attn_norm)
+            qkv = F.linear(x, L.qkv_w, L.qkv_b).view(n_tok, nh + 2 * nkv, hd)
+            if fused:
+                rope_(qkv[:, : nh + nkv], cos[:, 0], sin[:, 0])
+                q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
+            else:
+                q, k = rope_reference(qkv[:, :nh], cos, sin), rope_reference(qkv[:, nh : nh + nkv], cos, sin)
+            o = attend(i, q, k, qkv[:, nh + nkv :])  # [T, H, D]
+            y = F.linear(o.reshape(n_tok, nh * hd), L.o_w, L.o_b)
+            h, x = self._add_norm(h, y, L.mlp_norm)
+            gate_up = F.linear(x, L.gate_up_w, L.gate_up_b)
+            gated = silu_mul(gate_up) if fused else self.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            y = F.linear(gated, L.down_w, L.down_b)
+        if y is not None:
+            h = h + y
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)  # [R, hidden]
         h = rms_norm(h, self.norm, self.eps)
         return F.linear(h, self.lm_head).float()  # [R, vocab]
+
+    def _add_norm(self, h: Tensor, y: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """The residual add ``h + y`` (nothing when ``y`` is None) and its RMSNorm: (h, normed)."""
+        if self.fused:  # one kernel; adds into h in place
+            return h, add_rms_norm(h, y, weight, self.eps)
+        h = h if y is None else h + y
+        return h, rms_norm(h, weight, self.eps)
 
     __call__ = forward
 

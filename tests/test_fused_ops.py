@@ -1,0 +1,91 @@
+"""The fused decoder-layer kernels (treegen/kernels/fused_ops.py) against their PyTorch references.
+
+CI runs them in the Triton interpreter on CPU tensors (fp32, fp16); on a CUDA device (TRITON_INTERPRET=0)
+the same tests run compiled, bf16 included. A model with the fused path forced on gives the same logits
+as the reference path.
+"""
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from treegen.kernels.fused_ops import (add_rms_norm, rms_norm_reference, rope_, rope_reference, silu_mul,
+                                       silu_mul_reference)
+from treegen.runtime.model import LlamaFamilyModel
+
+COMPILED = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0"
+DEVICE = "cuda" if COMPILED else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if COMPILED else [])
+# one rounding step of the dtype (the kernels round where the references do; sums may differ in order)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_add_rms_norm_matches_residual_add_then_reference_norm(dtype, hidden):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, hidden, generator=g).to(DEVICE, dtype)
+    y = torch.randn(5, hidden, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
+    want_h = h + y
+    want = rms_norm_reference(want_h, w, 1e-5)
+    got = add_rms_norm(h, y, w, 1e-5)  # adds y into h in place
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(add_rms_norm(h, None, w, 1e-5), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_in_place_on_the_query_and_key_heads_of_a_fused_qkv(dtype, head_dim):
+    g = torch.Generator().manual_seed(1)
+    tokens, nh, nkv = 7, 6, 2
+    qkv = torch.randn(tokens, nh + 2 * nkv, head_dim, generator=g).to(DEVICE, dtype)
+    angles = torch.rand(tokens, head_dim // 2, generator=g) * 50
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(DEVICE, dtype)[:, None], emb.sin().to(DEVICE, dtype)[:, None]
+    want_q, want_k = rope_reference(qkv[:, :nh], cos, sin), rope_reference(qkv[:, nh : nh + nkv], cos, sin)
+    v = qkv[:, nh + nkv :].clone()
+    rope_(qkv[:, : nh + nkv], cos[:, 0], sin[:, 0])
+    torch.testing.assert_close(qkv[:, :nh], want_q, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(qkv[:, nh : nh + nkv], want_k, rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(qkv[:, nh + nkv :], v)  # values untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    gate_up = (3 * torch.randn(4, 2 * 1500, generator=g)).to(DEVICE, dtype)  # more than one block wide
+    torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_bad_shapes_are_named():
+    x = torch.zeros(2, 3, 8)
+    with pytest.raises(ValueError, match="h must be"):
+        add_rms_norm(x, None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="cos/sin must be"):
+        rope_(x, torch.zeros(2, 4), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="even width"):
+        silu_mul(torch.zeros(2, 7))
+
+
+def test_model_logits_equal_with_the_fused_path():
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+    model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device=DEVICE)
+    ids = torch.randint(0, 100, (9,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    pos = torch.arange(9, device=DEVICE)
+
+    def attend(layer, q, k, v):  # plain causal attention over the 9 tokens (GQA)
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * model.attn_scale
+        s = s.masked_fill(torch.ones(9, 9, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+    model.fused = False
+    want = model.forward(ids, pos, attend)
+    model.fused = True
+    got = model.forward(ids, pos, attend)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

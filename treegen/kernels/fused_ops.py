@@ -1,0 +1,167 @@
+"""Fused element-wise steps of a decoder layer (CUDA), each beside its PyTorch reference.
+
+A decode step of a small batch is many tiny kernels: an unfused layer launches ~40 (RMSNorm alone is
+eight: cast, square, mean, add, rsqrt, multiply, cast, scale; RoPE ten), and at a few microseconds
+each they, not the matrix products, set the step time. These kernels do each step in one launch:
+
+* :func:`add_rms_norm` — ``h += y`` (the residual add) then ``x = RMSNorm(h)``;
+* :func:`rope_` — rotary embedding of the query and key heads of a fused QKV projection, in place;
+* :func:`silu_mul` — ``silu(gate) * up`` from a fused gate/up projection.
+
+They round where Hugging Face's PyTorch code rounds (every intermediate that HF holds in the model
+dtype is rounded to it here too), so in bf16 they agree with the references to the last bit except
+for fp32 summation order inside RMSNorm's mean. The references are the CPU path and the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+
+# --------------------------------------------------------------------------- references (HF maths)
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF ``LlamaRMSNorm``: normalise in fp32, cast back, then scale.  x [..., hidden]."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """[..., d] -> [..., d] with halves (x1, x2) -> (-x2, x1), as in HF."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF ``apply_rotary_pos_emb`` for one of q / k: x [T, heads, D], cos/sin [T, 1, D] (model dtype)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def silu_mul_reference(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` for gate_up = [gate | up] along the last axis."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# --------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(H, Y, W, X, hidden, stride_h, stride_y, stride_x, eps,
+                             HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < hidden
+        h = tl.load(H + row * stride_h + offs, mask=ok, other=0.0)
+        if HAS_Y:  # the residual add, rounded to the model dtype as torch's add does
+            h = (h.to(tl.float32) + tl.load(Y + row * stride_y + offs, mask=ok, other=0.0).to(tl.float32))
+            h = h.to(H.dtype.element_ty)
+            tl.store(H + row * stride_h + offs, h, mask=ok)
+        h32 = h.to(tl.float32)
+        var = tl.sum(h32 * h32, axis=0) / hidden
+        normed = (h32 * (1.0 / tl.sqrt(var + eps))).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(X + row * stride_x + offs, (w * normed).to(X.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rope_kernel(QK, COS, SIN, heads, stride_t, stride_h, stride_c,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, HEAD_DIM)
+        half: tl.constexpr = HEAD_DIM // 2
+        rot_d = (offs_d + half) % HEAD_DIM
+        sign = tl.where(offs_d < half, -1.0, 1.0)
+        ok = (offs_h < heads)[:, None]
+        base = QK + t * stride_t + offs_h[:, None] * stride_h
+        x = tl.load(base + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+        x_rot = tl.load(base + rot_d[None, :], mask=ok, other=0.0).to(tl.float32) * sign[None, :]
+        dt = QK.dtype.element_ty
+        c = tl.load(COS + t * stride_c + offs_d).to(tl.float32)
+        s = tl.load(SIN + t * stride_c + offs_d).to(tl.float32)
+        a = (x * c[None, :]).to(dt).to(tl.float32)  # x * cos, rounded as in HF
+        b = (x_rot * s[None, :]).to(dt).to(tl.float32)  # rotate_half(x) * sin, rounded
+        tl.debug_barrier()  # every lane has read its rotated partner before any writes
+        tl.store(base + offs_d[None, :], (a + b).to(dt), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(GU, OUT, inter, stride_g, stride_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < inter
+        g = tl.load(GU + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_g + inter + offs, mask=ok, other=0.0).to(tl.float32)
+        dt = OUT.dtype.element_ty
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu, rounded to the model dtype
+        tl.store(OUT + row * stride_o + offs, (act * u).to(dt), mask=ok)
+
+
+def _check_rows(name: str, t: Tensor) -> None:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be [rows, features] with contiguous features, got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+
+
+def add_rms_norm(h: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Tensor:
+    """``h += y`` in place (when ``y`` is given), then return ``RMSNorm(h) * weight``. h, y [T, hidden]."""
+    _check_rows("h", h)
+    if y is not None:
+        _check_rows("y", y)
+        if y.shape != h.shape:
+            raise ValueError(f"add_rms_norm: y {tuple(y.shape)} must match h {tuple(h.shape)}")
+    x = torch.empty_like(h)
+    if h.shape[0]:
+        _add_rms_norm_kernel[(h.shape[0],)](
+            h, y if y is not None else h, weight, x, h.shape[1], h.stride(0),
+            (y if y is not None else h).stride(0), x.stride(0), eps,
+            HAS_Y=y is not None, BLOCK=triton.next_power_of_2(h.shape[1]), num_warps=4 if h.shape[1] <= 4096 else 8)
+    return x
+
+
+def rope_(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``qk [T, heads, D]`` in place (the query and key heads of a fused QKV output, any row
+    stride); cos/sin ``[T, D]`` in the model dtype. Returns ``qk``."""
+    if qk.dim() != 3 or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]:
+        raise ValueError(f"rope_: qk must be [T, heads, D] with heads packed in each row, got shape "
+                         f"{tuple(qk.shape)} strides {qk.stride()}")
+    if cos.shape != (qk.shape[0], qk.shape[2]) or sin.shape != cos.shape or cos.stride(1) != 1:
+        raise ValueError(f"rope_: cos/sin must be [T, D] = {(qk.shape[0], qk.shape[2])}, got {tuple(cos.shape)}")
+    if qk.shape[0]:
+        _rope_kernel[(qk.shape[0],)](qk, cos, sin, qk.shape[1], qk.stride(0), qk.stride(1), cos.stride(0),
+                                     HEAD_DIM=qk.shape[2], BLOCK_H=triton.next_power_of_2(qk.shape[1]),
+                                     num_warps=4)
+    return qk
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2 * inter]`` = [gate | up]; returns [T, inter]."""
+    _check_rows("gate_up", gate_up)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul: gate_up must have an even width, got {gate_up.shape[1]}")
+    inter = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+    if gate_up.shape[0]:
+        block = 1024
+        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+def fused_ops_available(device: torch.device) -> bool:
+    """True where the fused kernels run compiled: a CUDA device with triton installed."""
+    return triton is not None and torch.device(device).type == "cuda"
+
+
+__all__ = ["add_rms_norm", "fused_ops_available", "rms_norm_reference", "rope_", "rope_reference",
+           "rotate_half", "silu_mul", "silu_mul_reference"]
