@@ -79,3 +79,43 @@ def test_cuda_graph_decode_equals_eager_decode():
         outputs[graphs] = [r.tokens for r in results]
         assert [len(t) for t in outputs[graphs]] == [5 + 3 * (i % 4) for i in range(16)]
     assert outputs[True] == outputs[False]
+
+
+def test_workload_larger_than_gpu_memory_runs_in_groups_with_the_same_outputs():
+    """Branches whose KV together is ~1.3x the GPU's whole memory: the run plans groups before it
+    starts (no OOM half way) and every branch's greedy tokens equal those of smaller runs that fit
+    without grouping. fp32 (IEEE kernels) so batch composition cannot flip a greedy choice."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192)
+    model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cuda")
+    engine = Engine(model, IdTokenizer())
+    prompt_len, new = 2048, 4
+    per_branch = (prompt_len + new) * engine.kv_shape.bytes_per_token
+    total_memory = torch.cuda.get_device_properties(0).total_memory
+    branches = int(1.3 * total_memory / per_branch) + 1
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 1000, (32,), generator=g).tolist()
+    prompts = [torch.randint(0, 1000, (prompt_len,), generator=g).tolist() for _ in range(branches)]
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+
+    def generate(indices):
+        run = engine.start()
+        root = run.tree.add_node(None, shared)
+        leaves = [run.tree.add_node(root, prompts[i]) for i in indices]
+        results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in zip(indices, leaves)], [])
+        groups = run.groups[-1]
+        del run
+        torch.cuda.empty_cache()
+        return [r.tokens for r in results], groups
+
+    grouped, groups = generate(range(branches))
+    assert branches * per_branch > total_memory
+    assert groups >= 2
+    size = -(-branches // (2 * groups))  # pieces small enough to fit in one go
+    alone = []
+    for begin in range(0, branches, size):
+        tokens, pieces_groups = generate(range(begin, min(branches, begin + size)))
+        assert pieces_groups == 1
+        alone += tokens
+    assert grouped == alone
