@@ -191,14 +191,39 @@ def test_views_never_run_the_model(engine):
         s += "Hello"
         b = s.fork(2)
         b += treegen.gen("x", max_tokens=5)
-        s.join(b)
-        seen["html"], seen["text"] = result_html(s), result_text(s)  # x is still queued
+        s.join(b, v=treegen.vote("x"))
+        seen["html"], seen["text"] = result_html(s), result_text(s)  # x is still queued, v not computed
         seen["passes"] = s._run.tree_run.forward_passes
 
-    prog.run(engine)
+    s = prog.run(engine)
     assert seen["passes"] == 0
     assert "pending" in seen["html"] and "running" in seen["html"]
-    assert "<pending>" in seen["text"]
+    assert "  x: list of 2\n" in seen["text"] and "  v = <pending>" in seen["text"]
+    assert f"  v = {s['v']!r}  vote: {s['v']!r}×2" in result_text(s)  # settled when the program finished
+
+
+def test_join_reductions_show_how_they_were_decided(engine):
+    @treegen.program
+    def voted(s):
+        s += "Q: 2 + 2?\nA:"
+        b = s.fork(6)
+        b += treegen.gen("reasoning", max_tokens=20, temperature=0.7)
+        s.join(b, answer=treegen.vote("reasoning", extract=r"answer is (\d+)"),
+               top=treegen.best("reasoning", by="reasoning"), two=treegen.top_k("reasoning", by="reasoning", k=2))
+
+    s = voted.run(engine, seed=1)
+    texts = s["reasoning"]
+    tally = reduce.tally(texts, r"answer is (\d+)")
+    assert len(tally) > 1  # the scripted answers differ, so the views have something to show
+    top, two = reduce.ranking(texts)[0], reduce.ranking(texts)[:2]
+    text = result_text(s)
+    assert f"  answer = {s['answer']!r}  vote: " + ", ".join(f"{a!r}×{c}" for a, c in tally.items()) in text
+    assert f"  top = {s['top']!r}  best: branch #{top}" in text
+    assert "  two = " in text and "top_k: branches " + ", ".join(f"#{i}" for i in two) in text
+    html = result_html(s)
+    assert f"vote: <b>{s['answer']}</b> with {tally[s['answer']]} of 6" in html
+    assert html.count("<td>kept</td>") == 1 + 2  # best keeps one branch, top_k two
+    assert html.count(f"<td>★ #{top}</td>") == 1 + (top in two) and f"<td>★ #{two[-1]}</td>" in html
 
 
 @pytest.mark.parametrize("seed", range(5))

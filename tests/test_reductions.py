@@ -10,6 +10,7 @@ import torch
 
 import treegen
 from treegen.lang import reduce
+from treegen.lang.ir import Reduce
 
 FEW_SHOT = "Q: 2 + 2?\nA: The answer is 4.\n\nQ: 3 + 5?\nA: The answer is 8.\n\n"
 
@@ -27,13 +28,23 @@ def voting(s, n):
 def test_reductions_compute_from_the_joined_values(smol):
     s = voting.run(smol, 6, seed=5)
     texts = s["reasoning"]
+    answers = [reduce.extract(t, r"answer is (-?\d+)") for t in texts]
     assert s["answer"] == reduce.vote(texts, r"answer is (-?\d+)")
-    assert s.info["answer"]["tally"] == reduce.tally(texts, r"answer is (-?\d+)")
+    assert s.info["answer"] == {"reduction": "vote", "source": "reasoning", "branches": 6,
+                                "votes": reduce.tally(texts, r"answer is (-?\d+)"),
+                                "winners": [i for i, a in enumerate(answers) if a is not None and a == s["answer"]]}
     assert s["longest"] == max(texts, key=len)  # max keeps the first of equal lengths, as the rule says
+    longest = max(range(6), key=lambda i: (len(texts[i]), -i))
+    assert s.info["longest"] == {"reduction": "best", "source": "reasoning", "branches": 6,
+                                 "scores": [float(len(t)) for t in texts], "winners": [longest]}
     assert s["shortest2"] == sorted(texts, key=len)[:2]  # sorted is stable: ties in branch order
+    assert s.info["shortest2"]["winners"] == sorted(range(6), key=lambda i: len(texts[i]))[:2]
+    assert s.info["shortest2"]["scores"] == [-float(len(t)) for t in texts]
     lps = [st.info["reasoning"]["logprob"] for st in s._run.states[1:]]
     assert s["likeliest"] == texts[max(range(len(lps)), key=lambda i: (lps[i], -i))]
+    assert s.info["likeliest"]["scores"] == lps
     assert s["transcript"] == " | ".join(texts)
+    assert s.info["transcript"] == {"reduction": "concat", "source": "reasoning", "branches": 6}
 
 
 def test_the_compiled_tree_shows_the_reductions(smol):
@@ -101,3 +112,37 @@ def test_reduction_errors_name_what_is_wrong(smol):
         treegen.top_k("y", by=len, k=0)
     with pytest.raises(ValueError, match="by must be a variable name"):
         treegen.best("y", by=3)
+    with pytest.raises(ValueError, match="unknown reduction kind 'mean'; the kinds are collect, vote"):
+        Reduce("mean", "y")
+
+
+def test_a_reduction_that_fails_when_computed_names_itself(smol):
+    @treegen.program
+    def p(s):
+        s += "x"
+        b = s.fork(2)
+        b += treegen.gen("y", max_tokens=2)
+        s.join(b, r=treegen.best("y", by=lambda text: [text]))
+
+    with pytest.raises(TypeError, match=r"reduction 'r' \(best of 'y'\): a score must be a number or text, got list"):
+        p.run(smol)
+
+
+def test_a_reduction_read_in_later_branches_stays_one_value(smol):
+    """Branches forked after a join inherit its reduction; reading it there computes it once, for all,
+    and does not make it a variable of theirs (the next join does not turn it into a list)."""
+    @treegen.program
+    def p(s):
+        s += FEW_SHOT + "Q: 1 + 2?\nA:"
+        b = s.fork(2)
+        b += treegen.gen("x", max_tokens=6)
+        s.join(b, a=treegen.vote("x", extract=r"(\d+)"))
+        c = s.fork(2)
+        for st in c:
+            st += f" So {st['a']}."  # read in each branch, before the parent reads it
+        c += treegen.gen("y", max_tokens=2)
+        s.join(c)
+
+    s = p.run(smol)
+    assert s["a"] == reduce.vote(s["x"], r"(\d+)") and not isinstance(s["a"], list)
+    assert s.info["a"]["reduction"] == "vote" and len(s["y"]) == 2

@@ -180,21 +180,45 @@ def test_run_json_to_stdout_and_failures(capsys, tmp_path, cached_engine):
 
 
 def test_tg_and_python_runs_agree(cached_engine):
-    """Run the same program in both front ends: same tree, same generated values."""
+    """Run the same program in both front ends: same tree, same generated values, same reductions
+    (values, info, and the record on the tree's fork node)."""
     @treegen.program
-    def py(s, n):
+    def py(s, n, k):
         s += "Q: Name a fruit.\nA:"
         b = s.fork(n, content=lambda i: f" ({i})")
         b += treegen.gen("fruit", max_tokens=4, temperature=1.0, top_k=20)
-        s.join(b)
+        b += " Rate it:" + treegen.select("rating", [" 1", " 2", " 3"])
+        s.join(b, f=treegen.collect("fruit"), common=treegen.vote("fruit", extract=r"\w+"),
+               top=treegen.best("fruit", by="rating"), two=treegen.top_k("fruit", by="rating", k=k))
 
-    tg_prog = loads('param n = 2\n"Q: Name a fruit.\\nA:"\nfork i in range(n) {\n" ({i})"\n'
-                    'gen fruit(max_tokens=4, temperature=1.0, top_k=20)\n}\njoin { f = collect(fruit) }')
-    py_root = py.run(cached_engine, 3, seed=5)
-    tg_result = tg_prog.run(cached_engine, seed=5, n=3)
+    tg_prog = loads('param n = 2\nparam k = 2\n"Q: Name a fruit.\\nA:"\nfork i in range(n) {\n" ({i})"\n'
+                    'gen fruit(max_tokens=4, temperature=1.0, top_k=20)\n" Rate it:"\n'
+                    'select rating from [" 1", " 2", " 3"]\n}\n'
+                    'join { f = collect(fruit) common = vote(fruit, extract="\\w+") top = best(fruit, by=rating) '
+                    'two = top_k(fruit, by=rating, k=k) }')
+    py_root = py.run(cached_engine, 3, 2, seed=5)
+    tg_result = tg_prog.run(cached_engine, seed=5, n=3, k=2)
     assert tg_result["fruit"] == py_root["fruit"] == tg_result["f"]
+    for name in ("f", "common", "top", "two", "rating"):
+        assert tg_result[name] == py_root[name], name
+    for name in ("f", "common", "top", "two"):
+        assert tg_result.state.info[name] == py_root.info[name], name
+    assert py_root.info["two"]["winners"] == reduce.ranking(py_root["rating"])[:2]
+    assert tg_result.to_json()["info"]["common"]["votes"] == reduce.tally(py_root["fruit"], r"\w+")
+    records = [[d["reductions"] for _, d in root.tree.graph.nodes(data=True) if "reductions" in d]
+               for root in (py_root, tg_result.state)]
+    assert records[0] == records[1] and len(records[0]) == 1 and len(records[0][0]) == 4
     node = lambda a, b: a["tokens"] == b["tokens"] and a["kind"] == b["kind"]  # noqa: E731
     assert nx.is_isomorphic(py_root.tree.graph, tg_result.state.tree.graph, node_match=node)
+
+
+def test_a_reduction_failing_at_run_time_is_reported_at_its_position(capsys, tmp_path, cached_engine):
+    bad = tmp_path / "bad.tg"
+    bad.write_text('"Pick:"\nfork 2 {\n    fork 2 { gen x(max_tokens=1) }\n    join\n}\n'
+                   "join { b = best(x, by=x) }\n")
+    code, out, err = run_cli(capsys, "run", bad, "--no-progress")
+    assert code == 2, err
+    assert f"{bad}:6:8: reduction 'b' (best of 'x'): a score must be a number or text, got list" in err
 
 
 def test_console_script_entry_point(tmp_path):

@@ -1,5 +1,6 @@
 """The .tg language lowers to the same IR as the Python DSL: the same program written in both front
-ends gives isomorphic sharing trees (compiled with the tokenizer only, no model)."""
+ends gives isomorphic sharing trees, with the same join reductions recorded on their fork nodes
+(compiled with the tokenizer only, no model)."""
 
 import os
 
@@ -21,7 +22,8 @@ def tokenizer():
 
 
 def same_node(a, b):
-    return a["tokens"] == b["tokens"] and a["kind"] == b["kind"] and a["gen_budget"] == b["gen_budget"]
+    return (a["tokens"] == b["tokens"] and a["kind"] == b["kind"] and a["gen_budget"] == b["gen_budget"]
+            and a.get("reductions") == b.get("reductions"))
 
 
 def assert_same_tree(py_compiled, tg_compiled, min_nodes):
@@ -38,7 +40,7 @@ def self_consistency(s, question, n=4):
     s += f"Q: {question}\nA:"
     b = s.fork(n)
     b += treegen.gen("solution", max_tokens=16, temperature=0.7, stop="\n\n")
-    s.join(b)
+    s.join(b, answer=treegen.vote("solution", extract=r"The answer is (\d+)"))
 
 
 SELF_CONSISTENCY = r'''
@@ -57,6 +59,8 @@ def test_self_consistency_trees_are_isomorphic(tokenizer):
     tg = loads(SELF_CONSISTENCY).compile(tokenizer=tokenizer, n=5)
     assert tg.complete  # the vote is lazy: compiling needs no generated value
     assert_same_tree(py, tg, min_nodes=6)
+    (fork,) = [d for _, d in tg.tree.graph.nodes(data=True) if "reductions" in d]
+    assert fork["reductions"] == [{"name": "answer", "kind": "vote", "source": "solution", "by": None}]
 
 
 # 2. two levels, per-branch content, include ------------------------------------------------------------
@@ -69,8 +73,8 @@ def two_level(s, problems, n):
     b = s.fork(len(problems), content=[f"Q: {p}\nA:" for p in problems])
     inner = b.fork(n)
     inner += treegen.gen("solution", max_tokens=8)
-    b.join(inner)
-    s.join(b)
+    b.join(inner, answer=treegen.vote("solution"))
+    s.join(b, answers=treegen.collect("answer"))
 
 
 def test_two_level_trees_are_isomorphic(tokenizer, tmp_path):
@@ -142,10 +146,63 @@ def test_select_trees_are_isomorphic(tokenizer):
     assert_same_tree(py, tg, min_nodes=9)
 
 
+# 5. every reduction, k from a parameter --------------------------------------------------------------------
+@treegen.program
+def rate(s, k):
+    s += FEW + "Q: 4 + 3?\nA:"
+    b = s.fork(3)
+    b += treegen.gen("solution", max_tokens=8) + "\nRating:" + treegen.gen("rating", max_tokens=2)
+    s.join(b, every=treegen.collect("solution"), answer=treegen.vote("solution", extract=r"answer is (\d+)"),
+           top=treegen.best("solution", by="rating"), two=treegen.top_k("solution", by="rating", k=k))
+
+
+RATE = r'''
+param k = 2
+"Q: Tom has 3 apples and buys 2 more. How many?\nA: 3 + 2 = 5. The answer is 5.\n\nQ: 4 + 3?\nA:"
+fork 3 {
+    gen solution(max_tokens=8)
+    "\nRating:"
+    gen rating(max_tokens=2)
+}
+join {
+    every = collect(solution)
+    answer = vote(solution, extract="answer is (\d+)")
+    top = best(solution, by=rating)
+    two = top_k(solution, by=rating, k=k)
+}
+'''
+
+
+def test_every_reduction_is_the_same_ir_node_in_both_front_ends(tokenizer, monkeypatch):
+    from treegen.lang.interpreter import State
+
+    joins = []
+    real_join = State.join
+    monkeypatch.setattr(State, "join", lambda self, b, **r: joins.append(r) or real_join(self, b, **r))
+    py = rate.compile(2, tokenizer=tokenizer)
+    tg = loads(RATE, "rate.tg").compile(tokenizer=tokenizer, k=2)
+    assert_same_tree(py, tg, min_nodes=4)
+    (fork,) = [d for _, d in tg.tree.graph.nodes(data=True) if "reductions" in d]
+    assert [(r["name"], r["kind"], r["by"]) for r in fork["reductions"]] == [
+        ("every", "collect", None), ("answer", "vote", None), ("top", "best", "rating"), ("two", "top_k", "rating")]
+    py_nodes, tg_nodes = joins
+    assert py_nodes == tg_nodes  # equal Reduce nodes (k read from the parameter at the join)
+    assert all(n.where is None for n in py_nodes.values())
+    assert [str(n.where) for n in tg_nodes.values()] == [f"rate.tg:{line}:5" for line in (10, 11, 12, 13)]
+    loads(RATE).compile(tokenizer=tokenizer, k=3)
+    assert joins[-1]["two"].k == 3
+    with pytest.raises(TgError, match=r"top_k\('solution'\): k must be an integer >= 1, got 0") as e:
+        loads(RATE, "rate.tg").compile(tokenizer=tokenizer, k=0)
+    assert (e.value.line, e.value.col) == (13, 40)
+
+
 def test_a_different_program_is_not_isomorphic(tokenizer):
     """The comparison can fail: one changed budget or one changed word breaks it."""
     py = self_consistency.compile("Ann has 2 pens and gets 3 more. How many?", n=4, tokenizer=tokenizer)
-    for change in [("max_tokens=16", "max_tokens=17"), ("Ann has 2", "Ann has 3"), ("fork n", "fork 3")]:
+    for change in [("max_tokens=16", "max_tokens=17"), ("Ann has 2", "Ann has 3"), ("fork n", "fork 3"),
+                   ('vote(solution, extract="The answer is (\\d+)")', "collect(solution)"),
+                   ("answer = vote", "winner = vote")]:
+        assert change[0] in SELF_CONSISTENCY
         tg = loads(SELF_CONSISTENCY.replace(*change)).compile(tokenizer=tokenizer)
         assert not nx.is_isomorphic(py.tree.graph, tg.tree.graph, node_match=same_node), change
 

@@ -172,6 +172,12 @@ SEMANTIC_ERRORS = [
     ("fork 2 { gen x } join { y = top_k(x, by=x, k=0) }", "top_k: k must be an integer >= 1, got 0"),
     ("fork 2 { fork 2 { gen x } join } join { y = vote(x) }", "vote needs a list of single values"),
     ("fork 2 { gen x } join { y = collect(x, x) }", "too many arguments"),
+    ('param xs: list = ["a", "b"]\nfork 2 { gen x } join { y = best(x, by=xs) }',
+     "best: by must be a variable the fork's branches set (one value per branch); 'xs' is not set inside this fork"),
+    ("fork 2 { gen x } join { a = collect(x) b = vote(a) }", "vote: values must be a variable the fork's branches set"),
+    ("fork 2 { gen x } join { x = collect(x) }", "'x' is set by the fork's branches (its joined list has that name)"),
+    ("fork 2 { gen x } join { a = collect(x) a = vote(x) }", "'a' is set twice in this join"),
+    ("fork 2 { gen x gen logprob } join { y = best(x, by=logprob) }", "by cannot read a variable named 'logprob'"),
 ]
 
 

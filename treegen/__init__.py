@@ -13,6 +13,7 @@ from treegen.lang import (
     UnsetVariableError,
     assistant,
     best,
+    collect,
     concat,
     gen,
     program,
@@ -28,5 +29,5 @@ from treegen.tree import KVShape, SharingTree, TreeStats
 __all__ = [
     "CompiledProgram", "Engine", "ForkGroup", "KVShape", "ModelNotFoundError", "Program", "SamplingParams",
     "SharingTree", "State", "TreeStats", "UnsetVariableError", "UnsupportedModelError", "assistant", "gen",
-    "program", "select", "system", "user", "vote", "best", "top_k", "concat",
+    "program", "select", "system", "user", "vote", "best", "top_k", "collect", "concat",
 ]

@@ -83,13 +83,15 @@ def stats_table(stats: TreeStats) -> Table:
 # results ---------------------------------------------------------------------------------------------
 def _detail(info: dict) -> str:
     kind = info.get("reduction")
-    if kind == "vote":
+    if kind == "vote" and "votes" in info:
         votes = ", ".join(f"{excerpt(a, 16)}×{c}" for a, c in info["votes"].items()) or "no answers"
         return f"votes: {votes}"
-    if kind == "best":
-        return f"branch {info['index']}"
-    if kind == "top_k":
-        return "branches " + ", ".join(map(str, info["indices"]))
+    if kind == "best" and info.get("winners"):
+        return f"branch {info['winners'][0]}"
+    if kind == "top_k" and "winners" in info:
+        return "branches " + ", ".join(map(str, info["winners"]))
+    if kind is not None:
+        return ""
     if "choice_index" in info:
         return "select"
     if "finish_reason" in info:

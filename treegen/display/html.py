@@ -356,22 +356,21 @@ def _variable_html(state, name: str, limits: Limits) -> str:
 
 
 def _reduction_summary(info: dict) -> str:
-    """``vote: '6'×2, '5'×1`` / ``best: #1`` / ``top_k: #1, #0`` (at most 4 items)."""
+    """``vote: '6'×2, '5'×1`` / ``best: #1`` / ``top_k: #1, #0`` / ``collect`` (at most 4 items)."""
     kind = str(info["reduction"])
     if kind == "vote" and isinstance(info.get("votes"), dict):
         items = [f"{clip(str(a), 12)}×{c}" for a, c in sorted(info["votes"].items(), key=lambda ac: -ac[1])]
         return "vote: " + (", ".join(items[:4]) + (" …" if len(items) > 4 else "") if items else "no answers")
-    if kind == "best" and "index" in info:
-        return f"best: #{info['index']}"
-    if kind == "top_k" and "indices" in info:
-        idx = [f"#{i}" for i in info["indices"]]
-        return "top_k: " + ", ".join(idx[:4]) + (" …" if len(idx) > 4 else "")
+    if kind in ("best", "top_k") and info.get("winners"):
+        idx = [f"#{i}" for i in info["winners"]]
+        return f"{kind}: " + ", ".join(idx[:4]) + (" …" if len(idx) > 4 else "")
     return kind
 
 
 def _reduction_html(value, info: dict, limits: Limits) -> str:
-    """A reduction's value with how it was chosen (the ``info`` the ``.tg`` join records):
-    ``vote``: the tally (``votes``: answer -> count); ``best``/``top_k``: every branch's score, the kept ones marked."""
+    """A reduction's value with how it was chosen (its ``info``, see :class:`treegen.lang.ir.Reduce`):
+    ``vote``: the tally (``votes``: answer -> count); ``best``/``top_k``: every branch's score, the kept ones
+    (``winners``) marked."""
     kind = info["reduction"]
     out = f'{_badge(kind, "#2e7d32")} ' + _value_cell(value, {}, limits)
     if kind == "vote" and isinstance(info.get("votes"), dict):
@@ -382,7 +381,7 @@ def _reduction_html(value, info: dict, limits: Limits) -> str:
         out += _tally_section(answers, labels, limits=replace(limits, max_rows=min(limits.max_rows, 12)), title="vote")
     elif kind in ("best", "top_k") and isinstance(info.get("scores"), list):
         scores = info["scores"]
-        kept = [info["index"]] if kind == "best" else list(info.get("indices", []))
+        kept = list(info.get("winners", []))
         order = sorted(range(len(scores)), key=lambda i: (i not in kept, kept.index(i) if i in kept else 0, -scores[i]))
         rows = [[("★ " if i in kept else "") + f"#{i}", f"{scores[i]:.4g}", "kept" if i in kept else ""]
                 for i in order[: limits.max_rows]]

@@ -2,7 +2,8 @@
 
 ``State.__getitem__`` runs queued ``gen`` calls when a value is pending; a display must not, so this
 module reads ``State.vars`` directly: a pending value stays :data:`PENDING`, a joined list becomes a
-:class:`Joined` that keeps, for each value, the branch state that made it.
+:class:`Joined` that keeps, for each value, the branch state that made it, and a join reduction not
+computed yet is :data:`PENDING` while the run goes on.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from treegen.display._view import clip, decode
-from treegen.lang.interpreter import _Joined, _Pending
+from treegen.lang.interpreter import _Joined, _Pending, _Reduced
 
-# info keys the views render specially; anything else (e.g. from a future reduction) is shown as key=value
-KNOWN_INFO = frozenset({"finish_reason", "tokens", "start", "max_tokens", "stop", "scores", "choice_index", "branches",
-                        "reduction", "votes", "index", "indices"})
+# info keys the views render specially (gen, select, join, join reduction: see treegen.lang.ir.Reduce);
+# anything else is shown as key=value
+KNOWN_INFO = frozenset({"finish_reason", "tokens", "start", "max_tokens", "stop", "scores", "choice_index",
+                        "branches", "reduction", "source", "votes", "winners"})
 
 
 class _PendingValue:
@@ -57,37 +59,17 @@ class Joined:
 def resolve(state, name: str):
     """The value of ``name`` on ``state`` as stored: a value, :data:`PENDING`, or a :class:`Joined`.
 
-    A ``.tg`` join reduction (computed when first read) is computed here only once the run has
-    finished, when reading it cannot start generation; before, it is :data:`PENDING`.
+    A join reduction is computed here only once the run has finished (all its values are there, so
+    computing it runs nothing); before, it is :data:`PENDING` unless something already read it.
     """
     value = state.vars.get(name, PENDING)
     if isinstance(value, _Pending):
         return PENDING
     if isinstance(value, _Joined):
         return Joined(state, tuple((child, resolve(child, value.name)) for child in value.states))
-    return _reduction(value, state._run.finished)
-
-
-def _reduction(value, finished: bool):
-    """A ``.tg`` reduction's value (also inside lists), or :data:`PENDING` while the run goes on."""
-    lazy = _lazy_type()
-    if lazy is None:
-        return value
-    if isinstance(value, lazy):
-        if not (value._done or finished):
-            return PENDING
-        value = value.get()
-    if isinstance(value, list) and any(isinstance(v, (lazy, list)) for v in value):
-        return [_reduction(v, finished) for v in value]
+    if isinstance(value, _Reduced):
+        return value.get() if value.done or state._run.finished else PENDING
     return value
-
-
-def _lazy_type():
-    try:
-        from treegen.lang.tg.lower import Lazy
-    except ImportError:  # no .tg front end: no reductions to compute
-        return None
-    return Lazy
 
 
 def label(state) -> str:

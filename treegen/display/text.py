@@ -121,10 +121,10 @@ def result_text(state, *, limits: Limits = Limits()) -> str:
             extra = ""
             if info.get("reduction") == "vote" and isinstance(info.get("votes"), dict):
                 extra = "  vote: " + (", ".join(f"{a!r}×{c}" for a, c in info["votes"].items()) or "no answers")
-            elif info.get("reduction") == "best":
-                extra = f"  best: branch #{info.get('index')}"
-            elif info.get("reduction") == "top_k":
-                extra = "  top_k: branches " + ", ".join(f"#{i}" for i in info.get("indices", []))
+            elif info.get("reduction") == "best" and info.get("winners"):
+                extra = f"  best: branch #{info['winners'][0]}"
+            elif info.get("reduction") == "top_k" and "winners" in info:
+                extra = "  top_k: branches " + ", ".join(f"#{i}" for i in info["winners"])
             elif isinstance(info.get("scores"), dict):
                 extra = "  scores: " + ", ".join(f"{c!r}: {s:.3f}" for c, s in info["scores"].items())
             elif "finish_reason" in info:

@@ -53,6 +53,13 @@ def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:
     return Select(name, tuple(choices))
 
 
+def collect(source: str) -> Reduce:
+    """At a join: the branches' ``source`` values as a list, under a new name (what ``s.join``
+    already gives ``source`` itself; the ``.tg`` language's ``collect``)."""
+    _check_name("collect", source)
+    return Reduce("collect", source)
+
+
 def vote(source: str, *, extract=None) -> Reduce:
     """At a join: the majority answer among the branches' ``source`` values. ``extract``: a regex
     (last match, group 1 if any), a function ``text -> answer``, or None (the whole text)."""

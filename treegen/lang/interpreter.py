@@ -51,12 +51,28 @@ class _Joined:
 
 
 class _Reduced:
-    """Marker value: a :class:`~treegen.lang.ir.Reduce` over joined branches, computed on first read."""
+    """Marker value: a :class:`~treegen.lang.ir.Reduce` over joined branches, computed once, when first
+    read (or when the program finishes), with ``info[name]`` set on ``owner``, the state joined into.
 
-    def __init__(self, children: list["State"], spec) -> None:
-        self.children, self.spec = children, spec
+    The marker stays in the variables (of ``owner``, and of the states forked from it afterwards, which
+    inherit it) and reading gives its value, so every state holding it reads the same value and a join
+    can tell an inherited reduction from a variable the branches set.
+    """
+
+    def __init__(self, owner: "State", name: str, children: list["State"], spec: Reduce) -> None:
+        self.owner, self.name, self.children, self.spec = owner, name, children, spec
+        self.done, self.value = False, None
+
+    def get(self):
+        """The value, computed on the first call (which may run queued generation)."""
+        if not self.done:
+            self.value, self.owner.info[self.name] = _compute_reduction(self.name, self.spec, self.children)
+            self.done = True
+        return self.value
 
     def __repr__(self) -> str:
+        if self.done:
+            return f"<{self.spec.kind} of {self.spec.source!r}: {self.value!r:.60}>"
         return f"<{self.spec.kind} of {self.spec.source!r}, computed when read>"
 
 
@@ -149,9 +165,9 @@ class ProgramRun:
         """Flush, then free all KV (the values stay readable; states accept no more ops)."""
         self.flush(final=True)
         for st in self.states:  # every value is there now: settle the reductions (cheap, no model)
-            for name, value in list(st.vars.items()):
+            for value in list(st.vars.values()):
                 if isinstance(value, _Reduced):
-                    st._reduce(name, value)
+                    value.get()
         for node in sorted(self.tree_run.kv.segments):
             self.tree_run.kv.free(node)
         self.finished = True
@@ -308,7 +324,8 @@ class State:
         """Gather every variable of ``branches`` (forked from this state) into lists on this state.
 
         ``reductions``: new variables made from those lists, e.g. ``answer=treegen.vote("reasoning",
-        extract=r"answer is (\\d+)")`` (see :class:`~treegen.lang.ir.Reduce`); computed on first read."""
+        extract=r"answer is (\\d+)")`` (see :class:`~treegen.lang.ir.Reduce`, which also describes what
+        ``info[name]`` then holds); computed when first read, or when the program finishes."""
         if not isinstance(branches, ForkGroup):
             raise TypeError(f"join expects the branches returned by fork(), got {type(branches).__name__}")
         if branches.parents != [self]:
@@ -326,39 +343,13 @@ class State:
             self.vars[name] = _Joined(children, name)
             self.info[name] = {"branches": len(children)}
         for name, spec in (reductions or {}).items():
-            self.vars[name] = _Reduced(children, spec)
+            self.vars[name] = _Reduced(self, name, children, spec)
+            self.info[name] = {"reduction": spec.kind, "source": spec.source, "branches": len(children)}
             fork_node = self._run.tree.parent(children[0].origin) if children and children[0].origin is not None else None
             if fork_node is not None:  # the compiled tree shows what the join computes
                 self._run.tree.graph.nodes[fork_node].setdefault("reductions", []).append(
                     {"name": name, "kind": spec.kind, "source": spec.source,
                      "by": spec.by if isinstance(spec.by, str) else getattr(spec.by, "__name__", None)})
-
-    def _reduce(self, name: str, red: _Reduced):
-        """Compute a reduction from the joined values; records how it was decided in ``info[name]``."""
-        spec, children = red.spec, red.children
-        values = [child[spec.source] for child in children]
-        info: dict = {"kind": spec.kind, "source": spec.source, "branches": len(children)}
-        if spec.kind == "vote":
-            counts = reduce.tally(values, spec.extract)
-            result = reduce.vote(values, spec.extract)
-            info.update(tally=counts, winners=[i for i, v in enumerate(values)
-                                               if result is not None and reduce.extract(v, spec.extract) == result])
-        elif spec.kind == "concat":
-            result = spec.sep.join(str(v) for v in values)
-        else:
-            if spec.by == "logprob":
-                scores = [child.info.get(spec.source, {}).get("logprob") for child in children]
-            elif callable(spec.by):
-                scores = [spec.by(v) for v in values]
-            else:
-                scores = [child[spec.by] for child in children]
-            order = reduce.ranking(scores)
-            keep = order[:1] if spec.kind == "best" else order[: spec.k]
-            result = values[keep[0]] if spec.kind == "best" else [values[i] for i in keep]
-            info.update(scores=scores, winners=keep)
-        self.vars[name] = result
-        self.info[name] = info
-        return result
 
     def prune(self) -> int:
         """Drop this branch now: free the KV of every node it made (from its fork down, including its
@@ -410,7 +401,7 @@ class State:
         if isinstance(value, _Joined):
             return [child[name] for child in value.states]
         if isinstance(value, _Reduced):
-            return self._reduce(name, value)
+            return value.get()
         return value
 
     def __contains__(self, name: str) -> bool:
@@ -505,3 +496,39 @@ def _check_reduction(name: str, spec, names: list[str]) -> None:
         if var not in names:
             raise ValueError(f"join: reduction {name!r} reads {var!r}, which the branches do not set "
                              f"(they set: {', '.join(names) or 'nothing'})")
+
+
+def _compute_reduction(name: str, spec: Reduce, children: list[State]) -> tuple[Any, dict]:
+    """(value, info) of reduction ``name`` over the joined ``children`` (see :class:`~treegen.lang.ir.Reduce`
+    for ``info``); the rules are :mod:`treegen.lang.reduce`'s. Reading the values may run queued work.
+
+    A value the rules reject (a score that is a list, text to vote on that is not text) raises an error
+    naming the reduction, at ``spec.where`` when the front end gave one."""
+    values = [child[spec.source] for child in children]
+    scores = None
+    if spec.kind in ("best", "top_k") and not callable(spec.by):
+        scores = ([child.info.get(spec.source, {}).get("logprob") for child in children] if spec.by == "logprob"
+                  else [child[spec.by] for child in children])
+    info: dict = {"reduction": spec.kind, "source": spec.source, "branches": len(children)}
+    try:
+        if spec.kind == "collect":
+            result = reduce.collect(values)
+        elif spec.kind == "concat":
+            result = spec.sep.join(str(v) for v in values)
+        elif spec.kind == "vote":
+            answers = [reduce.extract(v, spec.extract) for v in values]  # once: extract may be a function
+            result = reduce.vote(answers)
+            info["votes"] = reduce.tally(answers)
+            info["winners"] = [i for i, a in enumerate(answers) if a is not None and a == result]
+        else:
+            if scores is None:
+                scores = [spec.by(v) for v in values]
+            result = reduce.best(values, scores) if spec.kind == "best" else reduce.top_k(values, scores, spec.k)
+            info["scores"] = [reduce.score(x) for x in scores]
+            info["winners"] = reduce.ranking(scores)[: 1 if spec.kind == "best" else spec.k]
+    except (ValueError, TypeError) as e:
+        message = f"reduction {name!r} ({spec.kind} of {spec.source!r}): {e}"
+        if spec.where is not None:
+            raise spec.where.error(message) from e
+        raise (ValueError if isinstance(e, ValueError) else TypeError)(message) from e
+    return result, info

@@ -8,7 +8,7 @@ its syntax tree. Forks create child states, joins gather their variables; both a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from treegen.runtime.sampler import SamplingParams
 
@@ -64,18 +64,35 @@ class Select(_Appendable):
 
 Op = Text | RoleBegin | RoleEnd | Gen | Select
 
-REDUCTIONS = ("vote", "best", "top_k", "concat")
+REDUCTIONS = ("collect", "vote", "best", "top_k", "concat")
 
 
 @dataclass(frozen=True)
 class Reduce:
     """A reduction at a join: one variable made from the joined branches' values of ``source``.
 
-    kind: ``"vote"`` (majority of the answers ``extract`` finds; ties to the first seen),
-    ``"best"`` / ``"top_k"`` (by ``by``: a variable the branches set, ``"logprob"`` — the mean token
-    log-probability of the ``gen`` that made ``source`` — or a function of the value), or
-    ``"concat"`` (the values joined by ``sep``, e.g. to become a new prompt). Recorded on the fork
-    node of the sharing tree (attribute ``reductions``) so the compiled tree shows it.
+    kind: ``"collect"`` (the values as a list, under a new name), ``"vote"`` (majority of the answers
+    ``extract`` finds; ties to the first seen), ``"best"`` / ``"top_k"`` (by ``by``: a variable the
+    branches set, ``"logprob"`` — the mean token log-probability of the ``gen`` that made ``source`` —
+    or a function of the value; ties to the first branch), or ``"concat"`` (the values joined by
+    ``sep``, e.g. to become a new prompt). The rules are those of :mod:`treegen.lang.reduce`.
+
+    Both front ends build these nodes (``treegen.vote(...)`` etc. in Python, ``join { x = vote(...) }``
+    in ``.tg``) and pass them to :meth:`State.join <treegen.lang.interpreter.State.join>`, which records
+    each on the fork node of the sharing tree (attribute ``reductions``: ``{"name", "kind", "source",
+    "by"}``, ``by`` a variable name, ``"logprob"``, a function's name or None) and computes it when
+    first read, or when the program finishes. How it was decided is then in ``state.info[name]``::
+
+        {"reduction": kind, "source": source, "branches": n,     # every kind
+         "votes": {answer: count},          # vote: in order of first appearance; texts without an answer do not vote
+         "scores": [float, ...],            # best, top_k: every branch's score, as reduce.score reads it (-inf: none)
+         "winners": [branch index, ...]}    # vote: the branches whose answer won; best: [the best branch];
+                                            # top_k: the kept branches, best first
+
+    ``where``: where the reduction was written, for errors when it is computed (e.g. a score that is
+    a list): None, or an object with ``error(message) -> Exception`` (a ``.tg``
+    :class:`~treegen.lang.tg.errors.Pos`, which gives a ``TgError`` at ``file:line:col``). It is not
+    part of the node's identity (equality).
     """
 
     kind: str
@@ -84,6 +101,11 @@ class Reduce:
     by: object = None
     k: int = 1
     sep: str = "\n"
+    where: object = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in REDUCTIONS:
+            raise ValueError(f"unknown reduction kind {self.kind!r}; the kinds are {', '.join(REDUCTIONS)}")
 
 
 class Seq(tuple):

@@ -261,11 +261,19 @@ def _fork(st: ast.Fork, scope: _Scope) -> None:
     for name in sorted(child.assigned):
         t = child.vars[name]
         scope.set(name, Type(t.base, t.depth + 1))
+    targets: set[str] = set()
     for red in st.join.reductions:
-        scope.set(red.target, _reduction(red, scope))
+        if red.target in child.assigned:
+            raise TgError(f"{red.target!r} is set by the fork's branches (its joined list has that name); "
+                          "give the reduction a new name", red.pos)
+        if red.target in targets:
+            raise TgError(f"{red.target!r} is set twice in this join", red.pos)
+        targets.add(red.target)
+        scope.set(red.target, _reduction(red, scope, child.assigned))
 
 
-def _reduction(red: ast.Reduction, scope: _Scope) -> Type:
+def _reduction(red: ast.Reduction, scope: _Scope, joined: set[str]) -> Type:
+    """The type of ``red``; ``joined``: the variables the fork's branches set (what it may reduce)."""
     if red.fn not in REDUCTIONS:
         close = difflib.get_close_matches(red.fn, list(REDUCTIONS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -294,6 +302,12 @@ def _reduction(red: ast.Reduction, scope: _Scope) -> Type:
             if not lists[name].depth:
                 raise TgError(f"wrong type: {red.fn} needs a list (one value per branch), but {v.name!r} is a "
                               f"{lists[name]}", v.pos)
+            if v.name not in joined:
+                raise TgError(f"{red.fn}: {name} must be a variable the fork's branches set (one value per branch); "
+                              f"{v.name!r} is not set inside this fork", v.pos)
+            if name == "by" and v.name == "logprob":
+                raise TgError(f"{red.fn}: by cannot read a variable named 'logprob' (in a reduction that name means "
+                              "a gen's mean token log-probability); rename the variable", v.pos)
     values = lists["values"]
     if red.fn == "vote":
         if values.depth != 1:

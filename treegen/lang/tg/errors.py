@@ -36,6 +36,11 @@ class Pos:
     def __str__(self) -> str:
         return f"{self.source.path}:{self.line}:{self.col}"
 
+    def error(self, message: str) -> "TgError":
+        """A :class:`TgError` here (how the interpreter reports a reduction written at this position
+        that fails when computed: ``Reduce.where``)."""
+        return TgError(message, self)
+
 
 class TgError(Exception):
     """A mistake in a ``.tg`` program (syntax or meaning) or in the values given for its parameters."""

@@ -7,59 +7,28 @@ through ``State.fork`` / ``State.join``. So both front ends build the same shari
 
 Statements run on a *set* of branches at once (the root, or every branch of the enclosing forks),
 one statement at a time across all of them, which is what ``ForkGroup += ...`` does in Python: every
-branch queues its ``gen`` before anything runs, and they run batched. Join reductions are lazy
-(:class:`Lazy`): they are computed when first read, so a program whose shape does not depend on
-them compiles completely without a model.
+branch queues its ``gen`` before anything runs, and they run batched. Join reductions become IR
+:class:`~treegen.lang.ir.Reduce` nodes (built by :func:`treegen.vote` etc., positioned at the
+reduction for errors) given to ``State.join``: recorded on the tree, computed when first read, so a
+program whose shape does not depend on them compiles completely without a model.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from treegen.lang import reduce
+from treegen.lang.dsl import best as make_best
+from treegen.lang.dsl import collect as make_collect
 from treegen.lang.dsl import gen as make_gen
 from treegen.lang.dsl import select as make_select
+from treegen.lang.dsl import top_k as make_top_k
+from treegen.lang.dsl import vote as make_vote
 from treegen.lang.interpreter import State, StopTrace
-from treegen.lang.ir import RoleBegin, RoleEnd
+from treegen.lang.ir import Reduce, RoleBegin, RoleEnd
 from treegen.lang.tg import ast
 from treegen.lang.tg.check import MAX_BRANCHES, REDUCTIONS, literal_value
 from treegen.lang.tg.errors import TgError
-
-
-class Lazy:
-    """A join reduction stored in a state's variables; computed once, when first read."""
-
-    def __init__(self, compute: Callable[[], Any]) -> None:
-        self._compute, self._done, self._value = compute, False, None
-
-    @property
-    def done(self) -> bool:
-        """True once computed (reading it then runs nothing)."""
-        return self._done
-
-    def get(self):
-        if not self._done:
-            self._value, self._done = self._compute(), True
-        return self._value
-
-    def __repr__(self) -> str:
-        return f"Lazy({self._value!r})" if self._done else "Lazy(<not computed>)"
-
-
-def resolve(value):
-    """A variable's value with reductions computed, also inside (nested) lists."""
-    if isinstance(value, Lazy):
-        value = value.get()
-    if isinstance(value, list):
-        return [resolve(v) for v in value]
-    return value
-
-
-def read(state: State, name: str):
-    """``state[name]`` with reductions computed (runs queued generation when needed)."""
-    return resolve(state[name])
 
 
 @dataclass
@@ -149,7 +118,7 @@ class Lowering:
 
     def _value(self, v: ast.Value, b: Branch):
         if isinstance(v, ast.Var):
-            return read(b.state, v.name)
+            return b.state[v.name]
         return literal_value(v, "a value")
 
     def _gen_op(self, st: ast.Gen, b: Branch):
@@ -180,9 +149,7 @@ class Lowering:
         if st.join is None:
             return
         for b, group in zip(branches, groups):
-            b.state.join(group)
-            for red in st.join.reductions:
-                b.state.vars[red.target] = Lazy(functools.partial(self._reduce, red, b.state))
+            b.state.join(group, **{red.target: self._reduction(red, b) for red in st.join.reductions})
 
     def _items(self, st: ast.Fork, b: Branch) -> list:
         """One item per branch: the loop variable's values (the index for counts)."""
@@ -199,31 +166,24 @@ class Lowering:
         return list(range(value))
 
     # reductions -----------------------------------------------------------------------------------
-    def _reduce(self, red: ast.Reduction, state: State):
+    def _reduction(self, red: ast.Reduction, b: Branch) -> Reduce:
+        """The IR node of a join reduction (arguments as :mod:`.check` validated them); ``k`` is read now,
+        on the state joined into."""
         names = REDUCTIONS[red.fn][0]
         args = dict(zip(names, red.args)) | {kw.name: kw.value for kw in red.kwargs}
-        values = read(state, args["values"].name)
-        try:
-            if red.fn == "collect":
-                return reduce.collect(values)
-            if red.fn == "vote":
-                pattern = literal_value(args["extract"], "extract") if "extract" in args else None
-                state.info[red.target] = {"reduction": "vote", "votes": reduce.tally(values, pattern)}
-                return reduce.vote(values, pattern)
-            scores = read(state, args["by"].name)
-            if red.fn == "best":
-                reduce.best(values, scores)  # validates
-                index = reduce.ranking(scores)[0]
-                state.info[red.target] = {"reduction": "best", "index": index,
-                                          "scores": [reduce.score(s) for s in scores]}
-                return values[index]
-            k = read(state, args["k"].name) if isinstance(args["k"], ast.Var) else literal_value(args["k"], "k")
-            kept = reduce.top_k(values, scores, k)
-            state.info[red.target] = {"reduction": "top_k", "indices": reduce.ranking(scores)[:k],
-                                      "scores": [reduce.score(s) for s in scores]}
-            return kept
-        except (ValueError, TypeError) as e:
-            raise TgError(f"{red.fn}: {e}", red.pos) from None
+        source = args["values"].name
+        if red.fn == "collect":
+            spec = make_collect(source)
+        elif red.fn == "vote":
+            spec = make_vote(source, extract=literal_value(args["extract"], "extract") if "extract" in args else None)
+        elif red.fn == "best":
+            spec = make_best(source, by=args["by"].name)
+        else:
+            try:
+                spec = make_top_k(source, by=args["by"].name, k=self._value(args["k"], b))
+            except ValueError as e:
+                raise TgError(str(e), args["k"].pos) from None
+        return replace(spec, where=red.pos)
 
 
 def _text(value) -> str:
@@ -231,4 +191,4 @@ def _text(value) -> str:
     return "" if value is None else str(value)
 
 
-__all__ = ["Branch", "ForkRun", "Lazy", "Lowering", "read", "resolve"]
+__all__ = ["Branch", "ForkRun", "Lowering"]

@@ -17,7 +17,7 @@ from treegen.lang.dsl import CompiledProgram, Program
 from treegen.lang.tg import ast
 from treegen.lang.tg.check import ParamSpec, check
 from treegen.lang.tg.errors import Pos, TgError
-from treegen.lang.tg.lower import Branch, Lowering, read, resolve
+from treegen.lang.tg.lower import Branch, Lowering
 from treegen.lang.tg.parser import parse, parse_file
 
 
@@ -147,14 +147,14 @@ class TgResult:
         return self.root.state
 
     def __getitem__(self, name: str):
-        return read(self.root.state, name)
+        return self.root.state[name]
 
     def variables(self, branch: Branch) -> dict:
         """The branch's own variables (not the parameters or what it inherited), resolved."""
         own = branch.own_variables()
         if branch is self.root:
             own = {k: v for k, v in own.items() if k not in self.values or v is not self.values[k]}
-        return {k: resolve(branch.state[k]) for k in own}
+        return {k: branch.state[k] for k in own}
 
     def text(self, branch: Branch) -> str:
         """The text the branch added after it was forked (the whole text for the root)."""
