@@ -172,6 +172,55 @@ def test_batch_errors(smol):
         broken.run_batch(smol, [{"k": 0}, {"k": 1}, {"k": 2}])
 
 
+# progress: programs done ------------------------------------------------------------------------------------
+def test_programs_done_advances_as_each_program_finishes(smol):
+    """A program is done once its function returned and everything it queued has run: here program 1
+    (no reads) after the first flush, program 0 (one read) after the second, program 2 (two reads) at
+    the end. Each report is checked against the programs' values at that moment."""
+    roots, reports = {}, []
+
+    @treegen.program
+    def rounds(s, i, reads):
+        roots[i] = s
+        s += FEW_SHOT + f"Q: {QUESTIONS[i]}\nA:"
+        for r in range(reads):
+            s += treegen.gen(f"a{r}", max_tokens=2)
+            s[f"a{r}"]  # wait for it
+        s += treegen.gen("z", max_tokens=2) + "\n"  # queued when the function returns, text after it
+
+    def on_programs(done, total):
+        finished = tuple(isinstance(roots[i].vars.get("z"), str) and not roots[i].pending if i in roots else False
+                         for i in range(3))
+        reports.append((done, total, finished))
+
+    rounds.run_batch(smol, [(0, 1), (1, 0), (2, 2)], on_programs=on_programs)
+    assert reports == [(0, 3, (False, False, False)), (1, 3, (False, True, False)), (2, 3, (True, True, False)),
+                       (3, 3, (True, True, True))]
+    with pytest.raises(TypeError, match="on_programs must be a function"):
+        rounds.run_batch(smol, [(0, 0)], on_programs=3)
+
+
+def test_cli_progress_line_counts_programs_done(smol):
+    from treegen.lang.tg import loads
+    from treegen.render import TreeWatch
+
+    prog = loads('param q = "x"\n"' + FEW_SHOT.replace("\n", "\\n") + 'Q: {q}\\nA:"\n'
+                 'fork 2 {\ngen answer(max_tokens=3)\n}\njoin { answers = collect(answer) }')
+    watch, seen = TreeWatch(), []
+
+    def programs(done, total):
+        watch.programs(done, total)
+        seen.append(watch.describe(watch.sample() or (0, 0, 0), 12.0))
+
+    prog.run_batch(smol, [{"q": q} for q in QUESTIONS], watch=watch, on_programs=programs)
+    assert [line.split(" · ")[0] for line in seen] == ["0/3 programs done", "3/3 programs done"]
+    tokens, branches, generating = watch.sample()
+    assert branches == 6 and generating == 0
+    assert watch.describe((tokens, branches, 0), 12.0) == \
+        f"3/3 programs done · running · 6 branches · {tokens} tokens · 12.0 tok/s"
+    assert TreeWatch().describe((5, 1, 1), 0.0) == "generating 1/1 branch · 5 tokens · 0.0 tok/s"  # not a batch
+
+
 # the .tg front end and the command line ---------------------------------------------------------------
 def test_tg_run_batch_equals_runs_alone(smol):
     from treegen.lang.tg import loads

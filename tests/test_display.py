@@ -286,6 +286,16 @@ def test_progress_draws_one_full_bar_per_phase():
     assert second.total == 5 and second.n == 5 and "phase 2" in second.desc
 
 
+def test_progress_draws_programs_done_of_a_batch(engine):
+    FakeBar.made = []
+    with progress(engine, bar_factory=FakeBar) as bars:
+        roots = two_level.run_batch(engine, [(["a?"], 2), (["b?", "c?"], 1)], on_programs=bars.programs,
+                                    min_shared_saving=None)
+        programs = FakeBar.made[0]
+        assert (programs.desc, programs.total, programs.n, programs.closed) == ("programs done", 2, 2, False)
+    assert programs.closed and [len(r) for r in roots[1]["reasoning"]] == [1, 1]
+
+
 def test_progress_context_sets_and_restores_the_engine_hook(engine):
     engine.on_step = "before"
     with progress(engine, bar_factory=FakeBar) as bars:

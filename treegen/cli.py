@@ -157,7 +157,8 @@ def cmd_run(args) -> int:
         engine = Engine.load(args.model, dtype=dtype, device=args.device)
         start = time.perf_counter()
         if batch is not None:
-            return prog.run_batch(engine, batch, seed=args.seed, watch=watch), time.perf_counter() - start
+            return (prog.run_batch(engine, batch, seed=args.seed, watch=watch, on_programs=watch.programs),
+                    time.perf_counter() - start)
         return prog.run(engine, seed=args.seed, watch=watch, **values), time.perf_counter() - start
 
     result, seconds = watch.run(work, err, enabled=progress)

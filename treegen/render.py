@@ -8,7 +8,8 @@ from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 from rich.table import Table
 from rich.tree import Tree
 
@@ -135,18 +136,26 @@ def result_view(result: TgResult, max_children: int = 8, width: int = 60) -> Tre
 
 # progress ---------------------------------------------------------------------------------------------
 class TreeWatch:
-    """Polls a run's sharing tree from the main thread while the program runs in a worker thread.
+    """Progress of a run, drawn from the main thread while the program runs in a worker thread.
 
-    The engine has no progress callback, so what is shown is read from the tree: tokens it holds,
-    the growth rate of that count (the decode rate while branches generate), live branches, and
-    branches with a ``gen`` in flight (nodes with a generation budget).
+    What it shows is read from the run's sharing tree (``watch(tree)`` hands it over): tokens the
+    tree holds, the growth rate of that count (the decode rate while branches generate), live
+    branches, and branches with a ``gen`` in flight (nodes with a generation budget). Reading the tree
+    covers prefill, ``select`` and decoding alike; the engine's ``on_step`` hook, which the notebook
+    bars use (:mod:`treegen.display.progress`), reports one decode phase at a time. For batch runs,
+    :meth:`programs` (``run_batch(..., on_programs=watch.programs)``) adds how many programs are done.
     """
 
     def __init__(self) -> None:
         self.tree: SharingTree | None = None
+        self.programs_done: tuple[int, int] | None = None  # (done, total) in a batch run
 
     def __call__(self, tree: SharingTree) -> None:
         self.tree = tree
+
+    def programs(self, done: int, total: int) -> None:
+        """``on_programs`` of a batch run: ``done`` of ``total`` programs have finished."""
+        self.programs_done = (done, total)
 
     def sample(self) -> tuple[int, int, int] | None:
         """(tokens, live branches, generating) or None when the tree changed under the read."""
@@ -164,6 +173,17 @@ class TreeWatch:
         generating = sum(1 for _, d in nodes if d["gen_budget"] > 0 and not d["pruned"])
         return tokens, branches, generating
 
+    def describe(self, sample: tuple[int, int, int], rate: float) -> str:
+        """One status line: programs done (batch runs), branches generating / live, tokens, tokens/s."""
+        tokens, branches, generating = sample
+        live = _plural(branches, "branch")
+        what = f"generating {generating}/{live}" if generating else f"running · {live}"
+        line = f"{what} · {tokens} tokens · {rate:.1f} tok/s"
+        if self.programs_done is not None:
+            done, total = self.programs_done
+            line = f"{done}/{total} programs done · {line}"
+        return line
+
     def run(self, work: Callable[[], object], console: Console, enabled: bool = True):
         """Run ``work()`` in a thread, showing progress on ``console``; return its result or raise its error."""
         box: dict = {}
@@ -176,12 +196,14 @@ class TreeWatch:
 
         thread = threading.Thread(target=target, name="treegen-run", daemon=True)
         thread.start()
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        columns = (SpinnerColumn(), _ProgramsBar(bar_width=20), TextColumn("{task.description}"), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True, disable=not enabled) as progress:
             task = progress.add_task("loading the model", total=None)
             last, rate = None, 0.0
             while thread.is_alive():
                 thread.join(0.25)
+                if self.programs_done is not None:  # the bar: programs done of the batch
+                    progress.update(task, completed=self.programs_done[0], total=self.programs_done[1])
                 s = self.sample()
                 if s is None:
                     continue
@@ -189,9 +211,14 @@ class TreeWatch:
                 if last is not None and s[2] and now > last[0]:
                     rate = 0.7 * rate + 0.3 * max(s[0] - last[1], 0) / (now - last[0])
                 last = (now, s[0])
-                branches = _plural(s[1], "branch")
-                what = f"generating {s[2]}/{branches}" if s[2] else f"running · {branches}"
-                progress.update(task, description=f"{what} · {s[0]} tokens · {rate:.1f} tok/s")
+                progress.update(task, description=self.describe(s, rate))
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+
+class _ProgramsBar(BarColumn):
+    """A bar of programs done, drawn only when there is a total (a batch run)."""
+
+    def render(self, task):
+        return super().render(task) if task.total is not None else Text("")

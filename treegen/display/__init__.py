@@ -9,6 +9,8 @@ In a notebook::
     show(prog.compile(q, tokenizer=engine.tokenizer), engine)   # the sharing tree before running, with KV bytes
     with progress(engine):              # live bars while generating
         result = prog.run(engine, q)
+    with progress(engine) as bars:      # a batch: also a bar of programs done
+        results = prog.run_batch(engine, inputs, on_programs=bars.programs)
     result                              # every branch's text and variables, select scores, the executed tree
     votes(result, "reasoning", extract=r"answer is (\\d+)")     # which answer won, and which branches gave it
 

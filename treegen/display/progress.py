@@ -11,6 +11,12 @@ branches, ``tokens_budget`` = ``tokens_done`` plus what the live branches may st
 ``max_tokens`` left). The last call of a phase, and only it, has ``live_branches == 0`` (then
 ``tokens_budget == tokens_done``); the next call starts a new phase.
 
+A batch run (``run_batch``) also reports programs done through its ``on_programs(done, total)``
+argument; :meth:`TreeProgress.programs` draws them as one more bar that stays for the whole run::
+
+    with progress(engine) as bars:
+        results = prog.run_batch(engine, inputs, on_programs=bars.programs)
+
 ``tqdm.auto`` draws the notebook widget bar in Jupyter (with ``ipywidgets``) and a text bar elsewhere.
 """
 
@@ -34,6 +40,7 @@ class TreeProgress:
             from tqdm.auto import tqdm as bar_factory
         self.desc, self.leave, self.bar_factory = desc, leave, bar_factory
         self.bar = None
+        self.programs_bar = None  # batch runs: programs done of the batch
         self.phases = 0
         self._total = 0
         self._over = True  # the previous call closed its phase (or there was none)
@@ -60,6 +67,13 @@ class TreeProgress:
     # the hook is called like a function too
     __call__ = on_step
 
+    def programs(self, done: int, total: int) -> None:
+        """``on_programs`` of a batch run: a bar of ``done`` of ``total`` programs (made at the first call)."""
+        if self.programs_bar is None:
+            self.programs_bar = self.bar_factory(total=total, desc="programs done", unit="program", leave=self.leave)
+        self.programs_bar.n = min(done, total)
+        self.programs_bar.refresh()
+
     def _close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -67,6 +81,9 @@ class TreeProgress:
 
     def close(self) -> None:
         self._close_bar()
+        if self.programs_bar is not None:
+            self.programs_bar.close()
+            self.programs_bar = None
 
     def __enter__(self) -> "TreeProgress":
         return self

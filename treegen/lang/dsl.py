@@ -165,6 +165,7 @@ class Program:
         run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed)
         state = run.root()
         self.fn(state, *args, **kwargs)
+        run.program_returned(state)
         run.finish()
         return state
 
@@ -180,7 +181,8 @@ class Program:
         return CompiledProgram(run.tree, True, None, tokenizer=tokenizer, kv_shape=kv_shape)
 
     def run_batch(self, engine, inputs, /, *, seed: int = 0, seeds: list[int] | None = None,
-                  share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING) -> list[State]:
+                  share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
+                  on_programs: Callable[[int, int], None] | None = None) -> list[State]:
         """Run the program once per input as **one** workload; returns the root states, in input order.
 
         ``inputs``: one entry per program — a dict of keyword arguments, or a tuple/list of positional
@@ -193,9 +195,14 @@ class Program:
         Seeds: program ``i`` uses ``seeds[i]`` if given, else ``seed``; its branches' random keys come
         from that seed and their path from the program's own root, never from ``i``, so a program
         samples the same tokens alone (``run(..., seed=s)``) as inside any batch.
+
+        ``on_programs(done, total)``: progress, called with ``done = 0`` at the start and whenever more
+        programs are done — a program is done when its function has returned and every ``gen`` /
+        ``select`` it queued has run. Called from the thread running the batch; e.g.
+        ``treegen.display.progress(engine)``'s ``programs`` method, or the command line's display.
         """
         return run_batch(engine, [_bind(self.fn, x) for x in inputs], seed=seed, seeds=seeds,
-                         share_prefixes=share_prefixes, min_shared_saving=min_shared_saving)
+                         share_prefixes=share_prefixes, min_shared_saving=min_shared_saving, on_programs=on_programs)
 
     def compile_batch(self, inputs, /, *, tokenizer, kv_shape: KVShape | None = None, share_prefixes: bool = True,
                       min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING) -> CompiledProgram:
@@ -235,14 +242,25 @@ def _bind(fn: Callable[..., Any], x) -> Callable[[State], None]:
 
 
 def run_batch(engine, bodies: list[Callable[[State], None]], *, seed: int = 0, seeds: list[int] | None = None,
-              share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING) -> list[State]:
+              share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
+              on_programs: Callable[[int, int], None] | None = None) -> list[State]:
     """Run each ``body(state)`` as one program of one batch workload; see :meth:`Program.run_batch`."""
     if seeds is not None and len(seeds) != len(bodies):
         raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
+    if on_programs is not None and not callable(on_programs):
+        raise TypeError(f"run_batch: on_programs must be a function (done, total), got {type(on_programs).__name__}")
     run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed)
     run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
     roots = [run.root(seeds[i] if seeds is not None else None) for i in range(len(bodies))]
-    scheduler = Cooperative([functools.partial(body, root) for body, root in zip(bodies, roots)])
+    run.on_programs = on_programs
+    if on_programs is not None:
+        on_programs(0, len(roots))
+
+    def program(body, root):
+        body(root)
+        run.program_returned(root)
+
+    scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)])
     run.scheduler = scheduler
     try:
         scheduler.run(run.flush)

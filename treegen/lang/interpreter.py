@@ -10,7 +10,7 @@ in the tree, and anything that needs a generated value stops the trace with :cla
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import networkx as nx
 
@@ -102,12 +102,32 @@ class ProgramRun:
         self.min_shared_saving: int | None = None
         self.passes_done = False
         self.pass_report: dict = {}
+        # programs done: bodies that returned and whose every gen/select has run (see program_returned)
+        self.programs_done = 0
+        self.on_programs: Callable[[int, int], None] | None = None  # on_programs(done, total) when it changes
+        self._returned: set[int] = set()
 
     def root(self, seed: int | None = None) -> "State":
         """A new root state (a program); ``seed`` overrides the run's seed for its branches."""
-        state = State(self, node=None, path=(), variables={}, chatting=False, seed=seed)
+        state = State(self, node=None, path=(), variables={}, chatting=False, seed=seed, program=len(self.roots))
         self.roots.append(state)
         return state
+
+    def program_returned(self, root: "State") -> None:
+        """The body of the program at ``root`` has returned. It counts as done once nothing it queued is
+        left to run (at once, or after a later flush); ``on_programs`` hears of every change."""
+        self._returned.add(root.program)
+        self._count_programs()
+
+    def _count_programs(self) -> None:
+        if not self._returned:
+            return
+        busy = {st.program for st in self.states if st.pending}
+        done = sum(1 for p in self._returned if p not in busy)
+        if done != self.programs_done:
+            self.programs_done = done
+            if self.on_programs is not None:
+                self.on_programs(done, len(self.roots))
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -134,6 +154,7 @@ class ProgramRun:
                     owners.append(st)
                     request = st._request(st.pending[0], final=final and len(st.pending) == 1)
                     (gens if isinstance(request, GenRequest) else scores).append(request)
+            self._count_programs()  # after each phase: programs with nothing left to run are done
             if not owners:
                 return
             gen_results, score_results = self.tree_run.execute(gens, scores)
@@ -177,8 +198,9 @@ class State:
     """A stream of tokens in a program; ``s += ...`` appends, ``s[name]`` reads a variable."""
 
     def __init__(self, run: ProgramRun, *, node: int | None, path: tuple, variables: dict, chatting: bool,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, program: int = 0) -> None:
         self._run = run
+        self.program = program  # the index of the program (root) it belongs to, in its run
         self.node = node
         self.path = path  # fork indices from the program's root: seeds derive from it (not the batch position)
         self.seed = run.seed if seed is None else seed
@@ -314,7 +336,7 @@ class State:
             # attention="flat" (a baseline): no sharing, every branch starts from its own copy
             node = tree.add_node(None, tree.path_tokens(base)) if self._run.flat else tree.add_node(base)
             branches.append(State(self._run, node=node, path=self.path + (i,), variables=dict(self.vars),
-                                  chatting=self._chatting, seed=self.seed))
+                                  chatting=self._chatting, seed=self.seed, program=self.program))
         group = ForkGroup([self], [branches])
         if content is not None:
             group += content

@@ -88,7 +88,7 @@ class TgProgram:
                   **options) -> list["TgResult"]:
         """Run once per entry of ``inputs`` (parameter values) as one workload; see
         :meth:`treegen.Program.run_batch` (``options``: ``seeds``, ``share_prefixes``,
-        ``min_shared_saving``). Parameters are checked for every input before anything runs."""
+        ``min_shared_saving``, ``on_programs``). Parameters are checked for every input before anything runs."""
         from treegen.lang.dsl import run_batch
 
         bound = [self.bind(values) for values in inputs]
