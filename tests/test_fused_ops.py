@@ -37,21 +37,44 @@ def test_add_rms_norm_matches_residual_add_then_reference_norm(dtype, hidden):
     torch.testing.assert_close(add_rms_norm(h, None, w, 1e-5), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_rope_in_place_on_the_query_and_key_heads_of_a_fused_qkv(dtype, head_dim):
-    g = torch.Generator().manual_seed(1)
-    tokens, nh, nkv = 7, 6, 2
+def _qkv_and_rope(dtype, head_dim, tokens=7, nh=6, nkv=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(tokens, nh + 2 * nkv, head_dim, generator=g).to(DEVICE, dtype)
     angles = torch.rand(tokens, head_dim // 2, generator=g) * 50
     emb = torch.cat((angles, angles), -1)
-    cos, sin = emb.cos().to(DEVICE, dtype)[:, None], emb.sin().to(DEVICE, dtype)[:, None]
+    return qkv, emb.cos().to(DEVICE, dtype)[:, None], emb.sin().to(DEVICE, dtype)[:, None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_in_place_on_the_query_and_key_heads_of_a_fused_qkv(dtype, head_dim):
+    nh, nkv = 6, 2
+    qkv, cos, sin = _qkv_and_rope(dtype, head_dim, nh=nh, nkv=nkv)
     want_q, want_k = rope_reference(qkv[:, :nh], cos, sin), rope_reference(qkv[:, nh : nh + nkv], cos, sin)
     v = qkv[:, nh + nkv :].clone()
-    rope_(qkv[:, : nh + nkv], cos[:, 0], sin[:, 0])
+    rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv)
     torch.testing.assert_close(qkv[:, :nh], want_q, rtol=TOL[dtype], atol=TOL[dtype])
     torch.testing.assert_close(qkv[:, nh : nh + nkv], want_k, rtol=TOL[dtype], atol=TOL[dtype])
     assert torch.equal(qkv[:, nh + nkv :], v)  # values untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nkv", [1, 3])
+def test_rope_writes_keys_and_values_into_the_cache_slots(dtype, nkv):
+    nh, tokens = 6, 5
+    qkv, cos, sin = _qkv_and_rope(dtype, 64, tokens=tokens, nh=nh, nkv=nkv)
+    want_q, want_k = rope_reference(qkv[:, :nh], cos, sin), rope_reference(qkv[:, nh : nh + nkv], cos, sin)
+    want_v = qkv[:, nh + nkv :].clone()
+    k_cache = torch.zeros(20, nkv, 64, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 17, 0, 9, 4], device=DEVICE)
+    rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv, store=(k_cache, v_cache, slots))
+    torch.testing.assert_close(qkv[:, :nh], want_q, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(k_cache[slots], want_k, rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(v_cache[slots], want_v)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not k_cache[untouched.to(DEVICE)].any() and not v_cache[untouched.to(DEVICE)].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,8 +88,13 @@ def test_bad_shapes_are_named():
     x = torch.zeros(2, 3, 8)
     with pytest.raises(ValueError, match="h must be"):
         add_rms_norm(x, None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="qkv must be"):
+        rope_(x, torch.zeros(2, 8), torch.zeros(2, 8), 2, 1)
     with pytest.raises(ValueError, match="cos/sin must be"):
-        rope_(x, torch.zeros(2, 4), torch.zeros(2, 4))
+        rope_(x, torch.zeros(2, 4), torch.zeros(2, 4), 1, 1)
+    with pytest.raises(ValueError, match="store needs"):
+        rope_(x, torch.zeros(2, 8), torch.zeros(2, 8), 1, 1, store=(torch.zeros(4, 2, 8), torch.zeros(4, 2, 8),
+                                                                     torch.zeros(2, dtype=torch.long)))
     with pytest.raises(ValueError, match="even width"):
         silu_mul(torch.zeros(2, 7))
 
@@ -77,9 +105,13 @@ def test_model_logits_equal_with_the_fused_path():
     model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device=DEVICE)
     ids = torch.randint(0, 100, (9,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     pos = torch.arange(9, device=DEVICE)
+    caches = torch.zeros(2, 2, 12, 2, 32, device=DEVICE)  # [k/v, layer, slot, kv head, D]
+    slots = torch.arange(2, 11, device=DEVICE)
 
-    def attend(layer, q, k, v):  # plain causal attention over the 9 tokens (GQA)
-        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    def attend(layer, q, k, v):  # causal attention over the 9 tokens (GQA), keys/values through the cache
+        if k is not None:
+            caches[0, layer, slots], caches[1, layer, slots] = k, v
+        k, v = caches[0, layer, slots].repeat_interleave(2, 1), caches[1, layer, slots].repeat_interleave(2, 1)
         s = torch.einsum("qhd,khd->hqk", q, k) * model.attn_scale
         s = s.masked_fill(torch.ones(9, 9, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
         return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
@@ -87,5 +119,7 @@ def test_model_logits_equal_with_the_fused_path():
     model.fused = False
     want = model.forward(ids, pos, attend)
     model.fused = True
-    got = model.forward(ids, pos, attend)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.forward(ids, pos, attend), want, rtol=1e-4, atol=1e-4)
+    caches.zero_()
+    attend.cache = lambda layer: (caches[0, layer], caches[1, layer], slots)  # the model writes the cache
+    torch.testing.assert_close(model.forward(ids, pos, attend), want, rtol=1e-4, atol=1e-4)

@@ -19,8 +19,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="set TRITON_INTERPRET=0 to compile kernels"),
 ]
-# logits of a random model are O(1); tolerances by dtype (fp32 kernels use IEEE fp32 products)
-TOL = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
+# logits of a random model are O(1) (up to ~8 here); tolerances by dtype (fp32 kernels use IEEE fp32
+# products). bf16: a few ulps of the largest logits (ulp 0.03 at 4..8) — our fused QKV and gate/up
+# products round differently from HF's separate ones (measured 0.08 max vs HF, 0.055 unfused; argmax equal)
+TOL = {torch.float32: 2e-3, torch.bfloat16: 1.2e-1}
 
 
 def real_shape(dtype):

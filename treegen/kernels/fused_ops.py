@@ -5,7 +5,8 @@ eight: cast, square, mean, add, rsqrt, multiply, cast, scale; RoPE ten), and at 
 each they, not the matrix products, set the step time. These kernels do each step in one launch:
 
 * :func:`add_rms_norm` — ``h += y`` (the residual add) then ``x = RMSNorm(h)``;
-* :func:`rope_` — rotary embedding of the query and key heads of a fused QKV projection, in place;
+* :func:`rope_` — rotary embedding of the query and key heads of a fused QKV projection, in place,
+  optionally writing the keys and values straight into the KV cache (no separate cache-write kernels);
 * :func:`silu_mul` — ``silu(gate) * up`` from a fused gate/up projection.
 
 They round where Hugging Face's PyTorch code rounds (every intermediate that HF holds in the model
@@ -75,25 +76,38 @@ if triton is not None:
         tl.store(X + row * stride_x + offs, (w * normed).to(X.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rope_kernel(QK, COS, SIN, heads, stride_t, stride_h, stride_c,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rope_kernel(QKV, COS, SIN, KC, VC, SLOTS, n_q, n_kv, stride_t, stride_h, stride_c, stride_ct, stride_ch,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HEAD_DIM)
         half: tl.constexpr = HEAD_DIM // 2
         rot_d = (offs_d + half) % HEAD_DIM
         sign = tl.where(offs_d < half, -1.0, 1.0)
-        ok = (offs_h < heads)[:, None]
-        base = QK + t * stride_t + offs_h[:, None] * stride_h
+        ok = (offs_h < n_q + n_kv)[:, None]  # the query and key heads are rotated
+        base = QKV + t * stride_t + offs_h[:, None] * stride_h
         x = tl.load(base + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
         x_rot = tl.load(base + rot_d[None, :], mask=ok, other=0.0).to(tl.float32) * sign[None, :]
-        dt = QK.dtype.element_ty
+        dt = QKV.dtype.element_ty
         c = tl.load(COS + t * stride_c + offs_d).to(tl.float32)
         s = tl.load(SIN + t * stride_c + offs_d).to(tl.float32)
         a = (x * c[None, :]).to(dt).to(tl.float32)  # x * cos, rounded as in HF
         b = (x_rot * s[None, :]).to(dt).to(tl.float32)  # rotate_half(x) * sin, rounded
-        tl.debug_barrier()  # every lane has read its rotated partner before any writes
-        tl.store(base + offs_d[None, :], (a + b).to(dt), mask=ok)
+        out = (a + b).to(dt)
+        tl.debug_barrier()  # every lane has read its rotated partner before any lane writes
+        if STORE:  # queries in place; keys (rotated) and values straight into the KV cache at this token's slot
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            is_q = (offs_h < n_q)[:, None]
+            tl.store(base + offs_d[None, :], out, mask=ok & is_q)
+            kv_rows = slot * stride_ct + (offs_h - n_q)[:, None] * stride_ch + offs_d[None, :]
+            tl.store(KC + kv_rows, out.to(KC.dtype.element_ty), mask=ok & ~is_q)
+            offs_v = tl.arange(0, BLOCK_KV)
+            v_ok = (offs_v < n_kv)[:, None]
+            v = tl.load(QKV + t * stride_t + (n_q + n_kv + offs_v)[:, None] * stride_h + offs_d[None, :], mask=v_ok)
+            tl.store(VC + slot * stride_ct + offs_v[:, None] * stride_ch + offs_d[None, :],
+                     v.to(VC.dtype.element_ty), mask=v_ok)
+        else:
+            tl.store(base + offs_d[None, :], out, mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(GU, OUT, inter, stride_g, stride_o, BLOCK: tl.constexpr):
@@ -129,19 +143,34 @@ def add_rms_norm(h: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Ten
     return x
 
 
-def rope_(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``qk [T, heads, D]`` in place (the query and key heads of a fused QKV output, any row
-    stride); cos/sin ``[T, D]`` in the model dtype. Returns ``qk``."""
-    if qk.dim() != 3 or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]:
-        raise ValueError(f"rope_: qk must be [T, heads, D] with heads packed in each row, got shape "
-                         f"{tuple(qk.shape)} strides {qk.stride()}")
-    if cos.shape != (qk.shape[0], qk.shape[2]) or sin.shape != cos.shape or cos.stride(1) != 1:
-        raise ValueError(f"rope_: cos/sin must be [T, D] = {(qk.shape[0], qk.shape[2])}, got {tuple(cos.shape)}")
-    if qk.shape[0]:
-        _rope_kernel[(qk.shape[0],)](qk, cos, sin, qk.shape[1], qk.stride(0), qk.stride(1), cos.stride(0),
-                                     HEAD_DIM=qk.shape[2], BLOCK_H=triton.next_power_of_2(qk.shape[1]),
-                                     num_warps=4)
-    return qk
+def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads: int,
+          store: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    """Rotary embedding of a fused QKV projection ``qkv [T, num_q_heads + 2 * num_kv_heads, D]``
+    (any row stride): the query and key heads are rotated in place; cos/sin ``[T, D]`` in the model
+    dtype. ``store=(k_cache, v_cache, slots)``: instead of rotating the keys in place, write the
+    rotated keys and the values to ``k_cache[slots]`` / ``v_cache[slots]`` (``[S, num_kv_heads, D]``),
+    the KV cache write in the same launch. Returns ``qkv``."""
+    heads = num_q_heads + 2 * num_kv_heads
+    if qkv.dim() != 3 or qkv.shape[1] != heads or qkv.stride(2) != 1 or qkv.stride(1) != qkv.shape[2]:
+        raise ValueError(f"rope_: qkv must be [T, {heads} heads, D] with heads packed in each row, got shape "
+                         f"{tuple(qkv.shape)} strides {qkv.stride()}")
+    if cos.shape != (qkv.shape[0], qkv.shape[2]) or sin.shape != cos.shape or cos.stride(1) != 1:
+        raise ValueError(f"rope_: cos/sin must be [T, D] = {(qkv.shape[0], qkv.shape[2])}, got {tuple(cos.shape)}")
+    if store is not None:
+        k_cache, v_cache, slots = store
+        if k_cache.shape[1:] != (num_kv_heads, qkv.shape[2]) or v_cache.stride() != k_cache.stride() \
+                or k_cache.stride(2) != 1 or slots.shape != (qkv.shape[0],):
+            raise ValueError(f"rope_: store needs k/v caches [S, {num_kv_heads}, {qkv.shape[2]}] with equal strides "
+                             f"and one slot per token, got {tuple(k_cache.shape)} and slots {tuple(slots.shape)}")
+    else:
+        k_cache = v_cache = slots = qkv  # unused
+    if qkv.shape[0]:
+        _rope_kernel[(qkv.shape[0],)](
+            qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, qkv.stride(0), qkv.stride(1),
+            cos.stride(0), k_cache.stride(0), k_cache.stride(1), HEAD_DIM=qkv.shape[2],
+            BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), STORE=store is not None, num_warps=4)
+    return qkv
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

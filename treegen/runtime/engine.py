@@ -185,10 +185,13 @@ class TreeRun:
             return lambda layer, q, k, v: q  # benchmark ceiling: no KV traffic, no attention
 
         def attend(layer: int, q, k, v):
-            kv.k[layer].index_copy_(0, slots, k.to(kv.dtype))
-            kv.v[layer].index_copy_(0, slots, v.to(kv.dtype))
+            if k is not None:  # else the model wrote them already (see cache below)
+                kv.k[layer].index_copy_(0, slots, k.to(kv.dtype))
+                kv.v[layer].index_copy_(0, slots, v.to(kv.dtype))
             return tree_attention(q, kv.k[layer], kv.v[layer], plan, scale)
 
+        # where this pass's keys/values go: the model's fused RoPE kernel writes them there directly
+        attend.cache = lambda layer: (kv.k[layer], kv.v[layer], slots)
         return attend
 
     def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int]) -> torch.Tensor:

@@ -320,6 +320,8 @@ class LlamaFamilyModel:
         attend(layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]:
             q/k are after RoPE; k/v are only the new tokens' keys/values -- the caller
             caches them and computes attention (softmax scale ``self.attn_scale``).
+            If ``attend.cache(layer_idx)`` exists and returns ``(k_cache, v_cache, slots)``, the
+            fused CUDA path writes the keys/values there itself and calls ``attend(i, q, None, None)``.
         logits_rows [R] int64 (optional): rows of T whose logits are wanted (default: all).
         Returns [R, vocab] float32.
         """
@@ -328,18 +330,23 @@ class LlamaFamilyModel:
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         n_tok, nh, nkv, hd = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         fused, inter = self.fused, self.intermediate_size
+        cache = getattr(attend, "cache", None)
         cos, sin = self.rope_cos_sin(positions)  # [T, 1, D]
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         y = None  # the output of the previous sub-layer, not yet added to the residual stream h
         for i, L in enumerate(self.layers):
             h, x = self._add_norm(h, y, L.attn_norm)
             qkv = F.linear(x, L.qkv_w, L.qkv_b).view(n_tok, nh + 2 * nkv, hd)
-            if fused:
-                rope_(qkv[:, : nh + nkv], cos[:, 0], sin[:, 0])
-                q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
+            if fused and cache is not None:  # RoPE and the KV cache write in one kernel
+                rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv, store=cache(i))
+                o = attend(i, qkv[:, :nh], None, None)
             else:
-                q, k = rope_reference(qkv[:, :nh], cos, sin), rope_reference(qkv[:, nh : nh + nkv], cos, sin)
-            o = attend(i, q, k, qkv[:, nh + nkv :])  # [T, H, D]
+                if fused:
+                    rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv)
+                    q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
+                else:
+                    q, k = rope_reference(qkv[:, :nh], cos, sin), rope_reference(qkv[:, nh : nh + nkv], cos, sin)
+                o = attend(i, q, k, qkv[:, nh + nkv :])  # [T, H, D]
             y = F.linear(o.reshape(n_tok, nh * hd), L.o_w, L.o_b)
             h, x = self._add_norm(h, y, L.mlp_norm)
             gate_up = F.linear(x, L.gate_up_w, L.gate_up_b)
