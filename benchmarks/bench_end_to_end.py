@@ -7,7 +7,9 @@ on the weights), bf16, greedy, EOS ignored so every sequence makes exactly `new`
 * flat — no sharing: every sequence holds and prefills its own copy of the prompt (FlashAttention /
          vLLM-style baseline; run while its KV fits);
 * none — attention skipped (the throughput ceiling; functionally wrong);
-* hf   — Hugging Face `generate` with the prompt repeated per sequence (what users run today).
+* hf   — Hugging Face `generate` with the prompt repeated per sequence (what users run today);
+* hf_loop — the same HF model driven by a bare loop (forward with its KV cache, argmax, no `generate`):
+         HF's model speed without `generate`'s per-step host work, a stricter baseline.
 
 Decode throughput = batch * (new - 1) / (time(new tokens) - time(1 token)), as in the paper; the total
 time (prefill included) is reported too. Prints a table, writes JSON and a PNG under benchmarks/results/.
@@ -83,26 +85,38 @@ def measure_treegen(model, mode: str, batch: int, prefix: int, new: int) -> dict
             "decode_tok_s": batch * (new - 1) / (tn - t1), "memory_groups": groups}
 
 
-def measure_hf(config, batch: int, prefix: int, new: int) -> dict:
+def measure_hf(config, batch: int, prefix: int, new: int) -> list[dict]:
+    """Rows for ``hf`` (``generate``) and ``hf_loop`` (a bare forward/argmax loop) on one HF model."""
     with torch.device("cuda"):
         hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     ids = torch.randint(0, config.vocab_size, (1, prefix), device="cuda").repeat(batch, 1)
+    mask = torch.ones_like(ids)
 
-    def gen(n):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
+    def generate(n):
+        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    gen(2)
-    t1, tn = gen(1), gen(new)
-    del hf
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"mode": "hf", "batch": batch, "prefix": prefix, "new": new, "total_s": tn, "prefill_s": t1,
-            "decode_tok_s": batch * (new - 1) / (tn - t1)}
+    def loop(n):
+        out = hf(ids, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(n - 1):
+            out = hf(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+
+    rows = []
+    for mode, fn in (("hf", generate), ("hf_loop", loop)):
+        def timed(n):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.no_grad():
+                fn(n)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        timed(2)
+        t1, tn = timed(1), timed(new)
+        rows.append({"mode": mode, "batch": batch, "prefix": prefix, "new": new, "total_s": tn, "prefill_s": t1,
+                     "decode_tok_s": batch * (new - 1) / (tn - t1)})
+    return rows
 
 
 def flat_fits(model, batch: int, prefix: int, new: int) -> bool:
@@ -111,6 +125,38 @@ def flat_fits(model, batch: int, prefix: int, new: int) -> bool:
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     return batch * (prefix + new) * per_token < 0.5 * free
+
+
+def plot(rows: list[dict], out: Path, title: str) -> None:
+    """Decode tokens/s against batch (at the base prefix) and against prefix (at the sweep's batch), per
+    mode: the paper's Figures 1 and 4."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    ok = [r for r in rows if "decode_tok_s" in r]
+    base = min((r["prefix"] for r in ok), key=lambda p: -sum(r["prefix"] == p for r in ok), default=None)
+    sweep_batch = max((r["batch"] for r in ok), default=None)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, x, fixed, label in ((axes[0], "batch", ("prefix", base), "batch (prefix %s)" % base),
+                                (axes[1], "prefix", ("batch", sweep_batch), "prefix tokens (batch %s)" % sweep_batch)):
+        for mode in dict.fromkeys(r["mode"] for r in ok):
+            pts = sorted((r[x], r["decode_tok_s"]) for r in ok if r["mode"] == mode and r[fixed[0]] == fixed[1])
+            if len(pts) > 1 or (pts and x == "batch"):
+                ax.plot(*zip(*pts), marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("decode tokens/s")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
 
 
 def main() -> None:
@@ -128,8 +174,10 @@ def main() -> None:
     config = LlamaConfig(**SHAPES[args.shape])
     rows = []
     for b in args.hf_batches:  # HF first, on its own, then freed
-        rows.append(measure_hf(config, b, args.prefix, args.new))
-        print(rows[-1], flush=True)
+        rows += measure_hf(config, b, args.prefix, args.new)
+        gc.collect()  # the HF model is gone once measure_hf returns: give its memory back
+        torch.cuda.empty_cache()
+        print(rows[-2:], flush=True)
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
     points = [(b, args.prefix) for b in args.batches] + [(args.batches[-1], p) for p in args.prefix_sweep]
     for b, p in points:
@@ -141,15 +189,17 @@ def main() -> None:
             print(rows[-1], flush=True)
 
     print(f"\n## {args.shape}, bf16, {args.new} new tokens — decode tokens/s (total s incl. prefill)\n")
-    print("| batch | prefix | " + " | ".join(["hf"] + args.modes) + " | tree / none | tree / hf |")
-    print("|---|---|" + "---|" * (len(args.modes) + 3))
+    baselines = ["hf", "hf_loop"] if args.hf_batches else []
+    print("| batch | prefix | " + " | ".join(baselines + args.modes) + " | tree / none | tree / hf | tree / hf_loop |")
+    print("|---|---|" + "---|" * (len(baselines + args.modes) + 3))
     for b, p in sorted({(r["batch"], r["prefix"]) for r in rows}):
         by = {r["mode"]: r for r in rows if r["batch"] == b and r["prefix"] == p}
         cell = lambda m: (f"{by[m]['decode_tok_s']:,.0f} ({by[m]['total_s']:.2f})" if m in by and "decode_tok_s" in by[m]  # noqa: E731
                           else ("does not fit" if m in by else "-"))
         ratio = lambda a, c: (f"{by[a]['decode_tok_s'] / by[c]['decode_tok_s']:.2f}"  # noqa: E731
                               if a in by and c in by and "decode_tok_s" in by[a] and "decode_tok_s" in by[c] else "-")
-        print(f"| {b} | {p} | " + " | ".join(cell(m) for m in ["hf"] + args.modes) + f" | {ratio('tree', 'none')} | {ratio('tree', 'hf')} |")
+        print(f"| {b} | {p} | " + " | ".join(cell(m) for m in baselines + args.modes)
+              + f" | {ratio('tree', 'none')} | {ratio('tree', 'hf')} | {ratio('tree', 'hf_loop')} |")
     result = {"benchmark": "end_to_end", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
               "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
@@ -160,6 +210,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {result['device']}")
 
 
 if __name__ == "__main__":

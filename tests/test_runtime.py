@@ -108,6 +108,26 @@ def test_workload_over_the_kv_budget_runs_in_groups_with_the_same_outputs(tiny_m
     assert want._run.tree_run.groups == [1] and got._run.tree_run.groups[0] >= 2
 
 
+def test_kv_pool_grows_only_by_the_shortfall_reusing_freed_spans():
+    from treegen.runtime.kv_store import KVStore
+
+    kv = KVStore(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", initial_slots=100)
+    for node in range(10):
+        kv.reserve(node, 10)
+        kv.segments[node].computed = 10
+    for node in range(0, 10, 2):
+        kv.free(node)  # five 10-slot holes inside the pool
+    grown = []
+    real_grow = kv._grow
+    kv._grow = lambda length: (grown.append(length), real_grow(length))
+    kv.ensure_free(60)  # 50 slots are free in holes and at the end: grow by the 10 missing, not by 60
+    assert grown == [10]
+    assert sum(n for _, n in kv._free) >= 60
+    for node in range(10, 16):
+        kv.reserve(node, 10)
+    assert len(kv.segments) == 11
+
+
 def test_over_budget_branches_that_continue_are_refused_before_running(tiny_model, tokenizer):
     @treegen.program
     def continues(s):

@@ -256,6 +256,9 @@ class TreeRun:
         self.groups.append(len(groups))
         if len(groups) == 1:
             return self._execute(gens, scores)
+        # size the pool for the largest group now, while little is written: growing a pool that holds
+        # KV copies it (old and new side by side), which a pool sized near the budget cannot afford
+        self.kv.ensure_free(max(sum(request_slots(self.tree, self.kv, group, []).values()) for group in groups))
         done: dict[int, GenResult] = {}
         for i, group in enumerate(groups):
             results, _ = self._execute(group, [])

@@ -79,8 +79,7 @@ class KVStore:
         free_slots = sum(n for _, n in self._free)
         if free_slots >= slots:
             return
-        tail = self._free[-1][1] if self._free and self._free[-1][0] + self._free[-1][1] == self.num_slots else 0
-        extra = slots - tail
+        extra = slots - free_slots  # the new span joins a free tail; freed spans inside the pool are reused
         need = extra * self.bytes_per_token
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
