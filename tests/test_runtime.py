@@ -164,3 +164,27 @@ def test_finished_final_branches_free_their_kv_when_their_phase_ends(tiny_model,
     assert lives[0] == 4 and lives[-1] == 0
     # once the short branches are done and their phase has ended, less KV is reserved than at the start
     assert min(b for live, b in reserved if live == 1) < reserved[0][1]
+
+
+def test_kv_pool_closes_holes_instead_of_growing_and_keeps_the_written_kv():
+    from treegen.runtime.kv_store import KVStore
+
+    kv = KVStore(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", initial_slots=100)
+    for node in range(10):
+        kv.reserve(node, 10)
+        seg = kv.segments[node]
+        kv.k[:, seg.start : seg.start + 7] = node  # 7 of 10 slots written
+        kv.v[:, seg.start : seg.start + 7] = -node
+        seg.computed = 7
+    for node in range(0, 10, 2):
+        kv.free(node)  # five 10-slot holes: 50 slots free, none 30 long
+    grown = []
+    real_grow = kv._grow
+    kv._grow = lambda length: (grown.append(length), real_grow(length))
+    kv.reserve(10, 30)
+    assert grown == [] and kv.num_slots == 100
+    for node in range(1, 10, 2):
+        seg = kv.segments[node]
+        assert (kv.k[:, seg.start : seg.start + 7] == node).all() and (kv.v[:, seg.start : seg.start + 7] == -node).all()
+    spans = sorted((seg.start, seg.start + seg.capacity) for seg in kv.segments.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two segments overlap

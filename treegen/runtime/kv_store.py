@@ -81,12 +81,16 @@ class KVStore:
             return
         extra = slots - free_slots  # the new span joins a free tail; freed spans inside the pool are reused
         need = extra * self.bytes_per_token
+        copying = any(s.computed for s in self.segments.values())  # then the grown pool is a copy, made
+        if copying:                                                 # while the old one is still held
+            need += self.num_slots * self.bytes_per_token
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached
             if need > free:
                 raise MemoryError(f"the KV cache needs {need / 2**30:.2f} GiB more for {extra} token slots "
-                                  f"({self.bytes_per_token} bytes each), {free / 2**30:.2f} GiB is free on {self.device}")
+                                  f"({self.bytes_per_token} bytes each{', plus a copy of the pool it grows' if copying else ''}), "
+                                  f"{free / 2**30:.2f} GiB is free on {self.device}")
         self._grow(extra)
 
     def free(self, node: int) -> None:
@@ -101,8 +105,27 @@ class KVStore:
                 if self._free[i][1] == 0:
                     del self._free[i]
                 return start
-        self._grow(length)
+        if sum(n for _, n in self._free) >= length:
+            self._compact()  # enough room, but in pieces: close the holes rather than grow (no second pool)
+        else:
+            self._grow(length)
         return self._allocate(length)
+
+    def _compact(self, chunk: int = 1024) -> None:
+        """Move every segment down to close the free holes between them, in place (a copy of at most
+        ``chunk`` slots at a time, never a second pool). Segment starts change: only call this while
+        no attention plan built on the old starts is still in use (plans are made after reserving)."""
+        pos = 0
+        for seg in sorted(self.segments.values(), key=lambda seg: seg.start):
+            if seg.start != pos:
+                for begin in range(0, seg.computed, chunk):  # front to back: a chunk never overwrites its source
+                    n = min(chunk, seg.computed - begin)
+                    src, dst = slice(seg.start + begin, seg.start + begin + n), slice(pos + begin, pos + begin + n)
+                    self.k[:, dst] = self.k[:, src].clone()
+                    self.v[:, dst] = self.v[:, src].clone()
+                seg.start = pos
+            pos += seg.capacity
+        self._free = [(pos, self.num_slots - pos)] if pos < self.num_slots else []
 
     def _grow(self, length: int) -> None:
         old = self.num_slots
