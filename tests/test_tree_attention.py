@@ -97,7 +97,8 @@ def test_random_trees_match_plain_attention(seed, num_heads, num_kv, head_dim):
 @pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_kernels_match_plain_attention(seed, num_heads, num_kv, head_dim, dtype):
+@pytest.mark.parametrize("fuse", [True, False])
+def test_triton_kernels_match_plain_attention(seed, num_heads, num_kv, head_dim, dtype, fuse):
     """The Triton kernels (run by the interpreter on CPU) on random unbalanced trees, prefill and decode rows."""
     rng = random.Random(100 + seed)
     torch.manual_seed(seed)
@@ -114,6 +115,7 @@ def test_triton_kernels_match_plain_attention(seed, num_heads, num_kv, head_dim,
     plan = plan_tree_attention(
         segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
         query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=num_heads, num_kv_heads=num_kv,
+        triton_options={"fuse_merge": fuse},
     )
     got = tree_attention(q, k_cache, v_cache, plan, head_dim**-0.5)
     want = ground_truth(q.float(), k_cache.float(), v_cache.float(), parent, start, length, pos, query_segment,
@@ -141,6 +143,28 @@ def test_triton_plan_gives_leaves_small_tiles():
                                num_heads=8, num_kv_heads=2, device="cpu")
     by_height = {launch.block_m: launch.work.shape[0] for launch in plan.triton.launches}
     assert by_height == {16: 64, 128: 2}
+    # each leaf is its query's own, unsplit item: that launch runs last and merges (no merge launch)
+    assert plan.triton.fused_merge and [launch.block_m for launch in plan.triton.launches] == [128, 16]
+    assert plan.triton.merge_ptr.tolist() == list(range(65))  # one ancestor partial (the root) per query
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_fused_merge_on_a_three_level_decode_tree_matches_plain_attention(fuse):
+    """Root -> 3 middle nodes -> 6 leaves each, one decode query per leaf, 9 query / 3 KV heads: the
+    leaf items merge the root's (split) and middle nodes' partials themselves."""
+    rng = random.Random(5)
+    parent, length = [-1] + [0] * 3 + [1 + i // 6 for i in range(18)], [700] + [37] * 3 + [17] * 18
+    start, pos, slots = layout(parent, length, rng)
+    query_segment = list(range(4, 22))
+    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    q, k_cache, v_cache = torch.randn(18, 9, 64), torch.randn(slots, 3, 64), torch.randn(slots, 3, 64)
+    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                               query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=9,
+                               num_kv_heads=3, device="cpu", triton_options={"fuse_merge": fuse})
+    assert plan.triton.fused_merge == fuse
+    got = tree_attention(q, k_cache, v_cache, plan, 64**-0.5)
+    want = ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, 64**-0.5)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_empty_segment_gives_no_nan():

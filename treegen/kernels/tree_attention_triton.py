@@ -13,6 +13,10 @@ Two kinds of launch per layer, whatever the tree's depth:
 2. ``_merge_kernel`` — one program per query row merges that row's partials along its whole
    root-to-leaf path (any depth, unbalanced trees) with the log-sum-exp rule, all heads at once.
 
+When every query's own segment is a single 16-row work item (decode: one leaf per branch), that
+launch runs last and its items merge their rows' ancestor partials themselves (``fused_merge``): two
+launches per layer instead of three, and no partial written for the leaf.
+
 LSE convention: partial LSEs are stored as **natural log** in fp32 (the kernel works in base 2
 internally with ``exp2`` and converts on store). A work item with no visible key stores ``-inf``
 and output 0; the merge skips such partials without NaN.
@@ -35,6 +39,9 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 _LN2 = math.log(2.0)
+# a query's own segment up to this many keys is read by one program when that lets it merge the
+# query's partials itself (fewer launches beat splitting so short a segment)
+_FUSED_LEAF_MAX_KEYS = 512
 
 
 def triton_available() -> bool:
@@ -67,6 +74,9 @@ class TritonPlan:
     query does not pay for a 128-row tile.
     ``rows: [sum of rows over segments]`` — query rows below each segment, segment after segment.
     ``merge_ptr: [num_queries + 1]`` and ``merge_idx`` — CSR: partial entries of each query row.
+    ``fused_merge`` — every query's own segment is one unsplit 16-row work item and no ancestor is: the
+    16-row launch runs last and merges its rows' ancestor partials (then ``merge_idx`` lists only
+    those) into the output itself, so there is no merge launch.
     """
 
     launches: tuple[WorkList, ...]
@@ -79,6 +89,7 @@ class TritonPlan:
     num_stages: int
     use_tma: bool
     warp_specialize: bool
+    fused_merge: bool = False
 
 
 def plan_triton(
@@ -96,6 +107,7 @@ def plan_triton(
     num_stages: int | None = None,
     use_tma: bool | None = None,
     warp_specialize: bool = False,
+    fuse_merge: bool = True,
 ) -> TritonPlan:
     """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included);
     ``paths[q]``: segments on query row ``q``'s root-to-own-segment path. ``target_programs``: how
@@ -117,6 +129,16 @@ def plan_triton(
     # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
     narrow = sum(1 for s in segs if tile_m[s] == 16) * num_kv_heads
     seg_chunk = {s: 2 * block_n if tile_m[s] == 16 and narrow < 2 * 132 else chunk for s in segs}
+    # fused merge: each query's own segment is narrow, short enough (or in large numbers) to be one
+    # unsplit work item, and read by no other query; no ancestor is narrow (it would run in the same launch)
+    own = {path[-1] for path in paths}
+    fused = fuse_merge and bool(paths) and all(
+        (tile_m[s] == 16 and rows_of[s] and all(paths[q][-1] == s for q in rows_of[s])
+         and (segment_len[s] <= max(seg_chunk[s], _FUSED_LEAF_MAX_KEYS)))
+        if s in own else tile_m[s] != 16 for s in segs) and all(path[-1] in tile_m for path in paths)
+    if fused:
+        for s in own:
+            seg_chunk[s] = max(segment_len[s], 1)
     work: dict[int, list] = {}
     rows, partial_base, local_index = [], {}, {}
     num_partials = 0
@@ -135,7 +157,7 @@ def plan_triton(
             num_partials += count
     merge_ptr, merge_idx = [0], []
     for q, path in enumerate(paths):
-        for s in path:
+        for s in path[:-1] if fused else path:  # fused: the own segment's item merges the rest itself
             if s in local_index:
                 chunks = -(-segment_len[s] // seg_chunk[s])
                 merge_idx.extend(partial_base[(s, c)] + local_index[s][q] for c in range(chunks))
@@ -145,8 +167,9 @@ def plan_triton(
         t = torch.tensor(x, dtype=torch.int32)
         return (t.reshape(shape) if shape else t).to(device)
 
+    order = sorted(work.items(), key=lambda mi: (mi[0] == 16) if fused else mi[0])  # fused: own items last
     return TritonPlan(
-        launches=tuple(WorkList(i32(items, (-1, 7)), m, 8 if m == 128 else 4) for m, items in sorted(work.items())),
+        launches=tuple(WorkList(i32(items, (-1, 7)), m, 8 if m == 128 else 4) for m, items in order),
         rows=i32(rows or [0]),
         merge_ptr=i32(merge_ptr),
         merge_idx=i32(merge_idx or [0]),
@@ -156,6 +179,7 @@ def plan_triton(
         num_stages=num_stages or 3,
         use_tma=_tma_default(device) if use_tma is None else use_tma,
         warp_specialize=warp_specialize,
+        fused_merge=fused,
     )
 
 
@@ -226,11 +250,11 @@ if triton is not None:
 
     @triton.jit
     def _segment_attention_kernel(
-        Q, K, V, K_desc, V_desc, O_part, LSE_part, work, rows, q_pos,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_lt,
+        Q, K, V, K_desc, V_desc, O_part, LSE_part, work, rows, q_pos, merge_ptr, merge_idx, Out,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
         scale_log2,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -275,10 +299,41 @@ if triton is not None:
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        part = (part0 + local).to(tl.int64)
-        tl.store(O_part + part[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :], out,
-                 mask=row_ok[:, None])
-        tl.store(LSE_part + part * stride_lt + head, lse, mask=row_ok)
+        if FUSE_MERGE:  # this item is its rows' own segment: merge their ancestors' partials and finish
+            out = _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
+                                  stride_pt, stride_ph, stride_lt)
+            tl.store(Out + qrow[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            part = (part0 + local).to(tl.int64)
+            tl.store(O_part + part[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :], out,
+                     mask=row_ok[:, None])
+            tl.store(LSE_part + part * stride_lt + head, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
+                        stride_pt, stride_ph, stride_lt):
+        """Fold the partials listed for each row's query (natural-log LSE) into ``out``/``lse``; returns
+        the merged output. Rows have different numbers of partials: each stops at its own end."""
+        begin = tl.load(merge_ptr + qrow, mask=row_ok, other=0)
+        end = tl.load(merge_ptr + qrow + 1, mask=row_ok, other=0)
+        m = lse
+        l_sum = tl.where(lse > float("-inf"), 1.0, 0.0)
+        acc = out * l_sum[:, None]
+        for j in range(0, tl.max(end - begin, axis=0)):
+            ok = row_ok & (begin + j < end)
+            p = tl.load(merge_idx + begin + j, mask=ok, other=0).to(tl.int64)
+            lse_j = tl.load(LSE_part + p * stride_lt + head, mask=ok, other=float("-inf"))
+            o_j = tl.load(O_part + p[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :],
+                          mask=ok[:, None], other=0.0)
+            m_new = tl.maximum(m, lse_j)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a = tl.exp(m - m_safe)
+            b = tl.exp(lse_j - m_safe)
+            acc = acc * a[:, None] + o_j * b[:, None]
+            l_sum = l_sum * a + b
+            m = m_new
+        return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
 
     @triton.jit
     def _merge_kernel(
@@ -347,13 +402,17 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     for launch in plan.launches:
         _segment_attention_kernel[(launch.work.shape[0], num_kv)](
             q, k_cache, v_cache, k_desc, v_desc, o_part, lse_part, launch.work, plan.rows, query_pos,
+            plan.merge_ptr, plan.merge_idx, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), o_part.stride(0), o_part.stride(1),
-            lse_part.stride(0), scale * _LOG2E,
+            lse_part.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
             GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
             USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
             PRECISION="ieee" if wide else "tf32",  # fp32 inputs get full fp32 products (no TF32)
+            FUSE_MERGE=plan.fused_merge and launch.block_m == 16,
             num_warps=launch.num_warps, num_stages=stages,
         )
+    if plan.fused_merge:
+        return out
     _merge_kernel[(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,
         num_heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1),
