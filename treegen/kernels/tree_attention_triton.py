@@ -326,14 +326,18 @@ if triton is not None:
             lse_j = tl.load(LSE_part + p * stride_lt + head, mask=ok, other=float("-inf"))
             o_j = tl.load(O_part + p[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :],
                           mask=ok[:, None], other=0.0)
-            m_new = tl.maximum(m, lse_j)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a = tl.exp(m - m_safe)
-            b = tl.exp(lse_j - m_safe)
-            acc = acc * a[:, None] + o_j * b[:, None]
-            l_sum = l_sum * a + b
-            m = m_new
+            m, l_sum, acc = _lse_merge_step(m, l_sum, acc, lse_j, o_j)
         return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+
+    @triton.jit
+    def _lse_merge_step(m, l_sum, acc, lse, o):
+        """Fold one partial (output ``o`` [R, D], natural-log LSE ``lse`` [R]; -inf: empty) into the
+        running max ``m``, sum ``l_sum`` and unnormalised output ``acc``, without NaN on empty sides."""
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        b = tl.exp(lse - m_safe)
+        return m_new, l_sum * a + b, acc * a[:, None] + o * b[:, None]
 
     @triton.jit
     def _merge_kernel(
@@ -355,13 +359,7 @@ if triton is not None:
             lse = tl.load(LSE_part + p * stride_lt + offs_h, mask=h_ok, other=float("-inf"))
             o = tl.load(O_part + p * stride_pt + offs_h[:, None] * stride_ph + offs_d[None, :], mask=h_ok[:, None],
                         other=0.0)
-            m_new = tl.maximum(m, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a = tl.exp(m - m_safe)
-            b = tl.exp(lse - m_safe)
-            acc = acc * a[:, None] + o * b[:, None]
-            l = l * a + b
-            m = m_new
+            m, l, acc = _lse_merge_step(m, l, acc, lse, o)
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(Out + q.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=h_ok[:, None])
