@@ -7,7 +7,10 @@ fed, its position, its KV slot, the step counter — and the same attention plan
 layer. On CUDA the step is captured once per phase as a CUDA graph and replayed.
 
 The host looks at the generated tokens every ``sync_every`` steps (every step on the CPU): branches
-that hit EOS, a stop string or ``max_tokens`` are finished there, their extra tokens dropped. When at
+that hit EOS, a stop string or ``max_tokens`` are finished there, their extra tokens dropped. On CUDA
+this is pipelined: a block's tokens are copied to the host asynchronously and read while the next
+block's steps already run, so the decode loop never drains the GPU (a finished branch may run one
+block longer; its extra tokens are dropped). When at
 most half the branches are still live, the phase ends and a new, smaller one is planned, so finished
 branches leave the batch; those that take nothing more (``GenRequest.final``) free their KV then. Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a
 branch's tokens do not depend on phases, batch composition or ``sync_every``.
@@ -118,25 +121,36 @@ class Decoder:
             column.add_(1)
 
         replay = self._capture(step) if self.graphs and plan.backend == "triton" else None
-        done_steps, still = 0, list(live)
+        pipelined = device.type == "cuda"
+        done_steps, still, pending = 0, list(live), None
         for t in range(width):
             (replay or step)()
             self.tree_run.forward_passes += 1
             if (t + 1) % self.sync_every and t + 1 < width:
                 continue
-            tokens = buf[:, done_steps : t + 1].tolist()
-            lps = lp_buf[:, done_steps : t + 1].tolist()
+            block = _Block(buf, lp_buf, done_steps, t + 1, pipelined)
             done_steps = t + 1
-            still = [b for j, b in enumerate(live)
-                     if self.results[b] is None and not self._accept(b, tokens[j], lps[j])]
-            self._report()
+            if pipelined:  # look at the previous block while this one's steps run: the GPU never waits
+                block, pending = pending, block
+                if block is None:
+                    continue
+            still = self._settle(live, block)
             if not still or 2 * len(still) <= len(live):
                 break
+        if pending is not None:  # every step run is accepted (finished branches ignore theirs)
+            still = self._settle(live, pending)
         for b, n in zip(live, nodes):
             if self.results[b] is not None and self.gens[b].final:
                 kv.free(n)  # a finished branch that takes nothing more gives its KV back at once
             else:  # KV is written for every token but each branch's last
                 kv.segments[n].computed = len(tree.tokens(n)) - 1
+        self._report()
+        return still
+
+    def _settle(self, live: list[int], block: "_Block") -> list[int]:
+        """Accept a block of sampled tokens for the branches still live; returns those still live after."""
+        tokens, lps = block.read()
+        still = [b for j, b in enumerate(live) if self.results[b] is None and not self._accept(b, tokens[j], lps[j])]
         self._report()
         return still
 
@@ -154,6 +168,28 @@ class Decoder:
             graph.replay()
 
         return replay
+
+
+class _Block:
+    """Columns ``[begin, end)`` of a phase's sampled tokens and log-probabilities, on their way to the
+    host. ``pipelined``: copied asynchronously into pinned memory (ordered after the steps that wrote
+    them), so the host can read them while later steps already run; else read at once."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, begin: int, end: int, pipelined: bool) -> None:
+        self.tokens, self.logprobs = tokens[:, begin:end], logprobs[:, begin:end]
+        self.event = None
+        if pipelined:  # into pinned host memory, so the copies are truly asynchronous
+            self.tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True).copy_(
+                self.tokens, non_blocking=True)
+            self.logprobs = torch.empty(self.logprobs.shape, dtype=self.logprobs.dtype, pin_memory=True).copy_(
+                self.logprobs, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self) -> tuple[list[list[int]], list[list[float]]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.tolist(), self.logprobs.tolist()
 
 
 def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer):
