@@ -70,14 +70,17 @@ def tree_inputs(parent, length, leaves):
     return start, pos, cursor, query_pos
 
 
-def sweep(dtype) -> list[dict]:
-    """Triton tuning knobs at a few paper-grid points (8q/1kv, d=128): time of each configuration."""
+SWEEP_POINTS = ((1024, 16384), (256, 16384), (1024, 4096), (64, 16384), (64, 1024))
+
+
+def sweep(dtype, heads: int = 8, kv: int = 1, points=SWEEP_POINTS, suffix: int = 32) -> list[dict]:
+    """Triton tuning knobs at a few paper-grid points (d=128): time of each configuration."""
     out = []
-    for batch, prefix in ((1024, 16384), (256, 16384), (1024, 4096), (64, 16384), (64, 1024)):
-        parent, length, leaves = layered_layout([(1, prefix), (batch, 32)])
+    for batch, prefix in points:
+        parent, length, leaves = layered_layout([(1, prefix), (batch, suffix)])
         start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
-        q = torch.randn(batch, 8, 128, device="cuda", dtype=dtype)
-        k, v = (torch.randn(slots, 1, 128, device="cuda", dtype=dtype) for _ in range(2))
+        q = torch.randn(batch, heads, 128, device="cuda", dtype=dtype)
+        k, v = (torch.randn(slots, kv, 128, device="cuda", dtype=dtype) for _ in range(2))
         configs = [(264, 64, 3, False, False), (264, 64, 3, True, False), (264, 64, 3, True, True),
                    (264, 128, 3, True, False), (264, 128, 2, True, True), (132, 64, 3, True, False),
                    (528, 64, 3, True, False), (132, 128, 3, True, False)]
@@ -85,13 +88,13 @@ def sweep(dtype) -> list[dict]:
             opts = dict(target_programs=target, block_n=block_n, num_stages=stages, use_tma=tma, warp_specialize=ws)
             plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length,
                                        segment_pos=pos, query_segment=leaves, query_pos=query_pos,
-                                       device="cuda", num_heads=8, num_kv_heads=1, triton_options=opts)
+                                       device="cuda", num_heads=heads, num_kv_heads=kv, triton_options=opts)
             try:
                 ms = bench(lambda: tree_attention(q, k, v, plan, 128**-0.5))
             except Exception as e:  # e.g. out of shared memory, or no warp specialisation on this GPU
                 ms = float("nan")
                 print("config failed", opts, type(e).__name__, str(e)[:200])
-            out.append({"batch": batch, "prefix": prefix, **opts, "ms": ms})
+            out.append({"batch": batch, "prefix": prefix, "heads": heads, "kv_heads": kv, **opts, "ms": ms})
             print(out[-1], flush=True)
         best = min((r for r in out if r["batch"] == batch and r["prefix"] == prefix), key=lambda r: r["ms"])
         print("best", best, flush=True)
@@ -172,10 +175,14 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="only time the Triton tuning knobs")
+    parser.add_argument("--sweep-heads", type=int, nargs=2, default=[8, 1], metavar=("Q", "KV"))
+    parser.add_argument("--sweep-points", nargs="+", default=None, help="BATCHxPREFIX, e.g. 256x2048")
+    parser.add_argument("--sweep-suffix", type=int, default=32)
     args = parser.parse_args()
     dtype = torch.bfloat16
     if args.sweep:
-        rows = sweep(dtype)
+        points = [tuple(map(int, p.split("x"))) for p in args.sweep_points] if args.sweep_points else SWEEP_POINTS
+        rows = sweep(dtype, *args.sweep_heads, points=points, suffix=args.sweep_suffix)
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.out_dir) / "attention_sweep.json").write_text(json.dumps(rows, indent=1))
         return
