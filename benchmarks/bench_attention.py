@@ -31,6 +31,7 @@ from triton.testing import do_bench
 
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention, tree_attention_reference
 from treegen.runtime.cuda_graph import capture
+from plotting import pyplot  # benchmarks/plotting.py (a script's own folder is on sys.path)
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16 tensor-core peak (SXM)
 PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8}
@@ -229,18 +230,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tag = "h200" if "H200" in result["device"] else "h100"
     (out / f"attention_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-    try:
-        plot(rows, out / f"attention_{tag}.png", result["device"])
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plot(rows, out / f"attention_{tag}.png", result["device"])
     print(f"wrote {out}/attention_{tag}.json")
 
 
 def plot(rows, path, device):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, suffix in zip(axes, (32, 256)):

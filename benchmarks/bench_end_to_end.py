@@ -40,6 +40,7 @@ from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
+from plotting import pyplot  # benchmarks/plotting.py
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -130,13 +131,8 @@ def flat_fits(model, batch: int, prefix: int, new: int) -> bool:
 def plot(rows: list[dict], out: Path, title: str) -> None:
     """Decode tokens/s against batch (at the base prefix) and against prefix (at the sweep's batch), per
     mode: the paper's Figures 1 and 4."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     ok = [r for r in rows if "decode_tok_s" in r]
     base = min((r["prefix"] for r in ok), key=lambda p: -sum(r["prefix"] == p for r in ok), default=None)
