@@ -129,13 +129,14 @@ def plan_triton(
     # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
     narrow = sum(1 for s in segs if tile_m[s] == 16) * num_kv_heads
     seg_chunk = {s: 2 * block_n if tile_m[s] == 16 and narrow < 2 * 132 else chunk for s in segs}
-    # fused merge: each query's own segment is narrow, short enough (or in large numbers) to be one
-    # unsplit work item, and read by no other query; no ancestor is narrow (it would run in the same launch)
+    # fused merge: the narrow segments are exactly the queries' own ones (an ancestor in the narrow
+    # launch would run alongside its descendants), each read by its own queries only and short enough
+    # (or numerous enough) to be one unsplit work item
     own = {path[-1] for path in paths}
-    fused = fuse_merge and bool(paths) and all(
-        (tile_m[s] == 16 and rows_of[s] and all(paths[q][-1] == s for q in rows_of[s])
-         and (segment_len[s] <= max(seg_chunk[s], _FUSED_LEAF_MAX_KEYS)))
-        if s in own else tile_m[s] != 16 for s in segs) and all(path[-1] in tile_m for path in paths)
+    narrow_segs = {s for s in segs if tile_m[s] == 16}
+    fused = fuse_merge and narrow_segs == own and all(
+        all(paths[q][-1] == s for q in rows_of[s]) and segment_len[s] <= max(seg_chunk[s], _FUSED_LEAF_MAX_KEYS)
+        for s in own)
     if fused:
         for s in own:
             seg_chunk[s] = max(segment_len[s], 1)
