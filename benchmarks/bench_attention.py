@@ -201,7 +201,8 @@ def main() -> None:
 
     shapes = []
     for heads, kv in ((32, 32), (32, 8)):
-        for b, p, s in ((64, 4096, 32), (256, 4096, 32)) if not args.quick else ((64, 4096, 32),):
+        points = ((64, 4096, 32), (256, 4096, 32)) + (((1024, 2048, 64),) if kv == 8 else ())  # Llama-3-8B decode
+        for b, p, s in points if not args.quick else ((64, 4096, 32),):
             shapes.append(run_point(batch=b, prefix=p, suffix=s, heads=heads, kv=kv, head_dim=128, dtype=dtype,
                                     with_reference=False))
             print(shapes[-1], flush=True)

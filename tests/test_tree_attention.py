@@ -148,6 +148,27 @@ def test_triton_plan_gives_leaves_small_tiles():
     assert plan.triton.merge_ptr.tolist() == list(range(65))  # one ancestor partial (the root) per query
 
 
+def test_many_leaves_get_narrow_key_blocks_and_match_plain_attention():
+    """A thousand leaf programs (128 leaves x 8 KV heads) take the launch shape for many small items
+    (32-key blocks, one warp); leaves of 1..70 keys cover a partial block and a masked tail."""
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    parent, length = [-1] + [0] * 128, [40] + [rng.randint(1, 70) for _ in range(128)]
+    start, pos, slots = layout(parent, length, rng)
+    query_segment = list(range(1, 129))
+    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    q, k_cache, v_cache = (torch.randn(n, 8, 64).half() for n in (128, slots, slots))
+    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                               query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=8,
+                               num_kv_heads=8, device="cpu")
+    leaf = next(launch for launch in plan.triton.launches if launch.block_m == 16)
+    assert (leaf.block_n, leaf.num_warps, leaf.num_stages) == (32, 1, 2) and plan.triton.fused_merge
+    got = tree_attention(q, k_cache, v_cache, plan, 64**-0.5)
+    want = ground_truth(q.float(), k_cache.float(), v_cache.float(), parent, start, length, pos, query_segment,
+                        query_pos, 64**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fused_merge_on_a_three_level_decode_tree_matches_plain_attention(fuse):
     """Root -> 3 middle nodes -> 6 leaves each, one decode query per leaf, 9 query / 3 KV heads: the
@@ -165,6 +186,33 @@ def test_fused_merge_on_a_three_level_decode_tree_matches_plain_attention(fuse):
     got = tree_attention(q, k_cache, v_cache, plan, 64**-0.5)
     want = ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, 64**-0.5)
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scores_that_jump_between_key_blocks_match_plain_attention(dtype):
+    """Scores rise and fall by tens between 64-key blocks of a long shared root (the running max moves
+    far, both ways, and fp16 probabilities must not overflow); three leaves merge the root's chunks."""
+    torch.manual_seed(3)
+    rng = random.Random(3)
+    parent, length = [-1, 0, 0, 0], [900, 5, 1, 17]
+    start, pos, slots = layout(parent, length, rng)
+    query_segment = [1, 2, 3]
+    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    head_dim, direction = 64, torch.randn(64).sign()
+    q = (direction * 0.5).expand(3, 8, head_dim).clone() + 0.1 * torch.randn(3, 8, head_dim)
+    k_cache, v_cache = torch.randn(slots, 1, head_dim), torch.randn(slots, 1, head_dim)
+    block_level = torch.tensor([0.0, 4.0, 1.0, 9.0, 9.5, 2.0, 12.0, 3.0, 15.0, 0.0, 14.0, 1.0, 5.0, 16.0, 2.0])
+    lift = block_level[torch.arange(900) // 64] * 2.0  # up to ~+64 in score between neighbouring blocks
+    k_cache[start[0]:start[0] + 900, 0] += lift[:, None] * direction
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                               query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=8,
+                               num_kv_heads=1, device="cpu")
+    got = tree_attention(q, k_cache, v_cache, plan, head_dim**-0.5)
+    want = ground_truth(q.float(), k_cache.float(), v_cache.float(), parent, start, length, pos, query_segment,
+                        query_pos, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
 
 
 def test_empty_segment_gives_no_nan():
