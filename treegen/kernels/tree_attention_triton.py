@@ -188,13 +188,15 @@ def plan_triton(
 def _launch_shape(block_m: int, items: list, num_kv_heads: int, block_n: int, num_stages: int):
     """(block_n, num_warps, num_stages) of a launch. A thousand or more 16-row programs (branches' own
     keys, a few blocks each) are bound by how many programs an SM holds and by their chains of dependent
-    loads: one warp, 32-key blocks, one pipeline buffer for a single block. Measured on an H100, Llama-3-8B
-    heads with 1024 leaves of 64 keys: 123 us vs 163 us (64-key blocks, 4 warps, 3 stages); MHA 32/32:
-    396 vs 528 us; 8/1 heads under a 16K root: 22 vs 33 us. Fewer programs keep the wide defaults (at 64
-    programs one warp was slower)."""
-    if block_m == 16 and len(items) * num_kv_heads >= 1024:
-        narrow = 32
-        return narrow, 1, (1 if max(ke - kb for _, _, kb, ke, *_ in items) <= narrow else 2)
+    loads: one warp, 32-key blocks, two pipeline buffers. Measured on an H100, Llama-3-8B heads with 1024
+    leaves of 64 keys: 123 us vs 163 us (64-key blocks, 4 warps, 3 stages); MHA 32/32: 396 vs 528 us; 8/1
+    heads under a 16K root: 23 vs 33 us; equal to the defaults at 512 keys. Fewer programs, or longer items
+    (a whole sequence's keys in the unshared baseline: one warp there was slower), keep the defaults.
+    The shape does not depend on the items' length otherwise, so a decode phase of any length reuses the
+    kernel variant compiled by a shorter one."""
+    longest = max((ke - kb for _, _, kb, ke, *_ in items), default=0)
+    if block_m == 16 and len(items) * num_kv_heads >= 1024 and longest <= _FUSED_LEAF_MAX_KEYS:
+        return 32, 1, 2
     return block_n, (8 if block_m == 128 else 4), num_stages
 
 
