@@ -18,6 +18,7 @@ and a PNG plot of the speedup over FlashAttention under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -121,6 +122,11 @@ def run_point(*, batch, prefix, suffix, heads, kv, head_dim, dtype, with_referen
     row = {"batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
     row["triton_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, plan, scale))
     row["triton_eager_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, plan, scale), graph=False)
+    if plan.triton.fused_merge:  # where the time goes: each launch alone (shared segments; then the leaves
+        for launch in plan.triton.launches:  # with their merge), so the sum is not the whole when they overlap
+            alone = dataclasses.replace(plan, triton=dataclasses.replace(plan.triton, launches=(launch,)))
+            kind = "leaf" if launch.block_m == 16 else "shared"
+            row[f"{kind}_launch_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, alone, scale))
 
     # FlashAttention over per-sequence KV: gather each leaf's root-to-leaf slots (a copy per sequence)
     paths = []
@@ -195,8 +201,9 @@ def main() -> None:
         rows.append(run_point(batch=b, prefix=p, suffix=s, heads=8, kv=1, head_dim=128, dtype=dtype,
                               with_reference=not args.no_reference))
         print(rows[-1], flush=True)
-    keys = ["batch", "prefix", "suffix", "flash_ms", "reference_ms", "triton_ms", "triton_eager_ms", "speedup_vs_flash",
-            "speedup_vs_reference", "triton_tflops", "fraction_of_floor", "max_abs_err_vs_flash"]
+    keys = ["batch", "prefix", "suffix", "flash_ms", "reference_ms", "triton_ms", "triton_eager_ms", "shared_launch_ms",
+            "leaf_launch_ms", "speedup_vs_flash", "speedup_vs_reference", "triton_tflops", "fraction_of_floor",
+            "max_abs_err_vs_flash"]
     print("\n## Paper grid: 8 query heads, 1 KV head, d=128, bf16\n" + fmt(rows, keys))
 
     shapes = []
@@ -206,7 +213,8 @@ def main() -> None:
             shapes.append(run_point(batch=b, prefix=p, suffix=s, heads=heads, kv=kv, head_dim=128, dtype=dtype,
                                     with_reference=False))
             print(shapes[-1], flush=True)
-    print("\n## MHA (32/32) and GQA (32/8), d=128, bf16\n" + fmt(shapes, ["heads", "kv_heads"] + keys[:4] + keys[5:8] + keys[9:11]))
+    no_reference = [k for k in keys if k not in ("reference_ms", "speedup_vs_reference", "max_abs_err_vs_flash")]
+    print("\n## MHA (32/32) and GQA (32/8), d=128, bf16\n" + fmt(shapes, ["heads", "kv_heads"] + no_reference))
 
     two = []
     two.append({"layout": "two-level", **run_point(batch=16 * 64, prefix=2048, suffix=32, heads=8, kv=1, head_dim=128,
