@@ -169,6 +169,26 @@ def test_many_leaves_get_narrow_key_blocks_and_match_plain_attention():
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
 
 
+def test_leaf_merging_many_chunks_of_a_long_root_matches_plain_attention():
+    """A 5000-key root read by five branches is split into ten chunks: each leaf item merges ten
+    partials, fetched eight at a time (a full group and a partial one)."""
+    rng = random.Random(13)
+    torch.manual_seed(13)
+    parent, length = [-1] + [0] * 5, [5000, 1, 7, 33, 40, 12]
+    start, pos, slots = layout(parent, length, rng)
+    query_segment = list(range(1, 6))
+    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    q, k_cache, v_cache = torch.randn(5, 8, 64), torch.randn(slots, 2, 64), torch.randn(slots, 2, 64)
+    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                               query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=8,
+                               num_kv_heads=2, device="cpu")
+    per_row = plan.triton.merge_ptr.diff()
+    assert plan.triton.fused_merge and per_row.min() == per_row.max() == 10
+    got = tree_attention(q, k_cache, v_cache, plan, 64**-0.5)
+    want = ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, 64**-0.5)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fused_merge_on_a_three_level_decode_tree_matches_plain_attention(fuse):
     """Root -> 3 middle nodes -> 6 leaves each, one decode query per leaf, 9 query / 3 KV heads: the

@@ -274,6 +274,7 @@ if triton is not None:
         scale_log2,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
+        MERGE_J: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -320,7 +321,7 @@ if triton is not None:
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         if FUSE_MERGE:  # this item is its rows' own segment: merge their ancestors' partials and finish
             out = _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
-                                  stride_pt, stride_ph, stride_lt)
+                                  stride_pt, stride_ph, stride_lt, MERGE_J)
             tl.store(Out + qrow[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None])
         else:
@@ -331,21 +332,32 @@ if triton is not None:
 
     @triton.jit
     def _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
-                        stride_pt, stride_ph, stride_lt):
+                        stride_pt, stride_ph, stride_lt, MERGE_J: tl.constexpr):
         """Fold the partials listed for each row's query (natural-log LSE) into ``out``/``lse``; returns
-        the merged output. Rows have different numbers of partials: each stops at its own end."""
+        the merged output. Rows have different numbers of partials: each stops at its own end. MERGE_J
+        partials of every row are fetched together (independent loads), so a row below a long prefix
+        split into many chunks does not wait for its partials one at a time."""
         begin = tl.load(merge_ptr + qrow, mask=row_ok, other=0)
         end = tl.load(merge_ptr + qrow + 1, mask=row_ok, other=0)
         m = lse
         l_sum = tl.where(lse > float("-inf"), 1.0, 0.0)
         acc = out * l_sum[:, None]
-        for j in range(0, tl.max(end - begin, axis=0)):
-            ok = row_ok & (begin + j < end)
-            p = tl.load(merge_idx + begin + j, mask=ok, other=0).to(tl.int64)
-            lse_j = tl.load(LSE_part + p * stride_lt + head, mask=ok, other=float("-inf"))
-            o_j = tl.load(O_part + p[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :],
-                          mask=ok[:, None], other=0.0)
-            m, l_sum, acc = _lse_merge_step(m, l_sum, acc, lse_j, o_j)
+        offs_j = tl.arange(0, MERGE_J)
+        for j0 in range(0, tl.max(end - begin, axis=0), MERGE_J):
+            idx = begin[:, None] + j0 + offs_j[None, :]
+            ok = row_ok[:, None] & (idx < end[:, None])
+            p = tl.load(merge_idx + idx, mask=ok, other=0).to(tl.int64)
+            lse_j = tl.load(LSE_part + p * stride_lt + head[:, None], mask=ok, other=float("-inf"))
+            o_j = tl.load(O_part + p[:, :, None] * stride_pt + head[:, None, None] * stride_ph + offs_d[None, None, :],
+                          mask=ok[:, :, None], other=0.0)
+            # the LSE merge rule of _lse_merge_step, for MERGE_J partials at once
+            m_new = tl.maximum(m, tl.max(lse_j, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a = tl.exp(m - m_safe)
+            b = tl.exp(lse_j - m_safe[:, None])
+            l_sum = l_sum * a + tl.sum(b, axis=1)
+            acc = acc * a[:, None] + tl.sum(b[:, :, None] * o_j, axis=1)
+            m = m_new
         return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
 
     @triton.jit
@@ -423,6 +435,9 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
             PRECISION="ieee" if wide else "tf32",  # fp32 inputs get full fp32 products (no TF32)
             FUSE_MERGE=plan.fused_merge and launch.block_m == 16,
+            # a leaf below a 16K prefix split 32 ways: 64 branches 8/1 heads 32 us (J=8) vs 36 (4) vs 42 (1), H100;
+            # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1
+            MERGE_J=8 if launch.num_warps >= 4 else 1,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
         )
     if plan.fused_merge:
