@@ -56,6 +56,30 @@ def ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment,
     return torch.stack(out)
 
 
+class DecodeTree:
+    """A laid-out tree (see :func:`layout`) with one decode query at the last key of each of ``leaves``."""
+
+    def __init__(self, parent, length, leaves, rng):
+        self.parent, self.length, self.leaves = parent, length, leaves
+        self.start, self.pos, self.slots = layout(parent, length, rng)
+        self.query_pos = [self.pos[s] + length[s] - 1 for s in leaves]
+
+    def plan(self, num_heads, num_kv_heads, **triton_options):
+        return plan_tree_attention(segment_parent=self.parent, segment_start=self.start, segment_len=self.length,
+                                   segment_pos=self.pos, query_segment=self.leaves, query_pos=self.query_pos,
+                                   backend="triton", num_heads=num_heads, num_kv_heads=num_kv_heads, device="cpu",
+                                   triton_options=triton_options or None)
+
+    def check(self, q, k_cache, v_cache, plan):
+        """The kernels' output equals plain attention (in fp64) within the inputs' dtype tolerance."""
+        scale = q.shape[-1] ** -0.5
+        got = tree_attention(q, k_cache, v_cache, plan, scale)
+        want = ground_truth(q.float(), k_cache.float(), v_cache.float(), self.parent, self.start, self.length,
+                            self.pos, self.leaves, self.query_pos, scale)
+        tol = 1e-5 if q.dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def make_queries(parent, length, pos, rng, prefill_rows):
     """Decode-style: one query at the end of each leaf; prefill-style: the last rows of random segments."""
     children = {p for p in parent if p != -1}
@@ -153,86 +177,48 @@ def test_many_leaves_get_narrow_key_blocks_and_match_plain_attention():
     (32-key blocks, one warp); leaves of 1..70 keys cover a partial block and a masked tail."""
     rng = random.Random(11)
     torch.manual_seed(11)
-    parent, length = [-1] + [0] * 128, [40] + [rng.randint(1, 70) for _ in range(128)]
-    start, pos, slots = layout(parent, length, rng)
-    query_segment = list(range(1, 129))
-    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
-    q, k_cache, v_cache = (torch.randn(n, 8, 64).half() for n in (128, slots, slots))
-    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
-                               query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=8,
-                               num_kv_heads=8, device="cpu")
+    tree = DecodeTree([-1] + [0] * 128, [40] + [rng.randint(1, 70) for _ in range(128)], list(range(1, 129)), rng)
+    plan = tree.plan(8, 8)
     leaf = next(launch for launch in plan.triton.launches if launch.block_m == 16)
     assert (leaf.block_n, leaf.num_warps, leaf.num_stages) == (32, 1, 2) and plan.triton.fused_merge
-    got = tree_attention(q, k_cache, v_cache, plan, 64**-0.5)
-    want = ground_truth(q.float(), k_cache.float(), v_cache.float(), parent, start, length, pos, query_segment,
-                        query_pos, 64**-0.5)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+    tree.check(*(torch.randn(n, 8, 64).half() for n in (128, tree.slots, tree.slots)), plan)
 
 
 def test_leaf_merging_many_chunks_of_a_long_root_matches_plain_attention():
     """A 5000-key root read by five branches is split into ten chunks: each leaf item merges ten
     partials, fetched eight at a time (a full group and a partial one)."""
-    rng = random.Random(13)
     torch.manual_seed(13)
-    parent, length = [-1] + [0] * 5, [5000, 1, 7, 33, 40, 12]
-    start, pos, slots = layout(parent, length, rng)
-    query_segment = list(range(1, 6))
-    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
-    q, k_cache, v_cache = torch.randn(5, 8, 64), torch.randn(slots, 2, 64), torch.randn(slots, 2, 64)
-    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
-                               query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=8,
-                               num_kv_heads=2, device="cpu")
+    tree = DecodeTree([-1] + [0] * 5, [5000, 1, 7, 33, 40, 12], list(range(1, 6)), random.Random(13))
+    plan = tree.plan(8, 2)
     per_row = plan.triton.merge_ptr.diff()
     assert plan.triton.fused_merge and per_row.min() == per_row.max() == 10
-    got = tree_attention(q, k_cache, v_cache, plan, 64**-0.5)
-    want = ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, 64**-0.5)
-    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    tree.check(torch.randn(5, 8, 64), torch.randn(tree.slots, 2, 64), torch.randn(tree.slots, 2, 64), plan)
 
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fused_merge_on_a_three_level_decode_tree_matches_plain_attention(fuse):
     """Root -> 3 middle nodes -> 6 leaves each, one decode query per leaf, 9 query / 3 KV heads: the
     leaf items merge the root's (split) and middle nodes' partials themselves."""
-    rng = random.Random(5)
     parent, length = [-1] + [0] * 3 + [1 + i // 6 for i in range(18)], [700] + [37] * 3 + [17] * 18
-    start, pos, slots = layout(parent, length, rng)
-    query_segment = list(range(4, 22))
-    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
-    q, k_cache, v_cache = torch.randn(18, 9, 64), torch.randn(slots, 3, 64), torch.randn(slots, 3, 64)
-    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
-                               query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=9,
-                               num_kv_heads=3, device="cpu", triton_options={"fuse_merge": fuse})
+    tree = DecodeTree(parent, length, list(range(4, 22)), random.Random(5))
+    plan = tree.plan(9, 3, fuse_merge=fuse)
     assert plan.triton.fused_merge == fuse
-    got = tree_attention(q, k_cache, v_cache, plan, 64**-0.5)
-    want = ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, 64**-0.5)
-    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    tree.check(torch.randn(18, 9, 64), torch.randn(tree.slots, 3, 64), torch.randn(tree.slots, 3, 64), plan)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_scores_that_jump_between_key_blocks_match_plain_attention(dtype):
     """Scores rise and fall by tens between 64-key blocks of a long shared root (the running max moves
     far, both ways, and fp16 probabilities must not overflow); three leaves merge the root's chunks."""
     torch.manual_seed(3)
-    rng = random.Random(3)
-    parent, length = [-1, 0, 0, 0], [900, 5, 1, 17]
-    start, pos, slots = layout(parent, length, rng)
-    query_segment = [1, 2, 3]
-    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    tree = DecodeTree([-1, 0, 0, 0], [900, 5, 1, 17], [1, 2, 3], random.Random(3))
     head_dim, direction = 64, torch.randn(64).sign()
     q = (direction * 0.5).expand(3, 8, head_dim).clone() + 0.1 * torch.randn(3, 8, head_dim)
-    k_cache, v_cache = torch.randn(slots, 1, head_dim), torch.randn(slots, 1, head_dim)
+    k_cache, v_cache = torch.randn(tree.slots, 1, head_dim), torch.randn(tree.slots, 1, head_dim)
     block_level = torch.tensor([0.0, 4.0, 1.0, 9.0, 9.5, 2.0, 12.0, 3.0, 15.0, 0.0, 14.0, 1.0, 5.0, 16.0, 2.0])
     lift = block_level[torch.arange(900) // 64] * 2.0  # up to ~+64 in score between neighbouring blocks
-    k_cache[start[0]:start[0] + 900, 0] += lift[:, None] * direction
-    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
-    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
-                               query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=8,
-                               num_kv_heads=1, device="cpu")
-    got = tree_attention(q, k_cache, v_cache, plan, head_dim**-0.5)
-    want = ground_truth(q.float(), k_cache.float(), v_cache.float(), parent, start, length, pos, query_segment,
-                        query_pos, head_dim**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-
+    k_cache[tree.start[0]:tree.start[0] + 900, 0] += lift[:, None] * direction
+    tree.check(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tree.plan(8, 1))
 
 
 def test_empty_segment_gives_no_nan():
