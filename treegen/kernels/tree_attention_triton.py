@@ -9,7 +9,8 @@ Two kinds of launch per layer, whatever the tree's depth:
    flash-decoding style). Keys are visible iff ``key_pos <= query_pos`` (ancestors fully, the query's
    own segment causally — the same rule as the reference). It writes a partial output and LSE.
    It is launched once per tile height (16 rows for segments read by few queries, 64/128 for shared
-   ones; see :class:`TritonPlan`).
+   ones; see :class:`TritonPlan`), each launch with its own key block, warps and pipeline depth
+   (``_launch_shape``: thousands of branches' own short segments run as small one-warp programs).
 2. ``_merge_kernel`` — one program per query row merges that row's partials along its whole
    root-to-leaf path (any depth, unbalanced trees) with the log-sum-exp rule, all heads at once.
 
