@@ -8,6 +8,21 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device and compiled kernels (``TRITON_INTERPRET=0``): skipped otherwise."""
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = "needs a CUDA device"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        reason = "set TRITON_INTERPRET=0 to compile kernels"
+    else:
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def smol():
     """The embedded SmolLM2-135M-Instruct on an Engine (fp32, CPU)."""

@@ -3,7 +3,6 @@
 Run on a CUDA machine with TRITON_INTERPRET=0; skipped elsewhere.
 """
 
-import os
 import random
 
 import pytest
@@ -12,11 +11,7 @@ import torch
 from test_tree_attention import ground_truth, layout, make_queries, random_tree
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention, tree_attention_reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="set TRITON_INTERPRET=0 to compile kernels"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA and compiled kernels (tests/conftest.py)
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
