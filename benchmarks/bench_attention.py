@@ -32,7 +32,7 @@ from triton.testing import do_bench
 
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention, tree_attention_reference
 from treegen.runtime.cuda_graph import capture
-from plotting import pyplot  # benchmarks/plotting.py (a script's own folder is on sys.path)
+from plotting import pyplot, save  # benchmarks/plotting.py (a script's own folder is on sys.path)
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16 tensor-core peak (SXM)
 PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8}
@@ -261,8 +261,7 @@ def plot(rows, path, device):
     axes[0].set_ylabel("speedup over FlashAttention (x)")
     axes[0].legend()
     fig.suptitle(f"treegen Triton tree attention vs FlashAttention, 8q/1kv heads, d=128, bf16 — {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 if __name__ == "__main__":

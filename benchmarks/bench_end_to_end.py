@@ -40,7 +40,7 @@ from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
-from plotting import pyplot  # benchmarks/plotting.py
+from plotting import pyplot, save, throughput_axes  # benchmarks/plotting.py
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -144,15 +144,10 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
             pts = sorted((r[x], r["decode_tok_s"]) for r in ok if r["mode"] == mode and r[fixed[0]] == fixed[1])
             if len(pts) > 1 or (pts and x == "batch"):
                 ax.plot(*zip(*pts), marker="o", label=mode)
-        ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel(label)
-        ax.set_ylabel("decode tokens/s")
-        ax.legend()
+        throughput_axes(ax, label)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
+    save(fig, out)
 
 
 def main() -> None:

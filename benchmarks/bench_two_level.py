@@ -47,7 +47,7 @@ from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING, share_prefixes, simplify
-from plotting import pyplot  # benchmarks/plotting.py
+from plotting import pyplot, save, throughput_axes  # benchmarks/plotting.py
 
 SHAPES = {
     "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -215,14 +215,9 @@ def plot(rows: list[dict], modes, out: Path) -> None:
         pts = [(r["sequences"], r["decode_tok_s"]) for r in rows if r["mode"] == m and "decode_tok_s" in r]
         if pts:
             ax.plot(*zip(*sorted(pts)), marker="o", label=m)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequences (problems x samples)")
-    ax.set_ylabel("decode tokens/s")
     ax.set_title("Two-level sharing: few-shot prefix -> problem -> samples")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
+    throughput_axes(ax, "sequences (problems x samples)")
+    save(fig, out)
 
 
 def main() -> None:

@@ -13,3 +13,18 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def throughput_axes(ax, xlabel: str) -> None:
+    """Decode tokens/s against a log2 ``xlabel`` axis (batch, prefix, sequences), with the legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("decode tokens/s")
+    ax.legend()
+
+
+def save(fig, path) -> None:
+    """Lay the figure out, write it and say where."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
