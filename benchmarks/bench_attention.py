@@ -5,8 +5,11 @@ sequence. Timed side by side in one run (triton.testing.do_bench, L2 flushed, me
 
 * flash      — torch SDPA, flash backend, over per-sequence KV (the prefix copied into every sequence);
                GQA folded into the query axis ([B, kv_heads, group, D]), so no KV head is duplicated.
+* cudnn      — the same per-sequence KV with the cuDNN backend (a stronger library baseline on Hopper).
 * reference  — treegen's PyTorch tree attention (one batched attention per tree level + LSE merge).
-* triton     — treegen's Triton kernels (segment partials + path merge), planned once, excluded from timing.
+* treegen    — treegen's kernels as the runtime plans them (Triton segment partials + path merge, and the
+               large shared prefix by cuDNN's fused attention on Hopper), planned once, excluded from timing;
+               ``triton_only`` is the same plan with every segment on the Triton kernels.
 
 Also MHA / GQA shapes, and a two-level tree (2K few-shot root, 16 problems of 512 tokens, 64 samples
 each) against the same workload planned as one level. Prints a table, writes JSON (device and versions)
@@ -117,16 +120,19 @@ def run_point(*, batch, prefix, suffix, heads, kv, head_dim, dtype, with_referen
     scale = head_dim**-0.5
     common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
                   query_segment=leaves, query_pos=query_pos, device=dev, num_heads=heads, num_kv_heads=kv)
-    plan = plan_tree_attention(**common)
+    plan = plan_tree_attention(**common, dtype=dtype)
     assert plan.backend == "triton"
-    row = {"batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
-    row["triton_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, plan, scale))
-    row["triton_eager_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, plan, scale), graph=False)
-    if plan.triton.fused_merge:  # where the time goes: each launch alone (shared segments; then the leaves
-        for launch in plan.triton.launches:  # with their merge), so the sum is not the whole when they overlap
-            alone = dataclasses.replace(plan, triton=dataclasses.replace(plan.triton, launches=(launch,)))
-            kind = "leaf" if launch.block_m == 16 else "shared"
-            row[f"{kind}_launch_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, alone, scale))
+    row = {"batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads, "kv_heads": kv, "head_dim": head_dim,
+           "library_chunks": plan.triton.library.chunks if plan.triton.library else 0}
+    row["treegen_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, plan, scale))
+    row["treegen_eager_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, plan, scale), graph=False)
+    triton_only = plan_tree_attention(**common, dtype=dtype, triton_options={"library": False})
+    row["triton_only_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, triton_only, scale))
+    if plan.triton.fused_merge:  # where the time goes: the shared segments (library kernel and wide launches)
+        shared = dataclasses.replace(plan, triton=dataclasses.replace(  # alone, then the rest (the leaf launch,
+            plan.triton, launches=tuple(w for w in plan.triton.launches if w.block_m != 16)))  # merging)
+        row["shared_ms"] = bench(lambda: tree_attention(q, k_cache, v_cache, shared, scale))
+        row["leaf_ms"] = row["treegen_ms"] - row["shared_ms"]
 
     # FlashAttention over per-sequence KV: gather each leaf's root-to-leaf slots (a copy per sequence)
     paths = []
@@ -145,7 +151,12 @@ def run_point(*, batch, prefix, suffix, heads, kv, head_dim, dtype, with_referen
         flash = lambda: F.scaled_dot_product_attention(q_seq, k_seq, v_seq, scale=scale)  # noqa: E731
         want = flash().reshape(batch, heads, head_dim)
         row["flash_ms"] = bench(flash)
-    del k_seq, v_seq
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            row["cudnn_ms"] = bench(lambda: F.scaled_dot_product_attention(q_seq, k_seq, v_seq, scale=scale))
+    except RuntimeError as e:  # no cuDNN attention for this device/shape
+        print("cudnn baseline unavailable:", str(e)[:120])
+    k_seq = v_seq = None  # the per-sequence copies are large: free them before the next timing
     got = tree_attention(q, k_cache, v_cache, plan, scale)
     row["max_abs_err_vs_flash"] = float((got.float() - want.float()).abs().max())
     if with_reference:
@@ -154,16 +165,18 @@ def run_point(*, batch, prefix, suffix, heads, kv, head_dim, dtype, with_referen
         row["reference_ms"] = bench(lambda: tree_attention_reference(q, k_cache, v_cache, ref_plan, scale), graph=False)
     flops = 4 * batch * heads * head_dim * total
     unique_kv_bytes = sum(length) * kv * head_dim * 2 * q.element_size()
-    row["triton_tflops"] = flops / row["triton_ms"] / 1e9
-    row["speedup_vs_flash"] = row["flash_ms"] / row["triton_ms"]
+    row["treegen_tflops"] = flops / row["treegen_ms"] / 1e9
+    row["speedup_vs_flash"] = row["flash_ms"] / row["treegen_ms"]
+    if "cudnn_ms" in row:
+        row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["treegen_ms"]
     if "reference_ms" in row:
-        row["speedup_vs_reference"] = row["reference_ms"] / row["triton_ms"]
+        row["speedup_vs_reference"] = row["reference_ms"] / row["treegen_ms"]
     name = torch.cuda.get_device_name()
     key = "H200" if "H200" in name else "H100"
     floor_ms = max(flops / (PEAK_BF16_TFLOPS[key] * 1e12 * 0.8), unique_kv_bytes / (PEAK_HBM_TBS[key] * 1e12)) * 1e3
     row["floor_ms"] = floor_ms
-    row["fraction_of_floor"] = floor_ms / row["triton_ms"]
-    del q, k_cache, v_cache
+    row["fraction_of_floor"] = floor_ms / row["treegen_ms"]
+    q = k_cache = v_cache = None  # free before the next point
     torch.cuda.empty_cache()
     return row
 
@@ -201,9 +214,9 @@ def main() -> None:
         rows.append(run_point(batch=b, prefix=p, suffix=s, heads=8, kv=1, head_dim=128, dtype=dtype,
                               with_reference=not args.no_reference))
         print(rows[-1], flush=True)
-    keys = ["batch", "prefix", "suffix", "flash_ms", "reference_ms", "triton_ms", "triton_eager_ms", "shared_launch_ms",
-            "leaf_launch_ms", "speedup_vs_flash", "speedup_vs_reference", "triton_tflops", "fraction_of_floor",
-            "max_abs_err_vs_flash"]
+    keys = ["batch", "prefix", "suffix", "flash_ms", "cudnn_ms", "reference_ms", "treegen_ms", "triton_only_ms",
+            "library_chunks", "shared_ms", "leaf_ms", "speedup_vs_flash", "speedup_vs_cudnn", "speedup_vs_reference",
+            "treegen_tflops", "fraction_of_floor", "max_abs_err_vs_flash"]
     print("\n## Paper grid: 8 query heads, 1 KV head, d=128, bf16\n" + fmt(rows, keys))
 
     shapes = []
@@ -224,23 +237,24 @@ def main() -> None:
                                                    dtype=dtype, with_reference=False,
                                                    levels=[(16, 2560), (64, 32)])})
     print("\n## Two-level tree: 2K root, 16 problems x 512, 64 samples each, suffix 32\n"
-          + fmt(two, ["layout", "flash_ms", "triton_ms", "speedup_vs_flash", "triton_tflops"]))
+          + fmt(two, ["layout", "flash_ms", "treegen_ms", "triton_only_ms", "speedup_vs_flash", "treegen_tflops"]))
 
     result = {
         "benchmark": "attention", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "dtype": "bfloat16",
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                      "python": platform.python_version()},
-        "timing": "triton.testing.do_bench median (L2 flushed), warmup 10, rep 50 ms; flash and triton replayed "
-                  "from CUDA graphs, the PyTorch reference launched eagerly",
+        "timing": "triton.testing.do_bench median (L2 flushed), warmup 10, rep 50 ms; flash, cudnn and treegen "
+                  "replayed from CUDA graphs, the PyTorch reference launched eagerly",
         "grid": rows, "shapes": shapes, "two_level": two,
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "h200" if "H200" in result["device"] else "h100"
-    (out / f"attention_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, out / f"attention_{tag}.png", result["device"])
-    print(f"wrote {out}/attention_{tag}.json")
+    name = ("attention_quick_" if args.quick else "attention_") + ("h200" if "H200" in result["device"] else "h100")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not args.quick:  # the plot is of the whole grid
+        plot(rows, out / f"{name}.png", result["device"])
+    print(f"wrote {out}/{name}.json")
 
 
 def plot(rows, path, device):
@@ -260,7 +274,7 @@ def plot(rows, path, device):
         ax.set_title(f"suffix {suffix}")
     axes[0].set_ylabel("speedup over FlashAttention (x)")
     axes[0].legend()
-    fig.suptitle(f"treegen Triton tree attention vs FlashAttention, 8q/1kv heads, d=128, bf16 — {device}")
+    fig.suptitle(f"treegen tree attention vs FlashAttention, 8q/1kv heads, d=128, bf16 — {device}")
     save(fig, path)
 
 

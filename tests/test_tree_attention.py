@@ -195,6 +195,47 @@ def test_leaf_merging_many_chunks_of_a_long_root_matches_plain_attention():
     tree.check(torch.randn(5, 8, 64), torch.randn(tree.slots, 2, 64), torch.randn(tree.slots, 2, 64), plan)
 
 
+def test_library_segment_is_the_large_shared_one_cut_into_chunks():
+    """A 2051-key root read by 300 branches x 2 query heads per KV head goes to the library kernel:
+    ~one wave of 128-row tiles (5 tiles x 2 KV heads -> 13 chunks, at most 2051 // 512 = 4), the last
+    3 keys stay with a Triton launch; each branch merges 4 library partials (negative entries) and 1
+    Triton partial. Below the size limits, without the option, or when the largest shared segment is
+    not most of the shared work, no segment goes to the library."""
+    tree = DecodeTree([-1] + [0] * 300, [2051] + [3] * 300, list(range(1, 301)), random.Random(0))
+    plan = tree.plan(4, 2, library=True).triton
+    lib = plan.library
+    assert (lib.start, lib.chunks, lib.chunk_len, lib.num_rows, lib.rows) == (tree.start[0], 4, 512, 300, None)
+    tail = [w for launch in plan.launches if launch.block_m == 128 for w in launch.work.tolist()]
+    assert {(kb, ke) for _, _, kb, ke, *_ in tail} == {(2048, 2051)}
+    idx = plan.merge_idx.tolist()
+    assert plan.merge_ptr.diff().tolist() == [5] * 300 and idx[:4] == [-1, -301, -601, -901]
+    assert tree.plan(4, 2).triton.library is None
+    small = DecodeTree([-1] + [0] * 300, [1000] + [3] * 300, list(range(1, 301)), random.Random(0))
+    assert small.plan(4, 2, library=True).triton.library is None
+    halves = DecodeTree([-1, -1] + [0, 1] * 150, [2051, 2051] + [3] * 300, list(range(2, 302)), random.Random(0))
+    assert halves.plan(4, 2, library=True).triton.library is None  # each root is half of the shared work
+    few = DecodeTree([-1] + [0] * 64, [16384] + [3] * 64, list(range(1, 65)), random.Random(0))
+    assert few.plan(8, 1, library=True).triton.library is None  # 4 tiles would need 32 chunks (over 8)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_library_segment_below_the_root_matches_plain_attention(fuse, dtype):
+    """The library segment is a middle node (1101 keys) read by 70 of the 75 branches, not the first
+    ones: its query rows are gathered, its two 550-key chunks' partials read through the library
+    output's strides and merged with the root's, its 1-key tail's and each leaf's."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    parent = [-1, 0, 0] + [2] * 5 + [1] * 70
+    length = [40, 1101, 30] + [rng.randint(1, 20) for _ in range(75)]
+    tree = DecodeTree(parent, length, list(range(3, 78)), rng)
+    plan = tree.plan(8, 1, library=True, fuse_merge=fuse)
+    lib = plan.triton.library
+    assert (lib.chunks, lib.chunk_len, lib.num_rows, lib.rows.tolist()) == (2, 550, 70, list(range(5, 75)))
+    assert plan.triton.fused_merge == fuse
+    tree.check(*(torch.randn(n, h, 64).to(dtype) for n, h in ((75, 8), (tree.slots, 1), (tree.slots, 1))), plan)
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fused_merge_on_a_three_level_decode_tree_matches_plain_attention(fuse):
     """Root -> 3 middle nodes -> 6 leaves each, one decode query per leaf, 9 query / 3 KV heads: the

@@ -9,16 +9,18 @@ import pytest
 import torch
 
 from test_tree_attention import ground_truth, layout, make_queries, random_tree
+from treegen.kernels.library_attention import library_available
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention, tree_attention_reference
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA and compiled kernels (tests/conftest.py)
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def plans(parent, start, length, pos, query_segment, query_pos, heads, kv):
+def plans(parent, start, length, pos, query_segment, query_pos, heads, kv, dtype):
+    """The plan the runtime makes for ``dtype`` (a large shared segment goes to cuDNN on Hopper), and the reference's."""
     common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
                   query_segment=query_segment, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv)
-    return plan_tree_attention(**common), plan_tree_attention(**common, backend="reference")
+    return plan_tree_attention(**common, dtype=dtype), plan_tree_attention(**common, backend="reference")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -36,7 +38,7 @@ def test_paper_grid_shapes(dtype, batch, prefix, suffix, heads, kv, head_dim):
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
     v = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
-    fast, ref = plans(parent, start, length, pos, query_segment, query_pos, heads, kv)
+    fast, ref = plans(parent, start, length, pos, query_segment, query_pos, heads, kv, dtype)
     assert fast.backend == "triton"
     got = tree_attention(q, k, v, fast, head_dim**-0.5)
     want = tree_attention_reference(q.float(), k.float(), v.float(), ref, head_dim**-0.5)
@@ -56,8 +58,42 @@ def test_random_trees(seed, dtype):
     q = torch.randn(len(query_pos), heads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
     v = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
-    fast, _ = plans(parent, start, length, pos, query_segment, query_pos, heads, kv)
+    fast, _ = plans(parent, start, length, pos, query_segment, query_pos, heads, kv, dtype)
     got = tree_attention(q, k, v, fast, head_dim**-0.5)
     want = ground_truth(q.cpu().float(), k.cpu().float(), v.cpu().float(), parent, start, length, pos,
                         query_segment, query_pos, head_dim**-0.5)
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_library_segment_below_the_root(dtype, fuse):
+    """cuDNN attends a 4099-key middle node read by 200 of 210 branches (its rows gathered, keys in two
+    chunks plus a one-key Triton tail); the result equals the Triton-only plan's and plain attention's."""
+    if not library_available("cuda", dtype):
+        pytest.skip("no cuDNN fused attention on this GPU")
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    parent = [-1, 0, 0] + [2] * 10 + [1] * 200
+    length = [100, 4099, 50] + [rng.randint(1, 40) for _ in range(210)]
+    start, pos, slots = layout(parent, length, rng)
+    query_segment = list(range(3, 213))
+    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    heads, kv, head_dim = 32, 8, 128
+    q = torch.randn(len(query_pos), heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
+    common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=query_segment, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv,
+                  dtype=dtype)
+    fast = plan_tree_attention(**common, triton_options={"fuse_merge": fuse})
+    lib = fast.triton.library
+    assert lib is not None and lib.rows is not None and (lib.chunks, lib.chunk_len) == (2, 2049)
+    triton_only = plan_tree_attention(**common, triton_options={"fuse_merge": fuse, "library": False})
+    got = tree_attention(q, k, v, fast, head_dim**-0.5)
+    torch.testing.assert_close(got, tree_attention(q, k, v, triton_only, head_dim**-0.5), atol=TOL[dtype], rtol=TOL[dtype])
+    want = ground_truth(q.cpu().float(), k.cpu().float(), v.cpu().float(), parent, start, length, pos,
+                        query_segment, query_pos, head_dim**-0.5)
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        tree_attention(q.float(), k.float(), v.float(), fast, head_dim**-0.5)

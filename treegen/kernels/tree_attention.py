@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from treegen.kernels.library_attention import library_available
 from treegen.kernels.tree_attention_triton import TritonPlan, plan_triton, tree_attention_triton, triton_available
 
 _NO_POSITION = torch.iinfo(torch.int64).max  # padding key position: never visible
@@ -93,6 +94,7 @@ def plan_tree_attention(
     backend: str = "auto",
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
+    dtype: torch.dtype | None = None,
     triton_options: dict | None = None,
 ) -> TreeAttentionPlan:
     """Build the index tensors for tree attention.
@@ -109,8 +111,13 @@ def plan_tree_attention(
     backend: ``"auto"`` (Triton on CUDA when available, else the reference), ``"reference"``, or
         ``"triton"`` (also on CPU under ``TRITON_INTERPRET=1``, which is how CI tests the kernels).
     num_heads, num_kv_heads: query and KV head counts; needed by the Triton backend.
+    dtype: the dtype of q/k/v the plan will run with. Triton backend, fp16/bf16 on a Hopper GPU: the
+        largest shared segment read by many query rows goes to cuDNN's fused attention
+        (:mod:`~treegen.kernels.library_attention`); the plan then runs with that dtype only.
+        None: every segment goes to the Triton kernels, whatever the dtype.
     triton_options: tuning knobs passed to :func:`~treegen.kernels.tree_attention_triton.plan_triton`
-        (``target_programs``, ``block_n``, ``num_stages``); the defaults were measured on an H100.
+        (``target_programs``, ``block_n``, ``num_stages``, ``library`` to force the library segment
+        on or off); the defaults were measured on an H100.
     """
     device = torch.device(device)
     if backend == "auto":
@@ -154,11 +161,12 @@ def plan_tree_attention(
         paths.append(path[::-1])
     query_pos_t = torch.as_tensor(list(query_pos), dtype=torch.int64).to(device)
     if backend == "triton":
+        options = {"library": dtype is not None and library_available(device, dtype), **(triton_options or {})}
         return TreeAttentionPlan(
             num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),
             triton=plan_triton(segment_start=segment_start, segment_len=segment_len, segment_pos=segment_pos,
                                rows_of=rows_of, paths=paths, num_kv_heads=num_kv_heads,
-                               group=num_heads // num_kv_heads, device=device, **(triton_options or {})),
+                               group=num_heads // num_kv_heads, device=device, **options),
         )
 
     levels = []

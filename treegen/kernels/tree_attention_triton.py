@@ -32,6 +32,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from treegen.kernels.library_attention import LibrarySegment, segment_attention
+
 try:
     import triton
     import triton.language as tl
@@ -43,6 +45,20 @@ _LN2 = math.log(2.0)
 # a query's own segment up to this many keys is read by one program when that lets it merge the
 # query's partials itself (fewer launches beat splitting so short a segment)
 _FUSED_LEAF_MAX_KEYS = 512
+# a shared segment goes to the library kernel (library_attention.py) when it is read by at least this many
+# query rows x heads per KV head and has at least this many keys; its keys are cut into chunks of at least
+# _LIBRARY_MIN_CHUNK so that ~one wave of 128-row tiles fills an H100's 132 SMs (measured best: see there)
+_LIBRARY_MIN_ROWS = 512
+_LIBRARY_MIN_KEYS = 1024
+_LIBRARY_MIN_CHUNK = 512
+# ... and only when it holds this share of all shared-segment work (rows x keys). Measured on an H100, 8/1
+# heads: 16 roots of 2560 keys x 64 branches, one of them by cuDNN: 76 us vs 49 all-Triton; a 2K root over
+# 16 problems of 512 keys (80% of the work): 56 vs 55 us
+_LIBRARY_MIN_SHARE = 0.9
+# ... and when at most this many chunks fill the GPU: each is a partial every row merges. 64 branches x 8/1
+# heads under a 16K root needs 32: 38 us vs 32 all-Triton; 8 (64 x 4K): 23 vs 26 us
+_LIBRARY_MAX_CHUNKS = 8
+_SMS = 132
 
 
 def triton_available() -> bool:
@@ -82,6 +98,8 @@ class TritonPlan:
     ``fused_merge`` — every query's own segment is one unsplit 16-row work item and no ancestor is: the
     16-row launch runs last and merges its rows' ancestor partials (then ``merge_idx`` lists only
     those) into the output itself, so there is no merge launch.
+    ``library`` — the shared segment attended by the library kernel first (None: none); a negative
+    ``merge_idx`` entry names one of its partials (see :class:`LibrarySegment`).
     """
 
     launches: tuple[WorkList, ...]
@@ -93,6 +111,31 @@ class TritonPlan:
     use_tma: bool
     warp_specialize: bool
     fused_merge: bool = False
+    library: LibrarySegment | None = None
+
+
+def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device):
+    """The shared segment with the most work among those large enough for the library kernel, cut into
+    chunks for ~one wave of 128-row tiles; None if there is none or it is not most of the shared work.
+    Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask)."""
+    own = {path[-1] for path in paths}
+    fits = [s for s in segs if s not in own and len(rows_of[s]) * group >= _LIBRARY_MIN_ROWS
+            and segment_len[s] >= _LIBRARY_MIN_KEYS]
+    if not fits:
+        return None
+    work = {s: len(rows_of[s]) * segment_len[s] for s in segs if s not in own}
+    s = max(fits, key=lambda s: (work[s], -s))
+    if work[s] < _LIBRARY_MIN_SHARE * sum(work.values()):
+        return None  # the other shared segments' launch would run after it, not beside it
+    tiles = -(-len(rows_of[s]) * group // 128) * num_kv_heads
+    chunks = max(1, min(round(_SMS / tiles), segment_len[s] // _LIBRARY_MIN_CHUNK))
+    if chunks > _LIBRARY_MAX_CHUNKS:
+        return None
+    rows = rows_of[s]
+    every = rows == list(range(len(paths)))
+    return s, LibrarySegment(start=segment_start[s], chunk_len=segment_len[s] // chunks, chunks=chunks,
+                             num_rows=len(rows),
+                             rows=None if every else torch.tensor(rows, dtype=torch.int64, device=device))
 
 
 def plan_triton(
@@ -111,20 +154,30 @@ def plan_triton(
     use_tma: bool | None = None,
     warp_specialize: bool = False,
     fuse_merge: bool = True,
+    library: bool = False,
 ) -> TritonPlan:
     """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included);
     ``paths[q]``: segments on query row ``q``'s root-to-own-segment path. ``target_programs``: how
     many programs the key-axis split aims for: by default one per SM of an H100 (132) for large work
     (fewer, longer programs write fewer partials) and two per SM for small work — measured with
-    ``benchmarks/bench_attention.py --sweep`` (results in benchmarks/results/attention_sweep_h100.json)."""
+    ``benchmarks/bench_attention.py --sweep`` (results in benchmarks/results/attention_sweep_h100.json).
+    ``library``: give the largest shared segment to the library kernel (``library_attention.py``) if
+    one is large enough; the Triton launches then read only its last ``< chunks`` keys, if any."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
     segs = sorted(s for s in rows_of if segment_len[s] > 0)
+    key_begin = {s: 0 for s in segs}  # keys before this are the library kernel's
+    lib = _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device) \
+        if library else None
+    if lib is not None:
+        key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
+        if key_begin[lib[0]] == segment_len[lib[0]]:
+            segs.remove(lib[0])
     wide_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
     tile_m = {s: 16 if len(rows_of[s]) * group <= 16 else wide_m for s in segs}
     tiles = {s: -(-len(rows_of[s]) // (tile_m[s] // group)) for s in segs}
     # balance: cut keys into chunks so the total work is spread over ~target_programs programs
-    total = sum(tiles[s] * tile_m[s] // 16 * segment_len[s] for s in segs) * num_kv_heads // (wide_m // 16)
+    total = sum(tiles[s] * tile_m[s] // 16 * (segment_len[s] - key_begin[s]) for s in segs) * num_kv_heads // (wide_m // 16)
     if target_programs is None:
         target_programs = 132 if total >= 132 * 1024 else 264
     chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
@@ -151,7 +204,7 @@ def plan_triton(
         rows.extend(rows_of[s])
         local_index[s] = {q: i for i, q in enumerate(rows_of[s])}
         count, rows_per_tile = len(rows_of[s]), tile_m[s] // group
-        for c, kb in enumerate(range(0, segment_len[s], seg_chunk[s])):
+        for c, kb in enumerate(range(key_begin[s], segment_len[s], seg_chunk[s])):
             ke = min(segment_len[s], kb + seg_chunk[s])
             partial_base[(s, c)] = num_partials
             for t in range(tiles[s]):
@@ -160,10 +213,13 @@ def plan_triton(
                                                        min(rows_per_tile, count - first), num_partials + first])
             num_partials += count
     merge_ptr, merge_idx = [0], []
+    lib_index = {q: i for i, q in enumerate(rows_of[lib[0]])} if lib else {}
     for q, path in enumerate(paths):
         for s in path[:-1] if fused else path:  # fused: the own segment's item merges the rest itself
+            if lib and s == lib[0]:
+                merge_idx.extend(-1 - (c * lib[1].num_rows + lib_index[q]) for c in range(lib[1].chunks))
             if s in local_index:
-                chunks = -(-segment_len[s] // seg_chunk[s])
+                chunks = -(-(segment_len[s] - key_begin[s]) // seg_chunk[s])
                 merge_idx.extend(partial_base[(s, c)] + local_index[s][q] for c in range(chunks))
         merge_ptr.append(len(merge_idx))
 
@@ -183,6 +239,7 @@ def plan_triton(
         use_tma=_tma_default(device) if use_tma is None else use_tma,
         warp_specialize=warp_specialize,
         fused_merge=fused,
+        library=lib[1] if lib else None,
     )
 
 
@@ -273,9 +330,10 @@ if triton is not None:
         Q, K, V, K_desc, V_desc, O_part, LSE_part, work, rows, q_pos, merge_ptr, merge_idx, Out,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
         scale_log2,
+        O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
-        MERGE_J: tl.constexpr,
+        MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -322,7 +380,9 @@ if triton is not None:
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         if FUSE_MERGE:  # this item is its rows' own segment: merge their ancestors' partials and finish
             out = _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
-                                  stride_pt, stride_ph, stride_lt, MERGE_J)
+                                  stride_pt, stride_ph, stride_lt,
+                                  O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
+                                  MERGE_J, HAS_LIB)
             tl.store(Out + qrow[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None])
         else:
@@ -332,8 +392,34 @@ if triton is not None:
             tl.store(LSE_part + part * stride_lt + head, lse, mask=row_ok)
 
     @triton.jit
+    def _load_partials(p, ok, head, offs_d, O_part, LSE_part, stride_pt, stride_ph, stride_lt,
+                       O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
+                       HAS_LIB: tl.constexpr):
+        """(natural-log LSE, fp32 output [..., D]) of partial entries ``p`` (any shape; ``head`` and ``ok``
+        broadcast to it). ``p >= 0``: a Triton partial; ``p < 0``: the library segment's partial
+        ``-1 - p = chunk * lib_rows + row``, read through the library output's own strides."""
+        p64 = tl.maximum(p, 0).to(tl.int64)
+        part_ok = ok & (p >= 0)
+        lse = tl.load(LSE_part + p64 * stride_lt + head, mask=part_ok, other=float("-inf"))
+        o = tl.load(O_part + tl.expand_dims(p64 * stride_pt + head * stride_ph, -1) + offs_d,
+                    mask=tl.expand_dims(part_ok, -1), other=0.0)
+        if HAS_LIB:
+            lib_ok = ok & (p < 0)
+            e = tl.where(lib_ok, -1 - p, 0)
+            c = (e // lib_rows).to(tl.int64)
+            r = (e % lib_rows).to(tl.int64)
+            lse_l = tl.load(LSE_lib + c * lib_sl_c + r * lib_sl_r + head * lib_sl_h, mask=lib_ok, other=float("-inf"))
+            o_l = tl.load(O_lib + tl.expand_dims(c * lib_so_c + r * lib_so_r + head * lib_so_h, -1) + offs_d,
+                          mask=tl.expand_dims(lib_ok, -1), other=0.0)
+            lse = tl.where(lib_ok, lse_l, lse)
+            o = tl.where(tl.expand_dims(lib_ok, -1), o_l.to(tl.float32), o)
+        return lse, o
+
+    @triton.jit
     def _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
-                        stride_pt, stride_ph, stride_lt, MERGE_J: tl.constexpr):
+                        stride_pt, stride_ph, stride_lt,
+                        O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
+                        MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr):
         """Fold the partials listed for each row's query (natural-log LSE) into ``out``/``lse``; returns
         the merged output. Rows have different numbers of partials: each stops at its own end. MERGE_J
         partials of every row are fetched together (independent loads), so a row below a long prefix
@@ -347,10 +433,10 @@ if triton is not None:
         for j0 in range(0, tl.max(end - begin, axis=0), MERGE_J):
             idx = begin[:, None] + j0 + offs_j[None, :]
             ok = row_ok[:, None] & (idx < end[:, None])
-            p = tl.load(merge_idx + idx, mask=ok, other=0).to(tl.int64)
-            lse_j = tl.load(LSE_part + p * stride_lt + head[:, None], mask=ok, other=float("-inf"))
-            o_j = tl.load(O_part + p[:, :, None] * stride_pt + head[:, None, None] * stride_ph + offs_d[None, None, :],
-                          mask=ok[:, :, None], other=0.0)
+            p = tl.load(merge_idx + idx, mask=ok, other=0)
+            lse_j, o_j = _load_partials(p, ok, head[:, None], offs_d, O_part, LSE_part, stride_pt, stride_ph, stride_lt,
+                                        O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r,
+                                        lib_sl_h, HAS_LIB)
             # the LSE merge rule of _lse_merge_step, for MERGE_J partials at once
             m_new = tl.maximum(m, tl.max(lse_j, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -375,7 +461,8 @@ if triton is not None:
     def _merge_kernel(
         O_part, LSE_part, merge_ptr, merge_idx, Out,
         num_heads, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
-        BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+        O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
+        BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_LIB: tl.constexpr,
     ):
         q = tl.program_id(0)
         offs_h = tl.arange(0, BLOCK_H)
@@ -387,10 +474,10 @@ if triton is not None:
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for i in range(begin, end):
-            p = tl.load(merge_idx + i).to(tl.int64)
-            lse = tl.load(LSE_part + p * stride_lt + offs_h, mask=h_ok, other=float("-inf"))
-            o = tl.load(O_part + p * stride_pt + offs_h[:, None] * stride_ph + offs_d[None, :], mask=h_ok[:, None],
-                        other=0.0)
+            p = tl.load(merge_idx + i) + offs_h * 0  # one entry per head: masks need its shape
+            lse, o = _load_partials(p, h_ok, offs_h, offs_d, O_part, LSE_part, stride_pt, stride_ph, stride_lt,
+                                    O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r,
+                                    lib_sl_h, HAS_LIB)
             m, l, acc = _lse_merge_step(m, l, acc, lse, o)
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(Out + q.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
@@ -419,6 +506,12 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     wide = q.element_size() > 2
     o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
+    if plan.library is not None:  # [chunks, heads, rows, D] / [chunks, heads, rows], read through their strides
+        o_lib, lse_lib = segment_attention(q, k_cache, v_cache, plan.library, scale)
+        lib_args = (o_lib, lse_lib, plan.library.num_rows, o_lib.stride(0), o_lib.stride(2), o_lib.stride(1),
+                    lse_lib.stride(0), lse_lib.stride(2), lse_lib.stride(1))
+    else:
+        lib_args = (o_part, lse_part, 1, 0, 0, 0, 0, 0, 0)
     for launch in plan.launches:
         block_n = launch.block_n // 2 if wide else launch.block_n
         if plan.use_tma:
@@ -431,21 +524,21 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             q, k_cache, v_cache, k_desc, v_desc, o_part, lse_part, launch.work, plan.rows, query_pos,
             plan.merge_ptr, plan.merge_idx, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), o_part.stride(0), o_part.stride(1),
-            lse_part.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
+            lse_part.stride(0), out.stride(0), out.stride(1), scale * _LOG2E, *lib_args,
             GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
             USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
             PRECISION="ieee" if wide else "tf32",  # fp32 inputs get full fp32 products (no TF32)
             FUSE_MERGE=plan.fused_merge and launch.block_m == 16,
             # a leaf below a 16K prefix split 32 ways: 64 branches 8/1 heads 32 us (J=8) vs 36 (4) vs 42 (1), H100;
             # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1
-            MERGE_J=8 if launch.num_warps >= 4 else 1,
+            MERGE_J=8 if launch.num_warps >= 4 else 1, HAS_LIB=plan.library is not None,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
         )
     if plan.fused_merge:
         return out
     _merge_kernel[(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,
-        num_heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1),
-        BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, num_warps=4,
+        num_heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1), *lib_args,
+        BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, HAS_LIB=plan.library is not None, num_warps=4,
     )
     return out

@@ -173,6 +173,7 @@ class TreeRun:
             device=device,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
+            dtype=kv.dtype,
         )
         for s in new_len:
             kv.segments[s].computed = max(kv.segments[s].computed, new_len[s])

@@ -1,0 +1,86 @@
+"""A large shared segment attended by a library kernel: cuDNN's fused attention, with its LSE.
+
+When thousands of query rows (branches x query heads) read one long shared prefix, its attention is a
+dense, compute-bound attention of the FlashAttention-3 kind. On Hopper, cuDNN's fused attention runs
+it at ~560-670 TFLOP/s, against ~410-480 for our Triton segment kernel (measured on an H100, bf16,
+d=128: batch 1024 x 16K prefix 8/1 heads 109 us vs 142 us; Llama-3-8B heads 32/8, 1024 x 2K 62 vs 82 us).
+So the tree-attention plan gives at most one such segment (:class:`LibrarySegment`) to this kernel:
+its keys are cut into ``chunks`` equal runs, passed as a batch (a view of the cache, no copy) so that
+few rows x a long prefix still fill the GPU, and its partial outputs and natural-log LSEs are merged
+by the Triton kernels like any other partial (a negative merge index names a library partial).
+
+The PyTorch reference (:func:`segment_attention_torch`) gives the same partials on any device; CI runs
+the whole plan with it under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# the cuDNN path was measured on Hopper (sm90) only; elsewhere the Triton kernels attend every segment
+_MIN_CAPABILITY = (9, 0)
+_CUDNN_MIN_VERSION = 90000
+LIBRARY_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LibrarySegment:
+    """One shared segment's keys ``[start, start + chunks * chunk_len)`` (cache slots) read by query
+    ``rows`` (None: every query row, in order; else an int64 tensor of ``num_rows`` rows). Its partial
+    ``(c, r)`` — chunk ``c`` for the segment's ``r``-th row — is named ``-1 - (c * num_rows + r)`` in the
+    merge index. Keys past ``chunks * chunk_len`` (fewer than ``chunks``) stay with the Triton kernels."""
+
+    start: int
+    chunk_len: int
+    chunks: int
+    num_rows: int
+    rows: Tensor | None
+
+
+def library_available(device, dtype) -> bool:
+    """cuDNN fused attention with LSE output for this device and dtype (fp16/bf16 on Hopper or newer)."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in LIBRARY_DTYPES or not torch.cuda.is_available():
+        return False
+    return (torch.cuda.get_device_capability(device) >= _MIN_CAPABILITY
+            and torch.backends.cudnn.is_available()
+            and (torch.backends.cudnn.version() or 0) >= _CUDNN_MIN_VERSION
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
+
+
+def _operands(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment):
+    """[chunks, heads, rows, D] views: the query rows repeated per chunk (stride 0), keys/values per chunk."""
+    qs = q if seg.rows is None else q.index_select(0, seg.rows)
+    q4 = qs.permute(1, 0, 2).unsqueeze(0).expand(seg.chunks, -1, -1, -1)
+    keys = slice(seg.start, seg.start + seg.chunks * seg.chunk_len)
+    shape = (seg.chunks, seg.chunk_len, k_cache.shape[1], k_cache.shape[2])
+    k4, v4 = (c[keys].view(shape).permute(0, 2, 1, 3) for c in (k_cache, v_cache))
+    return q4, k4, v4
+
+
+def segment_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, scale: float):
+    """Reference: ``(out [chunks, Hq, rows, D] in q's dtype, lse [chunks, Hq, rows] fp32, natural log)``."""
+    q4, k4, v4 = _operands(q, k_cache, v_cache, seg)
+    group = q4.shape[1] // k4.shape[1]
+    k4, v4 = (t.float().repeat_interleave(group, 1) for t in (k4, v4))
+    s = q4.float() @ k4.transpose(-1, -2) * scale
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) @ v4
+    return out.to(q.dtype), lse
+
+
+def segment_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, scale: float):
+    """The segment's partials, as :func:`segment_attention_torch`, by cuDNN on CUDA (any layout: the
+    caller reads them through their strides). GQA is native: key heads are not repeated."""
+    if not q.is_cuda:
+        return segment_attention_torch(q, k_cache, v_cache, seg, scale)
+    if q.dtype not in LIBRARY_DTYPES:
+        raise ValueError(f"the plan gives a segment to cuDNN attention, which takes fp16/bf16, not {q.dtype}; "
+                         "plan with dtype= the dtype you run")
+    q4, k4, v4 = _operands(q, k_cache, v_cache, seg)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False, False,
+                                                                  scale=scale)[:2]
+    return out, lse.view(out.shape[:3])  # cuDNN's LSE has a trailing unit dimension
