@@ -55,7 +55,7 @@ def test_share_prefixes_builds_the_radix_tree():
     t = SharingTree()
     for toks in ([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2, 6], [7], [1, 2]):
         t.add_node(None, toks)
-    child = t.add_node(0, [9])  # a fork below root 0 stays below it
+    t.add_node(0, [9])  # a fork below root 0 stays below it
     created = share_prefixes(t, [0, 1, 2, 3, 4, 5])
     # node 5 holds exactly the common prefix [1, 2]: it becomes the shared node (no new node for it)
     assert created == [7]

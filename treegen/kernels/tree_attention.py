@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from treegen.kernels.library_attention import library_available
-from treegen.kernels.tree_attention_triton import TritonPlan, plan_triton, tree_attention_triton, triton_available
+from treegen.kernels.tree_attention_triton import tree_attention_triton, triton_available
+from treegen.kernels.triton_plan import TritonPlan, plan_triton
 
 _NO_POSITION = torch.iinfo(torch.int64).max  # padding key position: never visible
 
@@ -115,7 +116,7 @@ def plan_tree_attention(
         largest shared segment read by many query rows goes to cuDNN's fused attention
         (:mod:`~treegen.kernels.library_attention`); the plan then runs with that dtype only.
         None: every segment goes to the Triton kernels, whatever the dtype.
-    triton_options: tuning knobs passed to :func:`~treegen.kernels.tree_attention_triton.plan_triton`
+    triton_options: tuning knobs passed to :func:`~treegen.kernels.triton_plan.plan_triton`
         (``target_programs``, ``block_n``, ``num_stages``, ``library`` to force the library segment
         on or off); the defaults were measured on an H100.
     """

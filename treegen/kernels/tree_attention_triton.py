@@ -1,6 +1,7 @@
 """Triton tree attention: every segment's KV is read once for all query rows below it.
 
-Two kinds of launch per layer, whatever the tree's depth:
+Two kinds of launch per layer, whatever the tree's depth (plus, on Hopper, one cuDNN call for a large
+shared prefix: :mod:`treegen.kernels.library_attention`, merged like any other partial):
 
 1. ``_segment_attention_kernel`` — one program per *work item* × KV head. A work item is a tile of
    query rows below one segment (rows × the query heads sharing the KV head, folded into the tile's
@@ -9,8 +10,9 @@ Two kinds of launch per layer, whatever the tree's depth:
    flash-decoding style). Keys are visible iff ``key_pos <= query_pos`` (ancestors fully, the query's
    own segment causally — the same rule as the reference). It writes a partial output and LSE.
    It is launched once per tile height (16 rows for segments read by few queries, 64/128 for shared
-   ones; see :class:`TritonPlan`), each launch with its own key block, warps and pipeline depth
-   (``_launch_shape``: thousands of branches' own short segments run as small one-warp programs).
+   ones; the work tables are made by :mod:`treegen.kernels.triton_plan`), each launch with its own key
+   block, warps and pipeline depth (``_launch_shape`` there: thousands of branches' own short
+   segments run as small one-warp programs).
 2. ``_merge_kernel`` — one program per query row merges that row's partials along its whole
    root-to-leaf path (any depth, unbalanced trees) with the log-sum-exp rule, all heads at once.
 
@@ -26,13 +28,12 @@ and output 0; the merge skips such partials without NaN.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from treegen.kernels.library_attention import LibrarySegment, segment_attention
+from treegen.kernels.library_attention import segment_attention
+from treegen.kernels.triton_plan import TritonPlan
 
 try:
     import triton
@@ -42,229 +43,11 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 _LN2 = math.log(2.0)
-# a query's own segment up to this many keys is read by one program when that lets it merge the
-# query's partials itself (fewer launches beat splitting so short a segment)
-_FUSED_LEAF_MAX_KEYS = 512
-# a shared segment goes to the library kernel (library_attention.py) when it is read by at least this many
-# query rows x heads per KV head and has at least this many keys; its keys are cut into chunks of at least
-# _LIBRARY_MIN_CHUNK so that ~one wave of 128-row tiles fills an H100's 132 SMs (measured best: see there)
-_LIBRARY_MIN_ROWS = 512
-_LIBRARY_MIN_KEYS = 1024
-_LIBRARY_MIN_CHUNK = 512
-# ... and only when it holds this share of all shared-segment work (rows x keys). Measured on an H100, 8/1
-# heads: 16 roots of 2560 keys x 64 branches, one of them by cuDNN: 76 us vs 49 all-Triton; a 2K root over
-# 16 problems of 512 keys (80% of the work): 56 vs 55 us
-_LIBRARY_MIN_SHARE = 0.9
-# ... and when at most this many chunks fill the GPU: each is a partial every row merges. 64 branches x 8/1
-# heads under a 16K root needs 32: 38 us vs 32 all-Triton; 8 (64 x 4K): 23 vs 26 us
-_LIBRARY_MAX_CHUNKS = 8
-_SMS = 132
+_LOG2E = 1.0 / _LN2
 
 
 def triton_available() -> bool:
     return triton is not None
-_LOG2E = 1.0 / _LN2
-
-
-@dataclass(frozen=True)
-class WorkList:
-    """Work items launched together with one tile height.
-
-    ``work: [num_items, 7] int32`` — per item: first cache slot of the segment, absolute position of
-    the segment's first key, key range begin/end within the segment, offset into ``rows`` of the tile's
-    first query row, number of query rows, first partial entry. E.g. a root of 40 keys at slots 0..39
-    read by query rows [0, 1] in one chunk → ``[[0, 0, 0, 40, 0, 2, 0]]``.
-    ``block_m`` — tile height (query rows x query heads per KV head); ``block_n`` — keys per block of the
-    key loop (fp16/bf16; fp32 inputs use half); ``num_warps`` and ``num_stages`` (software-pipeline depth
-    of the key loop) for the launch.
-    """
-
-    work: Tensor
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class TritonPlan:
-    """Work tables for the two kernels (int32 tensors on the plan's device).
-
-    ``launches`` — one :class:`WorkList` per tile height: segments read by a handful of query rows
-    (a branch's own leaf) get 16-row tiles, shared segments 64- or 128-row tiles, so a leaf with one
-    query does not pay for a 128-row tile.
-    ``rows: [sum of rows over segments]`` — query rows below each segment, segment after segment.
-    ``merge_ptr: [num_queries + 1]`` and ``merge_idx`` — CSR: partial entries of each query row.
-    ``fused_merge`` — every query's own segment is one unsplit 16-row work item and no ancestor is: the
-    16-row launch runs last and merges its rows' ancestor partials (then ``merge_idx`` lists only
-    those) into the output itself, so there is no merge launch.
-    ``library`` — the shared segment attended by the library kernel first (None: none); a negative
-    ``merge_idx`` entry names one of its partials (see :class:`LibrarySegment`).
-    """
-
-    launches: tuple[WorkList, ...]
-    rows: Tensor
-    merge_ptr: Tensor
-    merge_idx: Tensor
-    num_partials: int
-    group: int
-    use_tma: bool
-    warp_specialize: bool
-    fused_merge: bool = False
-    library: LibrarySegment | None = None
-
-
-def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device):
-    """The shared segment with the most work among those large enough for the library kernel, cut into
-    chunks for ~one wave of 128-row tiles; None if there is none or it is not most of the shared work.
-    Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask)."""
-    own = {path[-1] for path in paths}
-    fits = [s for s in segs if s not in own and len(rows_of[s]) * group >= _LIBRARY_MIN_ROWS
-            and segment_len[s] >= _LIBRARY_MIN_KEYS]
-    if not fits:
-        return None
-    work = {s: len(rows_of[s]) * segment_len[s] for s in segs if s not in own}
-    s = max(fits, key=lambda s: (work[s], -s))
-    if work[s] < _LIBRARY_MIN_SHARE * sum(work.values()):
-        return None  # the other shared segments' launch would run after it, not beside it
-    tiles = -(-len(rows_of[s]) * group // 128) * num_kv_heads
-    chunks = max(1, min(round(_SMS / tiles), segment_len[s] // _LIBRARY_MIN_CHUNK))
-    if chunks > _LIBRARY_MAX_CHUNKS:
-        return None
-    rows = rows_of[s]
-    every = rows == list(range(len(paths)))
-    return s, LibrarySegment(start=segment_start[s], chunk_len=segment_len[s] // chunks, chunks=chunks,
-                             num_rows=len(rows),
-                             rows=None if every else torch.tensor(rows, dtype=torch.int64, device=device))
-
-
-def plan_triton(
-    *,
-    segment_start: Sequence[int],
-    segment_len: Sequence[int],
-    segment_pos: Sequence[int],
-    rows_of: dict[int, list[int]],
-    paths: list[list[int]],
-    num_kv_heads: int,
-    group: int,
-    device,
-    target_programs: int | None = None,
-    block_n: int = 64,
-    num_stages: int | None = None,
-    use_tma: bool | None = None,
-    warp_specialize: bool = False,
-    fuse_merge: bool = True,
-    library: bool = False,
-) -> TritonPlan:
-    """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included);
-    ``paths[q]``: segments on query row ``q``'s root-to-own-segment path. ``target_programs``: how
-    many programs the key-axis split aims for: by default one per SM of an H100 (132) for large work
-    (fewer, longer programs write fewer partials) and two per SM for small work — measured with
-    ``benchmarks/bench_attention.py --sweep`` (results in benchmarks/results/attention_sweep_h100.json).
-    ``library``: give the largest shared segment to the library kernel (``library_attention.py``) if
-    one is large enough; the Triton launches then read only its last ``< chunks`` keys, if any."""
-    if group > 128:
-        raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
-    segs = sorted(s for s in rows_of if segment_len[s] > 0)
-    key_begin = {s: 0 for s in segs}  # keys before this are the library kernel's
-    lib = _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device) \
-        if library else None
-    if lib is not None:
-        key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
-        if key_begin[lib[0]] == segment_len[lib[0]]:
-            segs.remove(lib[0])
-    wide_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
-    tile_m = {s: 16 if len(rows_of[s]) * group <= 16 else wide_m for s in segs}
-    tiles = {s: -(-len(rows_of[s]) // (tile_m[s] // group)) for s in segs}
-    # balance: cut keys into chunks so the total work is spread over ~target_programs programs
-    total = sum(tiles[s] * tile_m[s] // 16 * (segment_len[s] - key_begin[s]) for s in segs) * num_kv_heads // (wide_m // 16)
-    if target_programs is None:
-        target_programs = 132 if total >= 132 * 1024 else 264
-    chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
-    chunk = -(-chunk // block_n) * block_n
-    # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
-    narrow = sum(1 for s in segs if tile_m[s] == 16) * num_kv_heads
-    seg_chunk = {s: 2 * block_n if tile_m[s] == 16 and narrow < 2 * 132 else chunk for s in segs}
-    # fused merge: the narrow segments are exactly the queries' own ones (an ancestor in the narrow
-    # launch would run alongside its descendants), each read by its own queries only and short enough
-    # (or numerous enough) to be one unsplit work item
-    own = {path[-1] for path in paths}
-    narrow_segs = {s for s in segs if tile_m[s] == 16}
-    fused = fuse_merge and narrow_segs == own and all(
-        all(paths[q][-1] == s for q in rows_of[s]) and segment_len[s] <= max(seg_chunk[s], _FUSED_LEAF_MAX_KEYS)
-        for s in own)
-    if fused:
-        for s in own:
-            seg_chunk[s] = max(segment_len[s], 1)
-    work: dict[int, list] = {}
-    rows, partial_base, local_index = [], {}, {}
-    num_partials = 0
-    for s in segs:
-        row_offset = len(rows)
-        rows.extend(rows_of[s])
-        local_index[s] = {q: i for i, q in enumerate(rows_of[s])}
-        count, rows_per_tile = len(rows_of[s]), tile_m[s] // group
-        for c, kb in enumerate(range(key_begin[s], segment_len[s], seg_chunk[s])):
-            ke = min(segment_len[s], kb + seg_chunk[s])
-            partial_base[(s, c)] = num_partials
-            for t in range(tiles[s]):
-                first = t * rows_per_tile
-                work.setdefault(tile_m[s], []).append([segment_start[s], segment_pos[s], kb, ke, row_offset + first,
-                                                       min(rows_per_tile, count - first), num_partials + first])
-            num_partials += count
-    merge_ptr, merge_idx = [0], []
-    lib_index = {q: i for i, q in enumerate(rows_of[lib[0]])} if lib else {}
-    for q, path in enumerate(paths):
-        for s in path[:-1] if fused else path:  # fused: the own segment's item merges the rest itself
-            if lib and s == lib[0]:
-                merge_idx.extend(-1 - (c * lib[1].num_rows + lib_index[q]) for c in range(lib[1].chunks))
-            if s in local_index:
-                chunks = -(-(segment_len[s] - key_begin[s]) // seg_chunk[s])
-                merge_idx.extend(partial_base[(s, c)] + local_index[s][q] for c in range(chunks))
-        merge_ptr.append(len(merge_idx))
-
-    def i32(x, shape=None):
-        t = torch.tensor(x, dtype=torch.int32)
-        return (t.reshape(shape) if shape else t).to(device)
-
-    order = sorted(work.items(), key=lambda mi: (mi[0] == 16) if fused else mi[0])  # fused: own items last
-    return TritonPlan(
-        launches=tuple(WorkList(i32(items, (-1, 7)), m, *_launch_shape(m, items, num_kv_heads, block_n, num_stages or 3))
-                       for m, items in order),
-        rows=i32(rows or [0]),
-        merge_ptr=i32(merge_ptr),
-        merge_idx=i32(merge_idx or [0]),
-        num_partials=num_partials,
-        group=group,
-        use_tma=_tma_default(device) if use_tma is None else use_tma,
-        warp_specialize=warp_specialize,
-        fused_merge=fused,
-        library=lib[1] if lib else None,
-    )
-
-
-def _launch_shape(block_m: int, items: list, num_kv_heads: int, block_n: int, num_stages: int):
-    """(block_n, num_warps, num_stages) of a launch. A thousand or more 16-row programs (branches' own
-    keys, a few blocks each) are bound by how many programs an SM holds (their shared-memory buffers):
-    one warp, 32-key blocks, two pipeline buffers. (Fetching a leaf's ancestor partials before its
-    attention, to shorten each program's chain of dependent loads, measured no faster.) Measured on an H100, Llama-3-8B heads with 1024
-    leaves of 64 keys: 123 us vs 163 us (64-key blocks, 4 warps, 3 stages); MHA 32/32: 396 vs 528 us; 8/1
-    heads under a 16K root: 23 vs 33 us; equal to the defaults at 512 keys. Fewer programs, or longer items
-    (a whole sequence's keys in the unshared baseline: one warp there was slower), keep the defaults.
-    The shape does not depend on the items' length otherwise, so a decode phase of any length reuses the
-    kernel variant compiled by a shorter one."""
-    longest = max((ke - kb for _, _, kb, ke, *_ in items), default=0)
-    if block_m == 16 and len(items) * num_kv_heads >= 1024 and longest <= _FUSED_LEAF_MAX_KEYS:
-        return 32, 1, 2
-    return block_n, (8 if block_m == 128 else 4), num_stages
-
-
-def _tma_default(device) -> bool:
-    """TMA tensor-descriptor loads on Hopper and newer (and in the interpreter, which emulates them)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 if triton is not None:
