@@ -198,17 +198,20 @@ def test_leaf_merging_many_chunks_of_a_long_root_matches_plain_attention():
 def test_library_segment_is_the_large_shared_one_cut_into_chunks():
     """A 2051-key root read by 300 branches x 2 query heads per KV head goes to the library kernel:
     ~one wave of 128-row tiles (5 tiles x 2 KV heads -> 13 chunks, at most 2051 // 512 = 4), the last
-    3 keys stay with a Triton launch; each branch merges 4 library partials (negative entries) and 1
-    Triton partial. Below the size limits, without the option, or when the largest shared segment is
-    not most of the shared work, no segment goes to the library."""
+    3 keys stay with a Triton launch. Unfused, each branch's merge list names its 4 library partials
+    (negative entries), the tail's and its own leaf's; fused, the leaf items read the library partials by row and
+    the list names the tail's only. Below the size limits, without the option, or when the largest
+    shared segment is not most of the shared work, no segment goes to the library."""
     tree = DecodeTree([-1] + [0] * 300, [2051] + [3] * 300, list(range(1, 301)), random.Random(0))
-    plan = tree.plan(4, 2, library=True).triton
+    plan = tree.plan(4, 2, library=True, fuse_merge=False).triton
     lib = plan.library
     assert (lib.start, lib.chunks, lib.chunk_len, lib.num_rows, lib.rows) == (tree.start[0], 4, 512, 300, None)
     tail = [w for launch in plan.launches if launch.block_m == 128 for w in launch.work.tolist()]
     assert {(kb, ke) for _, _, kb, ke, *_ in tail} == {(2048, 2051)}
     idx = plan.merge_idx.tolist()
-    assert plan.merge_ptr.diff().tolist() == [5] * 300 and idx[:4] == [-1, -301, -601, -901]
+    assert plan.merge_ptr.diff().tolist() == [6] * 300 and idx[:4] == [-1, -301, -601, -901]
+    fused = tree.plan(4, 2, library=True).triton
+    assert fused.library_by_row and fused.merge_ptr.diff().tolist() == [1] * 300 and min(fused.merge_idx.tolist()) >= 0
     assert tree.plan(4, 2).triton.library is None
     small = DecodeTree([-1] + [0] * 300, [1000] + [3] * 300, list(range(1, 301)), random.Random(0))
     assert small.plan(4, 2, library=True).triton.library is None
@@ -216,6 +219,21 @@ def test_library_segment_is_the_large_shared_one_cut_into_chunks():
     assert halves.plan(4, 2, library=True).triton.library is None  # each root is half of the shared work
     few = DecodeTree([-1] + [0] * 64, [16384] + [3] * 64, list(range(1, 65)), random.Random(0))
     assert few.plan(8, 1, library=True).triton.library is None  # 4 tiles would need 32 chunks (over 8)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_library_partials_read_by_row_match_plain_attention(fuse):
+    """A 1537-key root under 64 branches (8/1 heads): three 512-key library chunks (not a power of two)
+    and a one-key tail. Fused, each leaf reads its three library partials by its row; the leaves' rows
+    are consecutive query rows, so their items name the row directly."""
+    rng = random.Random(8)
+    torch.manual_seed(8)
+    tree = DecodeTree([-1] + [0] * 64, [1537] + [rng.randint(1, 9) for _ in range(64)], list(range(1, 65)), rng)
+    plan = tree.plan(8, 1, library=True, fuse_merge=fuse).triton
+    assert (plan.library.chunks, plan.library.chunk_len, plan.library_by_row) == (3, 512, fuse)
+    assert all(launch.direct_rows for launch in plan.launches)
+    tree.check(*(torch.randn(n, h, 64).half() for n, h in ((64, 8), (tree.slots, 1), (tree.slots, 1))),
+               tree.plan(8, 1, library=True, fuse_merge=fuse))
 
 
 @pytest.mark.parametrize("fuse", [True, False])

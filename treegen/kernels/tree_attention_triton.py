@@ -116,7 +116,8 @@ if triton is not None:
         O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
-        MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr,
+        MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, DIRECT_ROWS: tl.constexpr, LIB_BY_ROW: tl.constexpr,
+        LIB_P2: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -133,7 +134,10 @@ if triton is not None:
         local = offs_m // GROUP
         head = kvh * GROUP + offs_m % GROUP
         row_ok = local < row_count
-        qrow = tl.load(rows + row_begin + local, mask=row_ok, other=0)
+        if DIRECT_ROWS:  # the item's rows are query rows row_begin, row_begin + 1, ...
+            qrow = tl.where(row_ok, row_begin + local, 0)
+        else:
+            qrow = tl.load(rows + row_begin + local, mask=row_ok, other=0)
         qpos = tl.load(q_pos + qrow, mask=row_ok, other=-1)
         q = tl.load(Q + qrow[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -165,7 +169,7 @@ if triton is not None:
             out = _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
                                   stride_pt, stride_ph, stride_lt,
                                   O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
-                                  MERGE_J, HAS_LIB)
+                                  MERGE_J, HAS_LIB, LIB_BY_ROW, LIB_P2)
             tl.store(Out + qrow[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None])
         else:
@@ -202,16 +206,29 @@ if triton is not None:
     def _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
                         stride_pt, stride_ph, stride_lt,
                         O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
-                        MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr):
+                        MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, LIB_BY_ROW: tl.constexpr,
+                        LIB_P2: tl.constexpr):
         """Fold the partials listed for each row's query (natural-log LSE) into ``out``/``lse``; returns
         the merged output. Rows have different numbers of partials: each stops at its own end. MERGE_J
         partials of every row are fetched together (independent loads), so a row below a long prefix
-        split into many chunks does not wait for its partials one at a time."""
+        split into many chunks does not wait for its partials one at a time. LIB_BY_ROW (the number of
+        library chunks, ``LIB_P2`` rounded up to a power of two; 0: none): the library partials of query
+        row ``q`` are read as chunk ``c``, row ``q`` without a lookup in the merge list (which does not
+        list them)."""
         begin = tl.load(merge_ptr + qrow, mask=row_ok, other=0)
         end = tl.load(merge_ptr + qrow + 1, mask=row_ok, other=0)
         m = lse
         l_sum = tl.where(lse > float("-inf"), 1.0, 0.0)
         acc = out * l_sum[:, None]
+        if LIB_BY_ROW > 0:
+            # (names of their own: compiled Triton types a name once, and the loop below reuses p/ok/...)
+            offs_c = tl.arange(0, LIB_P2)
+            p_lib = -1 - (offs_c[None, :] * lib_rows + qrow[:, None])
+            ok_lib = row_ok[:, None] & (offs_c[None, :] < LIB_BY_ROW)
+            lse_lib, o_lib = _load_partials(p_lib, ok_lib, head[:, None], offs_d, O_part, LSE_part, stride_pt,
+                                            stride_ph, stride_lt, O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r,
+                                            lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h, HAS_LIB)
+            m, l_sum, acc = _fold_partials(m, l_sum, acc, lse_lib, o_lib)
         offs_j = tl.arange(0, MERGE_J)
         for j0 in range(0, tl.max(end - begin, axis=0), MERGE_J):
             idx = begin[:, None] + j0 + offs_j[None, :]
@@ -220,15 +237,18 @@ if triton is not None:
             lse_j, o_j = _load_partials(p, ok, head[:, None], offs_d, O_part, LSE_part, stride_pt, stride_ph, stride_lt,
                                         O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r,
                                         lib_sl_h, HAS_LIB)
-            # the LSE merge rule of _lse_merge_step, for MERGE_J partials at once
-            m_new = tl.maximum(m, tl.max(lse_j, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a = tl.exp(m - m_safe)
-            b = tl.exp(lse_j - m_safe[:, None])
-            l_sum = l_sum * a + tl.sum(b, axis=1)
-            acc = acc * a[:, None] + tl.sum(b[:, :, None] * o_j, axis=1)
-            m = m_new
+            m, l_sum, acc = _fold_partials(m, l_sum, acc, lse_j, o_j)
         return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+
+    @triton.jit
+    def _fold_partials(m, l_sum, acc, lse_j, o_j):
+        """The LSE merge rule of :func:`_lse_merge_step` for J partials of each row at once: ``lse_j`` [R, J],
+        ``o_j`` [R, J, D] (-inf: empty or masked, contributes nothing)."""
+        m_new = tl.maximum(m, tl.max(lse_j, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        b = tl.exp(lse_j - m_safe[:, None])
+        return m_new, l_sum * a + tl.sum(b, axis=1), acc * a[:, None] + tl.sum(b[:, :, None] * o_j, axis=1)
 
     @triton.jit
     def _lse_merge_step(m, l_sum, acc, lse, o):
@@ -315,6 +335,8 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             # a leaf below a 16K prefix split 32 ways: 64 branches 8/1 heads 32 us (J=8) vs 36 (4) vs 42 (1), H100;
             # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1
             MERGE_J=8 if launch.num_warps >= 4 else 1, HAS_LIB=plan.library is not None,
+            DIRECT_ROWS=launch.direct_rows, LIB_BY_ROW=plan.library.chunks if plan.library_by_row else 0,
+            LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
         )
     if plan.fused_merge:

@@ -46,7 +46,8 @@ class WorkList:
     read by query rows [0, 1] in one chunk → ``[[0, 0, 0, 40, 0, 2, 0]]``.
     ``block_m`` — tile height (query rows x query heads per KV head); ``block_n`` — keys per block of the
     key loop (fp16/bf16; fp32 inputs use half); ``num_warps`` and ``num_stages`` (software-pipeline depth
-    of the key loop) for the launch.
+    of the key loop) for the launch. ``direct_rows`` — every item's rows are consecutive query rows, and
+    its column 4 holds the first query row itself (no lookup in ``rows``: one dependent load less).
     """
 
     work: Tensor
@@ -54,6 +55,7 @@ class WorkList:
     block_n: int
     num_warps: int
     num_stages: int
+    direct_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class TritonPlan:
     those) into the output itself, so there is no merge launch.
     ``library`` — the shared segment attended by the library kernel first (None: none); a negative
     ``merge_idx`` entry names one of its partials (see :class:`LibrarySegment`).
+    ``library_by_row`` — fused, and the library segment is read by every query row in order: each leaf
+    item reads its row's library partials directly (chunk ``c``, row ``q``), not through ``merge_idx``.
     """
 
     launches: tuple[WorkList, ...]
@@ -82,6 +86,7 @@ class TritonPlan:
     warp_specialize: bool
     fused_merge: bool = False
     library: LibrarySegment | None = None
+    library_by_row: bool = False
 
 
 def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device):
@@ -184,9 +189,10 @@ def plan_triton(
             num_partials += count
     merge_ptr, merge_idx = [0], []
     lib_index = {q: i for i, q in enumerate(rows_of[lib[0]])} if lib else {}
+    by_row = fused and lib is not None and lib[1].rows is None
     for q, path in enumerate(paths):
         for s in path[:-1] if fused else path:  # fused: the own segment's item merges the rest itself
-            if lib and s == lib[0]:
+            if lib and s == lib[0] and not by_row:
                 merge_idx.extend(-1 - (c * lib[1].num_rows + lib_index[q]) for c in range(lib[1].chunks))
             if s in local_index:
                 chunks = -(-(segment_len[s] - key_begin[s]) // seg_chunk[s])
@@ -197,10 +203,16 @@ def plan_triton(
         t = torch.tensor(x, dtype=torch.int32)
         return (t.reshape(shape) if shape else t).to(device)
 
+    def launch(m, items):
+        # rows [o, o + n) of ``rows`` consecutive query rows in every item: hand the kernel the first one
+        direct = all(rows[o:o + n] == list(range(rows[o], rows[o] + n)) for *_, o, n, _ in items)
+        table = [[*w[:4], rows[w[4]], *w[5:]] for w in items] if direct else items
+        return WorkList(i32(table, (-1, 7)), m, *_launch_shape(m, items, num_kv_heads, block_n, num_stages or 3),
+                        direct_rows=direct)
+
     order = sorted(work.items(), key=lambda mi: (mi[0] == 16) if fused else mi[0])  # fused: own items last
     return TritonPlan(
-        launches=tuple(WorkList(i32(items, (-1, 7)), m, *_launch_shape(m, items, num_kv_heads, block_n, num_stages or 3))
-                       for m, items in order),
+        launches=tuple(launch(m, items) for m, items in order),
         rows=i32(rows or [0]),
         merge_ptr=i32(merge_ptr),
         merge_idx=i32(merge_idx or [0]),
@@ -210,6 +222,7 @@ def plan_triton(
         warp_specialize=warp_specialize,
         fused_merge=fused,
         library=lib[1] if lib else None,
+        library_by_row=by_row,
     )
 
 
