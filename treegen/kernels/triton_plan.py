@@ -17,6 +17,8 @@ from torch import Tensor
 
 from treegen.kernels.library_attention import LibrarySegment
 
+# the GPU the launch shapes were measured on: an H100's streaming multiprocessors
+_SMS = 132
 # a query's own segment up to this many keys is read by one program when that lets it merge the
 # query's partials itself (fewer launches beat splitting so short a segment)
 _FUSED_LEAF_MAX_KEYS = 512
@@ -33,7 +35,6 @@ _LIBRARY_MIN_SHARE = 0.9
 # ... and when at most this many chunks fill the GPU: each is a partial every row merges. 64 branches x 8/1
 # heads under a 16K root needs 32: 38 us vs 32 all-Triton; 8 (64 x 4K): 23 vs 26 us
 _LIBRARY_MAX_CHUNKS = 8
-_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -154,12 +155,12 @@ def plan_triton(
     # balance: cut keys into chunks so the total work is spread over ~target_programs programs
     total = sum(tiles[s] * tile_m[s] // 16 * (segment_len[s] - key_begin[s]) for s in segs) * num_kv_heads // (wide_m // 16)
     if target_programs is None:
-        target_programs = 132 if total >= 132 * 1024 else 264
+        target_programs = _SMS if total >= _SMS * 1024 else 2 * _SMS
     chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
     chunk = -(-chunk // block_n) * block_n
     # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
     narrow = sum(1 for s in segs if tile_m[s] == 16) * num_kv_heads
-    seg_chunk = {s: 2 * block_n if tile_m[s] == 16 and narrow < 2 * 132 else chunk for s in segs}
+    seg_chunk = {s: 2 * block_n if tile_m[s] == 16 and narrow < 2 * _SMS else chunk for s in segs}
     # fused merge: the narrow segments are exactly the queries' own ones (an ancestor in the narrow
     # launch would run alongside its descendants), each read by its own queries only and short enough
     # (or numerous enough) to be one unsplit work item
