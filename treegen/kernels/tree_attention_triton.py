@@ -242,23 +242,14 @@ if triton is not None:
 
     @triton.jit
     def _fold_partials(m, l_sum, acc, lse_j, o_j):
-        """The LSE merge rule of :func:`_lse_merge_step` for J partials of each row at once: ``lse_j`` [R, J],
-        ``o_j`` [R, J, D] (-inf: empty or masked, contributes nothing)."""
+        """Fold J partials of each row (outputs ``o_j`` [R, J, D], natural-log LSEs ``lse_j`` [R, J]; -inf:
+        empty or masked, contributes nothing) into the running max ``m``, sum ``l_sum`` and unnormalised
+        output ``acc`` [R, D] with the log-sum-exp rule, without NaN on empty sides."""
         m_new = tl.maximum(m, tl.max(lse_j, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp(m - m_safe)
         b = tl.exp(lse_j - m_safe[:, None])
         return m_new, l_sum * a + tl.sum(b, axis=1), acc * a[:, None] + tl.sum(b[:, :, None] * o_j, axis=1)
-
-    @triton.jit
-    def _lse_merge_step(m, l_sum, acc, lse, o):
-        """Fold one partial (output ``o`` [R, D], natural-log LSE ``lse`` [R]; -inf: empty) into the
-        running max ``m``, sum ``l_sum`` and unnormalised output ``acc``, without NaN on empty sides."""
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp(m - m_safe)
-        b = tl.exp(lse - m_safe)
-        return m_new, l_sum * a + b, acc * a[:, None] + o * b[:, None]
 
     @triton.jit
     def _merge_kernel(
@@ -281,7 +272,7 @@ if triton is not None:
             lse, o = _load_partials(p, h_ok, offs_h, offs_d, O_part, LSE_part, stride_pt, stride_ph, stride_lt,
                                     O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r,
                                     lib_sl_h, HAS_LIB)
-            m, l, acc = _lse_merge_step(m, l, acc, lse, o)
+            m, l, acc = _fold_partials(m, l, acc, lse[:, None], o[:, None, :])
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(Out + q.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=h_ok[:, None])
