@@ -17,7 +17,7 @@ import networkx as nx
 from treegen.lang import reduce
 from treegen.lang.chat import role_affixes
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Text, as_ops
-from treegen.runtime.engine import GenRequest, ScoreRequest
+from treegen.runtime.requests import GenRequest, ScoreRequest
 from treegen.runtime.sampler import branch_key
 from treegen.tree.sharing_tree import SharingTree
 

@@ -1,19 +1,27 @@
-"""Decoding all live branches together, one token per branch per step, in phases.
+"""Decoding: every live branch of a tree run, one token per branch per step.
 
-A *phase* is a fixed set of live branches. It is planned once: every branch's leaf segment is
-planned as long as it can grow in the phase (keys not yet written sit at positions after every query,
-so the position mask hides them), so each step only advances device tensors in place — the token
-fed, its position, its KV slot, the step counter — and the same attention plan serves every step and
-layer. On CUDA the step is captured once per phase as a CUDA graph and replayed.
+The :class:`Decoder` keeps one entry per generating branch (its job, the tokens drawn so far) for the
+whole run; branches join when the step that computed their prompt drew their first token
+(:meth:`Decoder.draw`) and leave when they finish.
+
+Between steps that prefill new work, live branches decode in *phases*. A phase is a fixed set of
+live branches, planned once: every branch's leaf segment is planned as long as it can grow in the
+phase (keys not yet written sit at positions after every query, so the position mask hides them), so
+each step only advances device tensors in place — the token fed, its position, its KV slot, the step
+counter — and the same attention plan serves every step and layer. On CUDA the step is captured once
+per phase as a CUDA graph and replayed.
 
 The host looks at the generated tokens every ``sync_every`` steps (every step on the CPU): branches
-that hit EOS, a stop string or ``max_tokens`` are finished there, their extra tokens dropped. On CUDA
-this is pipelined: a block's tokens are copied to the host asynchronously and read while the next
-block's steps already run, so the decode loop never drains the GPU (a finished branch may run one
-block longer; its extra tokens are dropped). When at
-most half the branches are still live, the phase ends and a new, smaller one is planned, so finished
-branches leave the batch; those that take nothing more (``GenRequest.final``) free their KV then. Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a
-branch's tokens do not depend on phases, batch composition or ``sync_every``.
+that hit EOS, a stop string or ``max_tokens`` are finished there, their extra tokens dropped, and
+their jobs complete at once (the phase *yields*, so the caller can resume the programs waiting for
+them while the GPU keeps going). On CUDA this is pipelined: a block's tokens are copied to the host
+asynchronously and read while the next block's steps already run, so the decode loop never drains
+the GPU (a finished branch may run one block longer; its extra tokens are dropped). The phase ends
+when the scheduler says so (:meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end`: at most
+half the branches live, or enough new work waiting); branches that take nothing more
+(``GenRequest.final``) free their KV then. Sampling is counter-based (see
+:mod:`treegen.runtime.sampler`), so a branch's tokens do not depend on phases, batch composition or
+``sync_every``.
 """
 
 from __future__ import annotations
@@ -23,95 +31,82 @@ import dataclasses
 import torch
 
 from treegen.runtime.cuda_graph import capture
+from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams, sample
 
 
 class Decoder:
-    """Generates for a list of requests of one :class:`~treegen.runtime.engine.TreeRun`."""
+    """The generating branches of one :class:`~treegen.runtime.engine.TreeRun` (see module doc)."""
 
-    def __init__(self, run, gens) -> None:
-        self.tree_run, self.gens = run, gens
+    def __init__(self, run) -> None:
+        self.run = run
         self.model, self.tree, self.kv = run.model, run.tree, run.kv
         self.tokenizer = run.engine.tokenizer
         self.eos = self.model.eos_token_ids
         device = self.model.device
         self.graphs = run.engine.cuda_graphs and device.type == "cuda"
         self.sync_every = 8 if device.type == "cuda" else 1
-        self.out: list[list[int]] = [[] for _ in gens]
-        self.logprobs: list[list[float]] = [[] for _ in gens]
-        self.results: list = [None] * len(gens)
-        params = [g.params for g in gens]
-        self.temperature = torch.tensor([float(p.temperature) for p in params], device=device)
-        self.top_p = torch.tensor([float(p.top_p) for p in params], device=device)
-        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-        self.keys = torch.tensor([g.key for g in gens], dtype=torch.int64, device=device)
-        self.all_greedy = all(p.temperature == 0 for p in params)
-        self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
-
-    def _sample(self, logits, idx, steps):
-        return sample(logits, temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
-                      keys=self.keys[idx], steps=steps, all_greedy=self.all_greedy, filter_needed=self.filter_needed)
-
-    def run(self, first_logits: torch.Tensor) -> list:
-        """``first_logits [len(gens), vocab]``: the logits each branch's first token is drawn from."""
-        device = self.model.device
-        everyone = torch.arange(len(self.gens), device=device)
-        first = self._sample(first_logits, everyone, torch.zeros(len(self.gens), dtype=torch.int64, device=device))
-        first_lp = first_logits.log_softmax(-1).gather(1, first.unsqueeze(1)).squeeze(1)
-        live = []
-        for b, (t, lp) in enumerate(zip(first.tolist(), first_lp.tolist())):
-            self._accept(b, [t], [lp])
-            if self.results[b] is None:
-                live.append(b)
-            elif self.gens[b].final:
-                self.kv.free(self.gens[b].node)
-        self._report()
-        while live:
-            live = self._phase(live)
-        return self.results
-
-    def _report(self) -> None:
-        hook = self.tree_run.engine.on_step
-        if hook is not None:
-            live = [b for b in range(len(self.gens)) if self.results[b] is None]
-            done = sum(len(o) for o in self.out)
-            hook(len(live), done, done + sum(self.gens[b].params.max_tokens - len(self.out[b]) for b in live))
+        self.jobs: list[Job] = []  # branch b's job
+        self.out: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+        self.live: list[int] = []
+        self.tokens_done = 0
 
     # ---------------------------------------------------------------------------------------------
-    def _accept(self, b: int, new: list[int], logprobs: list[float]) -> bool:
-        """Append branch ``b``'s new tokens up to where it finishes; True when it finished."""
-        out, before = self.out[b], len(self.out[b])
-        result = None
-        for t, lp in zip(new, logprobs):
-            out.append(t)
-            self.logprobs[b].append(lp)
-            result = finished(out, self.gens[b].params, self.eos, self.tokenizer)
-            if result is not None:
-                self.results[b] = dataclasses.replace(result, logprobs=tuple(self.logprobs[b]))
-                break
-        self.tree.extend(self.gens[b].node, out[before:])  # one extend per branch per sync
-        return result is not None
+    def decode_rows(self) -> list[tuple[int, int]]:
+        """Each live branch's pending last token (sampled, no KV yet): its row in the next step."""
+        return [(n, len(self.tree.tokens(n)) - 1) for n in (self.jobs[b].request.node for b in self.live)]
 
-    def _phase(self, live: list[int]) -> list[int]:
-        tree, kv, model = self.tree, self.kv, self.model
+    def draw(self, logits: torch.Tensor, new_jobs: list[Job]) -> None:
+        """After a step that ran the live branches' decode rows and the conditioning rows of
+        ``new_jobs`` (gens), in that order: ``logits [live + new, vocab]``. Draws the next token of
+        every live branch and the first of every new one, on the host at once."""
+        first = len(self.jobs)
+        for job in new_jobs:
+            self.jobs.append(job)
+            self.out.append([])
+            self.logprobs.append([])
+        rows = self.live + list(range(first, len(self.jobs)))
+        if not rows:
+            return
+        device = logits.device
+        steps = torch.tensor([len(self.out[b]) for b in rows], dtype=torch.int64, device=device)
+        params = _Params([self.jobs[b] for b in rows], device)
+        nxt = params.sample(logits, torch.arange(len(rows), device=device), steps)
+        lp = logits.log_softmax(-1).gather(1, nxt.unsqueeze(1)).squeeze(1)
+        still = []
+        for b, t, p in zip(rows, nxt.tolist(), lp.tolist()):
+            if not self._accept(b, [t], [p]):
+                still.append(b)
+            elif self.jobs[b].request.final:
+                self.kv.free(self.jobs[b].request.node)
+        self.live = still
+        self._report()
+
+    # ---------------------------------------------------------------------------------------------
+    def phase(self):
+        """Decode the live branches until the scheduler ends the phase; a generator that yields
+        whenever branches finished (their jobs are complete), see the module docstring."""
+        run, tree, kv, model = self.run, self.tree, self.kv, self.model
         device = model.device
-        self.tree_run.decode_phases.append(len(live))
-        nodes = [self.gens[b].node for b in live]
-        remaining = [self.gens[b].params.max_tokens - len(self.out[b]) for b in live]
-        rows = [(n, len(tree.tokens(n)) - 1) for n in nodes]  # each branch's pending last token
-        input_ids, slots, plan = self.tree_run.plan_rows(rows, grow={n: r for n, r in zip(nodes, remaining)})
+        live = list(self.live)
+        run.decode_phases.append(len(live))
+        nodes = [self.jobs[b].request.node for b in live]
+        remaining = [self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in live]
+        input_ids, slots, plan = run.plan_rows(self.decode_rows(), grow=dict(zip(nodes, remaining)))
         slot_limit = slots + torch.tensor(remaining, device=device) - 1  # never write past a reservation
-        idx = torch.tensor(live, device=device)
+        params = _Params([self.jobs[b] for b in live], device)
+        idx = torch.arange(len(live), device=device)
         steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
         width = max(remaining)
         buf = torch.zeros(len(live), width, dtype=torch.int64, device=device)
         lp_buf = torch.zeros(len(live), width, dtype=torch.float32, device=device)
         column = torch.zeros(len(live), 1, dtype=torch.int64, device=device)
-        attend = self.tree_run.attend_fn(plan, slots)
+        attend = run.attend_fn(plan, slots)
 
         def step() -> None:
             logits = model.forward(input_ids, plan.query_pos, attend)
-            nxt = self._sample(logits, idx, steps)
+            nxt = params.sample(logits, idx, steps)
             buf.scatter_(1, column, nxt.unsqueeze(1))
             lp_buf.scatter_(1, column, logits.log_softmax(-1).gather(1, nxt.unsqueeze(1)))
             input_ids.copy_(nxt)
@@ -122,37 +117,70 @@ class Decoder:
 
         replay = self._capture(step) if self.graphs and plan.backend == "triton" else None
         pipelined = device.type == "cuda"
-        done_steps, still, pending = 0, list(live), None
+        done_steps, pending = 0, None
         for t in range(width):
             (replay or step)()
-            self.tree_run.forward_passes += 1
+            run.forward_passes += 1
             if (t + 1) % self.sync_every and t + 1 < width:
                 continue
+            run.scheduler.tick(t + 1 - done_steps)
             block = _Block(buf, lp_buf, done_steps, t + 1, pipelined)
             done_steps = t + 1
             if pipelined:  # look at the previous block while this one's steps run: the GPU never waits
                 block, pending = pending, block
                 if block is None:
                     continue
-            still = self._settle(live, block)
-            if not still or 2 * len(still) <= len(live):
+            before = len(self.live)
+            self._settle(live, block)
+            if run.scheduler.phase_should_end(len(live), len(self.live)):
                 break
+            if len(self.live) < before:
+                yield  # jobs completed: their programs may resume (and queue work) while the GPU runs
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
-            still = self._settle(live, pending)
+            self._settle(live, pending)
+        alive = set(self.live)
         for b, n in zip(live, nodes):
-            if self.results[b] is not None and self.gens[b].final:
+            if b not in alive and self.jobs[b].request.final:
                 kv.free(n)  # a finished branch that takes nothing more gives its KV back at once
-            else:  # KV is written for every token but each branch's last
-                kv.segments[n].computed = len(tree.tokens(n)) - 1
-        self._report()
-        return still
+            elif n in kv.segments:  # (its program may have ended and freed it meanwhile)
+                kv.segments[n].computed = len(tree.tokens(n)) - 1  # KV is written for all but the last token
 
-    def _settle(self, live: list[int], block: "_Block") -> list[int]:
-        """Accept a block of sampled tokens for the branches still live; returns those still live after."""
+    def _settle(self, live: list[int], block: "_Block") -> None:
+        """Accept a block of sampled tokens of the phase's branches ``live`` (those still live)."""
         tokens, lps = block.read()
-        still = [b for j, b in enumerate(live) if self.results[b] is None and not self._accept(b, tokens[j], lps[j])]
+        alive = set(self.live)
+        finished = {b for j, b in enumerate(live) if b in alive and self._accept(b, tokens[j], lps[j])}
+        if finished:
+            self.live = [b for b in self.live if b not in finished]
         self._report()
-        return still
+
+    # ---------------------------------------------------------------------------------------------
+    def _accept(self, b: int, new: list[int], logprobs: list[float]) -> bool:
+        """Append branch ``b``'s new tokens up to where it finishes; True when it finished (its job
+        is then complete)."""
+        job = self.jobs[b]
+        out, before = self.out[b], len(self.out[b])
+        result = None
+        for t, lp in zip(new, logprobs):
+            out.append(t)
+            self.logprobs[b].append(lp)
+            result = finished(out, job.request.params, self.eos, self.tokenizer)
+            if result is not None:
+                break
+        self.tree.extend(job.request.node, out[before:])  # one extend per branch per sync
+        self.tokens_done += len(out) - before
+        if job.on_tokens is not None:
+            job.on_tokens(tuple(out))
+        if result is not None:
+            self.run.complete(job, dataclasses.replace(result, logprobs=tuple(self.logprobs[b])))
+            return True
+        return False
+
+    def _report(self) -> None:
+        hook = self.run.engine.on_step
+        if hook is not None:
+            left = sum(self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in self.live)
+            hook(len(self.live), self.tokens_done, self.tokens_done + left)
 
     @staticmethod
     def _capture(step):
@@ -168,6 +196,23 @@ class Decoder:
             graph.replay()
 
         return replay
+
+
+class _Params:
+    """The sampling parameters of some branches as device tensors, row by row."""
+
+    def __init__(self, jobs: list[Job], device) -> None:
+        params: list[SamplingParams] = [j.request.params for j in jobs]
+        self.temperature = torch.tensor([float(p.temperature) for p in params], device=device)
+        self.top_p = torch.tensor([float(p.top_p) for p in params], device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        self.keys = torch.tensor([j.request.key for j in jobs], dtype=torch.int64, device=device)
+        self.all_greedy = all(p.temperature == 0 for p in params)
+        self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
+
+    def sample(self, logits, idx, steps):
+        return sample(logits, temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
+                      keys=self.keys[idx], steps=steps, all_greedy=self.all_greedy, filter_needed=self.filter_needed)
 
 
 class _Block:
@@ -192,11 +237,9 @@ class _Block:
         return self.tokens.tolist(), self.logprobs.tolist()
 
 
-def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer):
-    """The :class:`~treegen.runtime.engine.GenResult` of a branch whose generated ``tokens`` end
+def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer) -> GenResult | None:
+    """The :class:`~treegen.runtime.requests.GenResult` of a branch whose generated ``tokens`` end
     it (stop string, EOS, ``max_tokens``), else None."""
-    from treegen.runtime.engine import GenResult
-
     if params.stop:
         text = tokenizer.decode(tokens)
         hits = [text.find(s) for s in params.stop if s in text]

@@ -1,66 +1,41 @@
-"""Runs a model over a sharing tree: one batched prefill of everything pending, then decoding.
+"""Runs a model over a sharing tree, continuously: jobs arrive at any time and complete on their own.
 
 An :class:`Engine` holds a loaded model and tokenizer. :meth:`Engine.start` opens a :class:`TreeRun`:
-a sharing tree plus the KV store for its nodes. The language layer grows the tree and calls
-:meth:`TreeRun.execute` with generation and scoring requests; the run
+a sharing tree plus the KV store for its nodes. The language layer grows the tree and submits
+generation and scoring requests (:meth:`TreeRun.submit`); :meth:`TreeRun.advance` runs the engine's
+loop until at least one job completes, so a program resumes as soon as its own work is done while
+the others keep decoding. Each step of the loop is decided by the
+:class:`~treegen.runtime.scheduler.Scheduler` (admission by KV memory, which new tokens to prefill)
+and run here:
 
-1. prefills, in one forward pass (in chunks of ``max_prefill_tokens``), every token of every node on
-   the requests' paths that has no KV yet (a child's tokens attend to their ancestors' KV through the
-   tree-attention decomposition; every node is prefilled once however many branches lie below it);
-   KV memory is planned first, and over-large workloads run in groups (:mod:`~treegen.runtime.schedule`);
-2. scores ``select`` choices from that pass (length-normalised log-probability);
-3. decodes all generation requests together, one token per live branch per step, with hierarchical
-   attention, in phases (:mod:`~treegen.runtime.decode`); finished branches leave the batch.
+* a step with new work is one forward pass over every live branch's next token **and** the new
+  tokens of admitted jobs' nodes (each node prefilled once however many branches lie below it; a
+  child's tokens attend to their ancestors' KV through the tree-attention decomposition); new gens
+  draw their first token from it, ``select`` choices are scored from it (length-normalised
+  log-probability);
+* otherwise the live branches decode in phases planned once and captured as CUDA graphs
+  (:mod:`~treegen.runtime.decode`); finished branches leave, new work joins when the scheduler ends
+  the phase.
 
 The last sampled token of a branch is appended to its node without KV; it is computed when the
 branch continues. When a request's conditioning token already has KV (e.g. a fork after a finished
 phase), that token is run again as a query and writes the identical KV into its own slot.
+:meth:`TreeRun.execute` is the static special case: submit everything, run until all is done.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import networkx as nx
 import torch
 
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
+from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
-from treegen.runtime.sampler import SamplingParams
-from treegen.runtime.schedule import KVBudget, release_after, request_slots, schedule
+from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
+from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
 from treegen.tree.sharing_tree import KVShape, SharingTree
 
-
-@dataclass(frozen=True)
-class GenRequest:
-    """Generate into ``node`` (a leaf owned by one branch). ``key``: the branch's random key.
-    ``final``: the branch takes nothing more afterwards, so its KV may be freed once it is done
-    (what lets a workload too big for memory run in groups, see :mod:`treegen.runtime.schedule`)."""
-
-    node: int
-    params: SamplingParams
-    key: int
-    final: bool = False
-
-
-@dataclass(frozen=True)
-class GenResult:
-    """A branch's generation: its tokens, the text (stop string excluded), why it ended, and the
-    natural-log probability of each token under the distribution it was drawn from (before
-    temperature and filtering)."""
-
-    tokens: tuple[int, ...]
-    text: str
-    finish_reason: str  # "eos" | "stop" | "length"
-    logprobs: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class ScoreRequest:
-    """Score each child ``choices[i]`` of ``parent`` by its mean token log-probability."""
-
-    parent: int
-    choices: tuple[int, ...]
+__all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "ScoreRequest", "TreeRun"]
 
 
 ATTENTION_MODES = ("tree", "flat", "none")
@@ -75,7 +50,8 @@ class Engine:
     benchmarks, functionally wrong). cuda_graphs: capture each decode phase's step on CUDA.
     max_prefill_tokens: prefill runs in chunks of at most this many tokens (bounded activations).
     kv_budget_bytes: KV memory a run may use (default: the free device memory on CUDA, no limit on
-    the CPU); workloads over it run in groups (:mod:`treegen.runtime.schedule`).
+    the CPU); work is admitted while its KV fits, the rest waits for finished branches to free
+    theirs (:mod:`treegen.runtime.scheduler`).
     """
 
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
@@ -112,7 +88,7 @@ class Engine:
 
 
 class TreeRun:
-    """One sharing tree and the KV of its nodes."""
+    """One sharing tree, the KV of its nodes, and the jobs running over it (see the module doc)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -121,9 +97,104 @@ class TreeRun:
         m = self.model
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                           dtype=m.dtype, device=m.device)
+        self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens)
+        self.decoder = Decoder(self)
         self.forward_passes = 0
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
-        self.groups: list[int] = []  # memory groups each execute() ran in (1 = everything fit)
+        self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
+        self._phase = None  # the running decode phase (a generator), if any
+        self._completed: list[Job] = []
+
+    # jobs ----------------------------------------------------------------------------------------
+    def submit(self, request: GenRequest | ScoreRequest, on_done=None, on_tokens=None) -> Job:
+        """Queue a request; it runs when :meth:`advance` is called. Returns its :class:`Job`.
+        Raises at once for a request that can never run (a gen into a node with children, or past
+        the model's context)."""
+        if isinstance(request, GenRequest):
+            tree = self.tree
+            if tree.children(request.node):
+                raise RuntimeError(f"gen into node {request.node}, which has children")
+            total = len(tree.path_tokens(request.node)) + request.params.max_tokens
+            if total > self.model.max_context:
+                raise ValueError(f"a branch would reach {total} tokens (prompt + max_tokens={request.params.max_tokens}), "
+                                 f"past the model's context of {self.model.max_context}")
+        elif not isinstance(request, ScoreRequest):
+            raise TypeError(f"submit expects a GenRequest or ScoreRequest, got {type(request).__name__}")
+        job = Job(request, on_done=on_done, on_tokens=on_tokens)
+        self.scheduler.submit(job)
+        return job
+
+    def busy(self) -> bool:
+        """Jobs are waiting, prefilling or decoding."""
+        return self._phase is not None or bool(self.decoder.live) or self.scheduler.has_work()
+
+    def advance(self) -> list[Job]:
+        """Run the engine's loop until at least one job completes; returns the jobs that did (their
+        ``on_done`` already called). An empty list: nothing is left to run."""
+        while not self._completed:
+            if self._phase is not None:
+                try:
+                    next(self._phase)
+                except StopIteration:
+                    self._phase = None
+                continue
+            step = self.scheduler.next_step(len(self.decoder.live))
+            for job in step.refused:
+                self.complete(job, None)
+            if step.runs_model:
+                self._run_step(step)
+            elif self.decoder.live:
+                self._phase = self.decoder.phase()
+            elif not step.refused:
+                if self.scheduler.has_work():  # the scheduler refuses what cannot fit when nothing runs
+                    raise RuntimeError("the engine has waiting jobs but nothing it can run (a scheduler bug)")
+                break
+        done, self._completed = self._completed, []
+        return done
+
+    def complete(self, job: Job, result) -> None:
+        """Record a job's result (``job.error`` set: refused) and tell its submitter."""
+        job.result, job.done = result, True
+        self._completed.append(job)
+        if job.on_done is not None:
+            job.on_done(job)
+
+    def execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
+        """Run these requests to completion (the static case: everything known up front); returns
+        the generations and the choice scores in request order. A refused request raises its error."""
+        jobs = [self.submit(r) for r in [*gens, *scores]]
+        while not all(j.done for j in jobs) and self.advance():
+            pass
+        for j in jobs:
+            if j.error is not None:
+                raise j.error
+        return [j.result for j in jobs[: len(gens)]], [j.result for j in jobs[len(gens):]]
+
+    def _run_step(self, step) -> None:
+        """One forward pass: the live branches' decode rows, then ``step.rows``; draws the live
+        branches' next tokens and the first tokens of ready gens, and scores ready selects."""
+        tree, dec = self.tree, self.decoder
+        decode_rows = dec.decode_rows()
+        rows = decode_rows + step.rows
+        row_of = {r: j for j, r in enumerate(rows)}
+        gens = [j for j in step.ready if j.is_gen]
+        scores = [j for j in step.ready if not j.is_gen]
+        wanted = [row_of[r] for r in decode_rows] + [row_of[conditioning_row(tree, j.request.node)] for j in gens]
+        per_score = [score_rows(tree, j) for j in scores]
+        for rs in per_score:
+            wanted += [row_of[r] for choice in rs for r in choice]
+        logits = self._forward(rows, wanted)
+        self.mixed_steps += 1
+        dec.draw(logits[: len(decode_rows) + len(gens)], gens)
+        at = len(decode_rows) + len(gens)
+        for job, rs in zip(scores, per_score):
+            vals = []
+            for c, choice_rows in zip(job.request.choices, rs):
+                targets = torch.tensor(tree.tokens(c), device=self.model.device)
+                lp = logits[at : at + len(choice_rows)].log_softmax(-1).gather(1, targets.unsqueeze(1))
+                vals.append(float(lp.mean()))
+                at += len(choice_rows)
+            self.complete(job, vals)
 
     # ---------------------------------------------------------------------------------------------
     def free(self, node: int) -> None:
@@ -131,13 +202,6 @@ class TreeRun:
         for n in [node, *sorted(nx.descendants(self.tree.graph, node))]:
             self.kv.free(n)
         self.tree.prune(node)
-
-    def _conditioning_row(self, node: int) -> tuple[int, int]:
-        """(node, index) of the last token on ``node``'s path — the one whose logits come next."""
-        for n in reversed(self.tree.path(node)):
-            if self.tree.tokens(n):
-                return n, len(self.tree.tokens(n)) - 1
-        raise ValueError("nothing to condition on: append some text before gen or select")
 
     def plan_rows(self, rows: list[tuple[int, int]], grow: dict[int, int] | None = None):
         """Inputs and attention plan for running the (node, index) token ``rows`` through the model.
@@ -236,7 +300,7 @@ class TreeRun:
 
     # ---------------------------------------------------------------------------------------------
     def kv_budget(self) -> KVBudget:
-        """The KV memory this run may use: ``engine.kv_budget_bytes`` if set; on CUDA what it holds
+        """The KV memory this run may use: ``engine.kv_budget_bytes`` if set; on CUDA its slot pool
         plus what the device has free (cached blocks included) less a margin for activations; on the
         CPU no limit."""
         kv, engine = self.kv, self.engine
@@ -246,71 +310,4 @@ class TreeRun:
             return KVBudget(None, kv.bytes_per_token)
         free, total = torch.cuda.mem_get_info(kv.device)
         free += torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
-        return KVBudget(kv.bytes_reserved() + int(free - max(0.1 * total, 4 * 2**30)), kv.bytes_per_token)
-
-    def execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
-        """Prefill what the requests need, score the choices, generate; see the module docstring.
-
-        KV memory is planned first; requests that do not fit run in groups (see
-        :mod:`treegen.runtime.schedule`), and ``groups`` records how many ran."""
-        groups = schedule(self.tree, self.kv, gens, scores, self.kv_budget())
-        self.groups.append(len(groups))
-        if len(groups) == 1:
-            return self._execute(gens, scores)
-        # size the pool for the largest group now, while little is written: growing a pool that holds
-        # KV copies it (old and new side by side), which a pool sized near the budget cannot afford
-        self.kv.ensure_free(max(sum(request_slots(self.tree, self.kv, group, []).values()) for group in groups))
-        done: dict[int, GenResult] = {}
-        for i, group in enumerate(groups):
-            results, _ = self._execute(group, [])
-            done.update({id(g): r for g, r in zip(group, results)})
-            release_after(self.tree, self.kv, group, [g for later in groups[i + 1:] for g in later])
-        return [done[id(g)] for g in gens], []
-
-    def _execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
-        tree, kv = self.tree, self.kv
-        max_context = self.model.max_context
-        kv.ensure_free(sum(request_slots(tree, kv, gens, scores).values()))
-        for g in gens:
-            if tree.children(g.node):
-                raise RuntimeError(f"gen into node {g.node}, which has children")
-            total = len(tree.path_tokens(g.node)) + g.params.max_tokens
-            if total > max_context:
-                raise ValueError(f"a branch would reach {total} tokens (prompt + max_tokens={g.params.max_tokens}), "
-                                 f"past the model's context of {max_context}")
-            kv.reserve(g.node, len(tree.tokens(g.node)) + g.params.max_tokens)
-        # 1. rows: every pending token on the requests' paths, plus conditioning tokens to re-run
-        wanted = [g.node for g in gens] + [c for s in scores for c in s.choices]
-        pending = sorted({n for w in wanted for n in tree.path(w) if kv.computed(n) < len(tree.tokens(n))})
-        rows = [(n, i) for n in pending for i in range(kv.computed(n), len(tree.tokens(n)))]
-        row_of = {r: j for j, r in enumerate(rows)}
-        cond = [self._conditioning_row(g.node) for g in gens] + [self._conditioning_row(s.parent) for s in scores]
-        for r in cond:
-            if r not in row_of:
-                row_of[r] = len(rows)
-                rows.append(r)
-        score_rows = [[cond[len(gens) + k]] + [(c, i) for i in range(len(tree.tokens(c)) - 1)]
-                      for k, s in enumerate(scores) for c in s.choices]
-        logit_keys = sorted({r for r in cond} | {r for rs in score_rows for r in rs}, key=row_of.__getitem__)
-        logits = self._forward(rows, [row_of[r] for r in logit_keys]) if rows else None
-        at = {r: j for j, r in enumerate(logit_keys)}
-
-        # 2. select scores
-        score_out, flat = [], iter(score_rows)
-        for s in scores:
-            vals = []
-            for c in s.choices:
-                src = next(flat)
-                targets = torch.tensor(tree.tokens(c), device=self.model.device)
-                lp = logits[[at[r] for r in src]].log_softmax(-1).gather(1, targets.unsqueeze(1))
-                vals.append(float(lp.mean()))
-            score_out.append(vals)
-        if not gens:
-            return [], score_out
-        first = logits[[at[cond[k]] for k in range(len(gens))]]
-        return self._decode(gens, first), score_out
-
-    def _decode(self, gens: list[GenRequest], logits: torch.Tensor) -> list[GenResult]:
-        from treegen.runtime.decode import Decoder
-
-        return Decoder(self, gens).run(logits)
+        return KVBudget(kv.num_slots * kv.bytes_per_token + int(free - max(0.1 * total, 4 * 2**30)), kv.bytes_per_token)

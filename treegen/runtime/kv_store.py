@@ -51,9 +51,13 @@ class KVStore:
         """Bytes of KV actually written, summed over nodes (each shared node counted once)."""
         return sum(s.computed for s in self.segments.values()) * self.bytes_per_token
 
+    def slots_reserved(self) -> int:
+        """Slots owned by nodes (written or reserved for generation)."""
+        return sum(s.capacity for s in self.segments.values())
+
     def bytes_reserved(self) -> int:
         """Bytes of the slot ranges owned by nodes (written or reserved for generation)."""
-        return sum(s.capacity for s in self.segments.values()) * self.bytes_per_token
+        return self.slots_reserved() * self.bytes_per_token
 
     def reserve(self, node: int, length: int) -> Segment:
         """Make sure ``node`` owns at least ``length`` slots, moving its written KV if it must grow."""

@@ -1,0 +1,65 @@
+"""What the language layer asks of a tree run, and what it gets back.
+
+A :class:`GenRequest` or :class:`ScoreRequest` is submitted to a :class:`~treegen.runtime.engine.TreeRun`
+and becomes a :class:`Job`: it waits for KV memory, is admitted, its new tokens are prefilled, and it
+completes (its ``result`` set, its ``on_done`` called) as soon as its own work is done — other jobs
+keep running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from treegen.runtime.sampler import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """Generate into ``node`` (a leaf owned by one branch). ``key``: the branch's random key.
+    ``final``: the branch takes nothing more afterwards, so its KV may be freed once it is done
+    (what lets a workload too big for memory run a part at a time)."""
+
+    node: int
+    params: SamplingParams
+    key: int
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class GenResult:
+    """A branch's generation: its tokens, the text (stop string excluded), why it ended, and the
+    natural-log probability of each token under the distribution it was drawn from (before
+    temperature and filtering)."""
+
+    tokens: tuple[int, ...]
+    text: str
+    finish_reason: str  # "eos" | "stop" | "length"
+    logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Score each child ``choices[i]`` of ``parent`` by its mean token log-probability."""
+
+    parent: int
+    choices: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class Job:
+    """A submitted request. ``result``: a :class:`GenResult`, the list of choice scores, or the
+    exception that refused it (``error``). ``on_done(job)`` is called once, when it completes;
+    ``on_tokens(tokens)`` (gens only) with every branch's tokens so far, each time new ones are seen."""
+
+    request: GenRequest | ScoreRequest
+    on_done: Callable[["Job"], None] | None = None
+    on_tokens: Callable[[tuple[int, ...]], None] | None = None
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = False
+    waited_steps: int = field(default=0, repr=False)  # engine steps it waited for admission
+
+    @property
+    def is_gen(self) -> bool:
+        return isinstance(self.request, GenRequest)

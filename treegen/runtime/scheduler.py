@@ -1,0 +1,232 @@
+"""The engine's step decisions, as plain data: what is admitted, what is prefilled, when to replan.
+
+Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine step the
+:class:`Scheduler` returns a :class:`Step`:
+
+* **admission by memory** — waiting jobs enter in arrival order while the KV they may need (the
+  tokens of every path node not yet in memory, and each generating branch's tokens plus
+  ``max_tokens``) fits the budget; their slots are reserved at once, so a run never runs out of KV
+  memory half way. The rest wait until finished branches free theirs. A job that needs more than the
+  whole budget is refused at once; one that cannot fit while nothing runs (the memory is held by
+  branches that continue) is refused too, with the sizes, rather than waiting forever.
+* **token batching** (BatchLLM's memory-centric batching) — every live branch decodes one token
+  each step; the rows of admitted jobs' new nodes (parents first) fill the step up to
+  ``token_budget`` tokens, a whole job at a time (at least one job per step, so a large prompt still
+  moves). A job whose rows are all in the step is *ready*: a gen draws its first token from the
+  step's logits and joins decoding, a score is computed.
+* **phases** — between steps that prefill, live branches decode in phases planned once (see
+  :mod:`~treegen.runtime.decode`); :meth:`Scheduler.phase_should_end` says when a phase should stop
+  so that finished branches leave and new work joins.
+
+Nothing here touches the model: the scheduler reads the sharing tree and the KV store's segments, so
+it is tested on the CPU without one (``tests/test_scheduler.py``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from treegen.runtime.requests import GenRequest, Job
+
+# A decode phase stops for new work once the new jobs plus the branches finished since it began reach
+# this fraction of its size (replanning costs about a step; waiting costs the new jobs' progress)...
+REPLAN_FRACTION = 0.25
+# ...or once new work has waited this many decode steps, whatever its size.
+MAX_WAIT_STEPS = 64
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """Bytes the KV cache may use in all (``None``: no limit, e.g. on the CPU) and per token."""
+
+    total_bytes: int | None
+    bytes_per_token: int
+
+    @property
+    def slots(self) -> int | None:
+        return None if self.total_bytes is None else self.total_bytes // self.bytes_per_token
+
+
+@dataclass
+class Step:
+    """One engine step. ``rows``: the (node, index) tokens to run besides the live branches' decode
+    rows — new tokens of admitted jobs' paths (parents first) and conditioning tokens run again;
+    ``ready``: jobs whose rows are all in ``rows`` (complete after this step); ``admitted`` /
+    ``refused``: jobs that entered or were turned away (``job.error`` says why) at this step."""
+
+    rows: list[tuple[int, int]] = field(default_factory=list)
+    ready: list[Job] = field(default_factory=list)
+    admitted: list[Job] = field(default_factory=list)
+    refused: list[Job] = field(default_factory=list)
+
+    @property
+    def runs_model(self) -> bool:
+        return bool(self.rows or self.ready)
+
+
+def conditioning_row(tree, node: int) -> tuple[int, int]:
+    """(node, index) of the last token on ``node``'s path — the one whose logits come next."""
+    for n in reversed(tree.path(node)):
+        if tree.tokens(n):
+            return n, len(tree.tokens(n)) - 1
+    raise ValueError("nothing to condition on: append some text before gen or select")
+
+
+def score_rows(tree, job: Job) -> list[list[tuple[int, int]]]:
+    """For a score job: per choice, the rows whose logits predict the choice's tokens."""
+    cond = conditioning_row(tree, job.request.parent)
+    return [[cond] + [(c, i) for i in range(len(tree.tokens(c)) - 1)] for c in job.request.choices]
+
+
+class Scheduler:
+    """Decides each step of one tree run (see the module docstring).
+
+    ``budget()``: the current :class:`KVBudget` (asked only when jobs wait); ``token_budget``: rows a
+    step aims for, decode rows included."""
+
+    def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int) -> None:
+        self.tree, self.kv, self.budget, self.token_budget = tree, kv, budget, token_budget
+        self.waiting: deque[Job] = deque()
+        self.admitted: list[Job] = []  # admitted, rows not run yet
+        self.clock = 0  # decode steps run so far (advanced by the engine)
+        self._work_since: int | None = None  # clock when the oldest waiting work arrived
+        self.memory_waits = 0  # steps at which a job waited for memory (a workload over the budget)
+        self.peak_slots = 0  # the most KV slots reserved at once
+
+    # ------------------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        if self._work_since is None:
+            self._work_since = self.clock
+        self.waiting.append(job)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.admitted)
+
+    def tick(self, steps: int = 1) -> None:
+        self.clock += steps
+
+    def phase_should_end(self, size: int, live: int) -> bool:
+        """A decode phase of ``size`` branches, ``live`` of them still generating: stop it now?"""
+        if live == 0 or 2 * live <= size:
+            return True
+        new = len(self.waiting) + len(self.admitted)
+        if not new:
+            return False
+        return (size - live) + new >= REPLAN_FRACTION * size or self.clock - (self._work_since or 0) >= MAX_WAIT_STEPS
+
+    # ------------------------------------------------------------------------------------------------
+    def next_step(self, live: int) -> Step:
+        """The next step, given ``live`` decoding branches (each one decode row in the step)."""
+        step = Step()
+        if self.waiting:
+            self._admit(step, busy=live > 0 or bool(self.admitted))
+        self._take_rows(step, room=self.token_budget - live)
+        if not self.waiting and not self.admitted:
+            self._work_since = None
+        elif step.ready:
+            self._work_since = self.clock
+        return step
+
+    def need(self, job: Job, counted: set[int] | frozenset = frozenset()) -> dict[int, int]:
+        """Slots ``job`` adds: every path node without KV (and not in ``counted``) at its length, and
+        a generating node at its tokens plus ``max_tokens`` (less what it already owns)."""
+        tree, kv = self.tree, self.kv
+        req = job.request
+        ends = [req.node] if isinstance(req, GenRequest) else [req.parent, *req.choices]
+        need = {n: len(tree.tokens(n)) for end in ends for n in tree.path(end)
+                if n not in kv.segments and n not in counted}
+        if isinstance(req, GenRequest):
+            have = kv.segments[req.node].capacity if req.node in kv.segments else 0
+            need[req.node] = max(0, len(tree.tokens(req.node)) + req.params.max_tokens - have)
+        return need
+
+    def _admit(self, step: Step, busy: bool) -> None:
+        budget = self.budget()
+        total = budget.slots
+        reserved = self.kv.slots_reserved()
+        counted: set[int] = set()
+        taken: list[tuple[Job, dict[int, int]]] = []
+        while self.waiting:
+            job = self.waiting[0]
+            need = self.need(job, counted)
+            slots = sum(need.values())
+            if total is not None and reserved + slots > total:
+                alone = sum(self.need(job).values())
+                if alone > total:
+                    job.error = MemoryError(
+                        f"this {_what(job)} needs {_size(alone, budget)} of KV, more than the whole KV budget "
+                        f"of {_size(total, budget)}")
+                elif not busy and not taken:
+                    free = total - self.kv.slots_reserved()
+                    job.error = MemoryError(
+                        f"this {_what(job)} needs {_size(slots, budget)} of KV and only {_size(free, budget)} of the "
+                        f"{_size(total, budget)} budget is free; the rest is held by branches that continue "
+                        f"afterwards (not final), so waiting would never free it")
+                else:
+                    self.memory_waits += 1
+                    break
+                self.waiting.popleft()
+                step.refused.append(job)
+                continue
+            self.waiting.popleft()
+            taken.append((job, need))
+            counted |= set(need)
+            reserved += slots
+        if not taken:
+            return
+        self.kv.ensure_free(sum(sum(need.values()) for _, need in taken))
+        for job, need in taken:
+            for node in need:
+                req = job.request
+                grow = req.params.max_tokens if isinstance(req, GenRequest) and node == req.node else 0
+                self.kv.reserve(node, max(len(self.tree.tokens(node)) + grow, 1))
+            step.admitted.append(job)
+            self.admitted.append(job)
+        self.peak_slots = max(self.peak_slots, self.kv.slots_reserved())
+
+    def _take_rows(self, step: Step, room: int) -> None:
+        """Move admitted jobs into the step, whole, while their rows fit ``room`` (at least one)."""
+        seen: set[tuple[int, int]] = set()
+        keep: list[Job] = []
+        for job in self.admitted:
+            rows = self._rows(job, seen)
+            if step.ready and len(step.rows) + len(rows) > room:
+                keep.append(job)
+                continue
+            for r in rows:
+                seen.add(r)
+            step.rows += rows
+            step.ready.append(job)
+        self.admitted = keep
+        # parents before children (ids do not promise it: prefix sharing inserts parents later)
+        depth = {n: len(self.tree.path(n)) for n in {n for n, _ in step.rows}}
+        step.rows.sort(key=lambda r: (depth[r[0]], r[0], r[1]))
+
+    def _rows(self, job: Job, seen: set[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Rows ``job`` adds to a step that already has ``seen``: its paths' tokens without KV, then its
+        conditioning rows (run again when their KV exists: the same KV is written again)."""
+        tree, kv = self.tree, self.kv
+        req = job.request
+        ends = [req.node] if isinstance(req, GenRequest) else [req.parent, *req.choices]
+        rows: list[tuple[int, int]] = []
+        for n in sorted({n for end in ends for n in tree.path(end)}):
+            rows += [(n, i) for i in range(kv.computed(n), len(tree.tokens(n))) if (n, i) not in seen]
+        cond = conditioning_row(tree, req.node if isinstance(req, GenRequest) else req.parent)
+        if cond not in seen and cond not in rows:
+            rows.append(cond)
+        return rows
+
+
+def _what(job: Job) -> str:
+    req = job.request
+    if isinstance(req, GenRequest):
+        return f"gen (node {req.node}, max_tokens={req.params.max_tokens})"
+    return f"select (node {req.parent}, {len(req.choices)} choices)"
+
+
+def _size(slots: int, budget: KVBudget) -> str:
+    """``slots`` KV tokens, and their bytes."""
+    n = slots * budget.bytes_per_token
+    return f"{slots} tokens ({n / 2**30:.2f} GiB)" if n >= 2**26 else f"{slots} tokens ({n / 2**20:.2f} MiB)"
