@@ -13,7 +13,7 @@ from treegen.display.html import compiled_html, program_html, result_html, tree_
 from treegen.display.results import own_text
 from treegen.display.text import compiled_text, result_text
 from treegen.lang import reduce
-from treegen.runtime.engine import GenResult
+from treegen.runtime.requests import GenRequest, GenResult, Job
 from treegen.tree.sharing_tree import KVShape, SharingTree
 
 
@@ -36,20 +36,38 @@ class ScriptedRun:
     def __init__(self, engine):
         self.engine, self.tree, self.forward_passes = engine, SharingTree(), 0
         self.kv = types.SimpleNamespace(segments={}, free=lambda node: None)
+        self.queue = []
 
     def free(self, node):
         self.tree.prune(node)
 
-    def execute(self, gens, scores):
+    def submit(self, request, on_done=None, on_tokens=None):
+        job = Job(request, on_done=on_done, on_tokens=on_tokens)
+        self.queue.append(job)
+        return job
+
+    def busy(self):
+        return bool(self.queue)
+
+    def cancel(self, job):
+        self.queue.remove(job)
+
+    def advance(self):
+        """Completes every queued job in one pass."""
         self.forward_passes += 1
-        out = []
-        for g in gens:
-            text = f" The answer is {g.key % 3 + 4}."[: g.params.max_tokens]
-            ids = [ord(c) for c in text]
-            self.tree.extend(g.node, ids)
-            out.append(GenResult(tuple(ids), text, "stop" if len(text) < g.params.max_tokens else "length"))
-        # select: the shortest choice scores best
-        return out, [[-len(self.tree.tokens(c)) / 10 for c in s.choices] for s in scores]
+        jobs, self.queue = self.queue, []
+        for job in jobs:
+            req = job.request
+            if isinstance(req, GenRequest):
+                text = f" The answer is {req.key % 3 + 4}."[: req.params.max_tokens]
+                ids = [ord(c) for c in text]
+                self.tree.extend(req.node, ids)
+                job.result = GenResult(tuple(ids), text, "stop" if len(text) < req.params.max_tokens else "length")
+            else:  # select: the shortest choice scores best
+                job.result = [-len(self.tree.tokens(c)) / 10 for c in req.choices]
+            job.done = True
+            job.on_done(job)
+        return jobs
 
 
 class ScriptedEngine:

@@ -6,10 +6,13 @@ Hydragen attention (:mod:`treegen.kernels`): every node's KV is stored and read 
 """
 
 from treegen.lang import (
+    BatchInterrupted,
     CompiledProgram,
     ForkGroup,
     Program,
+    ProgramError,
     State,
+    TokenStream,
     UnsetVariableError,
     assistant,
     best,
@@ -27,7 +30,7 @@ from treegen.runtime import Engine, ModelNotFoundError, SamplingParams, Unsuppor
 from treegen.tree import KVShape, SharingTree, TreeStats
 
 __all__ = [
-    "CompiledProgram", "Engine", "ForkGroup", "KVShape", "ModelNotFoundError", "Program", "SamplingParams",
+    "BatchInterrupted", "CompiledProgram", "ProgramError", "TokenStream", "Engine", "ForkGroup", "KVShape", "ModelNotFoundError", "Program", "SamplingParams",
     "SharingTree", "State", "TreeStats", "UnsetVariableError", "UnsupportedModelError", "assistant", "gen",
     "program", "select", "system", "user", "vote", "best", "top_k", "collect", "concat",
 ]

@@ -1,8 +1,10 @@
 """What users write: the Python DSL and the IR it lowers to."""
 
+from treegen.lang.batch import BatchInterrupted, ProgramError
 from treegen.lang.dsl import (CompiledProgram, Program, assistant, best, collect, concat, gen, program, select,
                                system, top_k, user, vote)
-from treegen.lang.interpreter import ForkGroup, State, UnsetVariableError
+from treegen.lang.interpreter import ForkGroup, State, TokenStream, UnsetVariableError
 
-__all__ = ["CompiledProgram", "ForkGroup", "Program", "State", "UnsetVariableError", "assistant", "best", "collect",
-           "concat", "gen", "program", "select", "system", "top_k", "user", "vote"]
+__all__ = ["BatchInterrupted", "CompiledProgram", "ForkGroup", "Program", "ProgramError", "State", "TokenStream",
+           "UnsetVariableError", "assistant", "best", "collect", "concat", "gen", "program", "select", "system",
+           "top_k", "user", "vote"]

@@ -22,12 +22,15 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from treegen.lang.batch import Cooperative
-from treegen.lang.interpreter import ProgramRun, State, StopTrace
+from treegen.lang.batch import BatchInterrupted, Cooperative, ProgramError
+from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
+
+# a program that keeps generating without end is stopped here (its own error; the others go on)
+DEFAULT_MAX_PROGRAM_TOKENS = 1_000_000
 
 
 def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -160,12 +163,16 @@ class Program:
         self.fn = fn
         functools.update_wrapper(self, fn)
 
-    def run(self, engine, /, *args, seed: int = 0, **kwargs) -> State:
-        """Run on ``engine`` (a :class:`treegen.Engine`) and return the finished root state."""
-        run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed)
+    def run(self, engine, /, *args, seed: int = 0, on_tokens: Callable[[TokenStream], None] | None = None,
+            max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS, **kwargs) -> State:
+        """Run on ``engine`` (a :class:`treegen.Engine`) and return the finished root state; what the
+        function returned is its ``ret_value``. ``on_tokens`` and ``max_program_tokens``: as in
+        :meth:`run_batch`."""
+        run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
+        run.on_tokens = _check_callback("run", "on_tokens", on_tokens)
         state = run.root()
-        self.fn(state, *args, **kwargs)
-        run.program_returned(state)
+        value = self.fn(state, *args, **kwargs)
+        run.program_returned(state, value)
         run.finish()
         return state
 
@@ -182,27 +189,41 @@ class Program:
 
     def run_batch(self, engine, inputs, /, *, seed: int = 0, seeds: list[int] | None = None,
                   share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
-                  on_programs: Callable[[int, int], None] | None = None) -> list[State]:
-        """Run the program once per input as **one** workload; returns the root states, in input order.
+                  on_programs: Callable[[int, int], None] | None = None,
+                  on_result: Callable[[int, State], None] | None = None,
+                  on_tokens: Callable[[TokenStream], None] | None = None,
+                  max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS) -> list[State]:
+        """Run the program once per input as **one** workload; returns the root states, in input order
+        (each with ``ret_value``, what the function returned).
 
         ``inputs``: one entry per program — a dict of keyword arguments, or a tuple/list of positional
-        ones. All programs' states live in one sharing tree and their ``gen`` / ``select`` requests
-        run together (see :mod:`treegen.lang.batch`). Before the first flush, common token prefixes
-        of the programs' prompts become shared nodes (``share_prefixes``) and shared nodes saving
-        fewer than ``min_shared_saving`` KV token reads per decode step are dissolved (None: keep
-        all; see :func:`treegen.tree.passes.simplify`).
+        ones. All programs' states live in one sharing tree and run continuously: each program resumes
+        as soon as the ``gen`` / ``select`` it waits for is done, while the others keep decoding (see
+        :mod:`treegen.lang.batch`). Before anything runs, common token prefixes of the programs'
+        prompts become shared nodes (``share_prefixes``) and shared nodes saving fewer than
+        ``min_shared_saving`` KV token reads per decode step are dissolved (None: keep all; see
+        :func:`treegen.tree.passes.simplify`).
 
         Seeds: program ``i`` uses ``seeds[i]`` if given, else ``seed``; its branches' random keys come
         from that seed and their path from the program's own root, never from ``i``, so a program
         samples the same tokens alone (``run(..., seed=s)``) as inside any batch.
 
-        ``on_programs(done, total)``: progress, called with ``done = 0`` at the start and whenever more
+        Callbacks, all called from the thread running the batch:
+        ``on_programs(done, total)``: progress, with ``done = 0`` at the start and whenever more
         programs are done — a program is done when its function has returned and every ``gen`` /
-        ``select`` it queued has run. Called from the thread running the batch; e.g.
-        ``treegen.display.progress(engine)``'s ``programs`` method, or the command line's display.
+        ``select`` it queued has run (e.g. ``treegen.display.progress(engine)``'s ``programs``);
+        ``on_result(index, root)``: each program's result as soon as it is done (failed: ``root.error``);
+        ``on_tokens(stream)``: a :class:`~treegen.lang.interpreter.TokenStream` each time a branch's
+        new tokens are seen (its ``tokens`` so far, ``text``, ``state``, ``name``).
+
+        Faults: a program that raises, or generates more than ``max_program_tokens`` tokens in all
+        (None: no limit), fails alone; the others finish, then :class:`~treegen.lang.batch.ProgramError`
+        names it and carries every result (``.results``). Ctrl-C raises
+        :class:`~treegen.lang.batch.BatchInterrupted` with the programs finished so far.
         """
         return run_batch(engine, [_bind(self.fn, x) for x in inputs], seed=seed, seeds=seeds,
-                         share_prefixes=share_prefixes, min_shared_saving=min_shared_saving, on_programs=on_programs)
+                         share_prefixes=share_prefixes, min_shared_saving=min_shared_saving, on_programs=on_programs,
+                         on_result=on_result, on_tokens=on_tokens, max_program_tokens=max_program_tokens)
 
     def compile_batch(self, inputs, /, *, tokenizer, kv_shape: KVShape | None = None, share_prefixes: bool = True,
                       min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING) -> CompiledProgram:
@@ -241,33 +262,48 @@ def _bind(fn: Callable[..., Any], x) -> Callable[[State], None]:
                     f"got {type(x).__name__}")
 
 
-def run_batch(engine, bodies: list[Callable[[State], None]], *, seed: int = 0, seeds: list[int] | None = None,
+def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
               share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
-              on_programs: Callable[[int, int], None] | None = None) -> list[State]:
-    """Run each ``body(state)`` as one program of one batch workload; see :meth:`Program.run_batch`."""
+              on_programs: Callable[[int, int], None] | None = None,
+              on_result: Callable[[int, State], None] | None = None,
+              on_tokens: Callable[[TokenStream], None] | None = None,
+              max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS,
+              describe: Callable[[int], str] = str) -> list[State]:
+    """Run each ``body(state)`` as one program of one batch workload; see :meth:`Program.run_batch`.
+    ``describe(i)``: how errors name program ``i`` (the command line adds its input line)."""
     if seeds is not None and len(seeds) != len(bodies):
         raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
-    if on_programs is not None and not callable(on_programs):
-        raise TypeError(f"run_batch: on_programs must be a function (done, total), got {type(on_programs).__name__}")
-    run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed)
+    run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
     run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
+    run.on_programs = _check_callback("run_batch", "on_programs", on_programs, "(done, total)")
+    run.on_result = _check_callback("run_batch", "on_result", on_result, "(index, root)")
+    run.on_tokens = _check_callback("run_batch", "on_tokens", on_tokens, "(stream)")
     roots = [run.root(seeds[i] if seeds is not None else None) for i in range(len(bodies))]
-    run.on_programs = on_programs
     if on_programs is not None:
         on_programs(0, len(roots))
 
     def program(body, root):
-        body(root)
-        run.program_returned(root)
+        run.program_returned(root, body(root))
 
     scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)])
     run.scheduler = scheduler
     try:
-        scheduler.run(run.flush)
+        scheduler.run(run)
+    except KeyboardInterrupt:
+        raise BatchInterrupted([r if run.is_done(r.program) and r.error is None else None for r in roots]) from None
     finally:
         run.scheduler = None
     run.finish()
+    errors = {r.program: r.error for r in roots if r.error is not None}
+    if errors:
+        raise ProgramError(errors, roots, describe) from errors[min(errors)]
     return roots
+
+
+def _check_callback(where: str, name: str, fn, signature: str = "(stream)"):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{where}: {name} must be a function {signature}, got {type(fn).__name__}")
+    return fn
 
 
 def program(fn: Callable[..., Any]) -> Program:

@@ -76,12 +76,39 @@ class _Reduced:
         return f"<{self.spec.kind} of {self.spec.source!r}, computed when read>"
 
 
-class ProgramRun:
-    """One execution (or trace) of a program: tokenizer, tree, engine run, and the states."""
+class TokenStream:
+    """What ``on_tokens`` hears while a branch generates: the branch ``state``, the variable
+    ``name``, and every token id drawn so far; ``text`` decodes them (when read)."""
 
-    def __init__(self, *, tokenizer, engine, seed: int) -> None:
+    def __init__(self, state: "State", name: str, tokens: tuple[int, ...]) -> None:
+        self.state, self.name, self.tokens = state, name, tokens
+
+    @property
+    def program(self) -> int:
+        return self.state.program
+
+    @property
+    def text(self) -> str:
+        return self.state._run.tokenizer.decode(list(self.tokens), skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"TokenStream(program={self.program}, path={self.state.path}, name={self.name!r}, tokens={len(self.tokens)})"
+
+
+class ProgramRun:
+    """One execution (or trace) of one or many programs: tokenizer, tree, engine run, and the states.
+
+    Queued ``gen`` / ``select`` ops become jobs of the engine's run (:meth:`TreeRun.submit
+    <treegen.runtime.engine.TreeRun.submit>`), a state's next op submitted as soon as its previous
+    one completes. A program that needs a value waits for **its own** states only: in a batch its
+    thread pauses while the engine keeps running everything else (:mod:`treegen.lang.batch`).
+    """
+
+    def __init__(self, *, tokenizer, engine, seed: int, max_program_tokens: int | None = None) -> None:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        if max_program_tokens is not None and (not isinstance(max_program_tokens, int) or max_program_tokens < 1):
+            raise ValueError(f"max_program_tokens must be a positive integer or None, got {max_program_tokens!r}")
         self.tokenizer, self.engine, self.seed = tokenizer, engine, seed
         self.tree_run = engine.start() if engine is not None else None
         self.tree = self.tree_run.tree if self.tree_run else SharingTree()
@@ -95,17 +122,29 @@ class ProgramRun:
         if tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
         self.roots: list[State] = []
-        # batch runs (treegen/lang/batch.py): the cooperative scheduler, and the compiler passes
-        # applied to the roots before the first flush (None: no pass)
+        # batch runs (treegen/lang/batch.py): the cooperative program threads, and the compiler passes
+        # applied to the roots before anything runs (None: no pass)
         self.scheduler = None
         self.share_prefixes = False
         self.min_shared_saving: int | None = None
         self.passes_done = False
         self.pass_report: dict = {}
-        # programs done: bodies that returned and whose every gen/select has run (see program_returned)
-        self.programs_done = 0
-        self.on_programs: Callable[[int, int], None] | None = None  # on_programs(done, total) when it changes
+        # per program (root index): its states, whether its function returned, tokens generated
+        self.states_of: dict[int, list[State]] = {}
         self._returned: set[int] = set()
+        self._tokens: dict[int, int] = {}
+        self.max_program_tokens = max_program_tokens  # None: no limit
+        # programs done: bodies that returned (or failed) and whose every gen/select has run
+        self.programs_done = 0
+        self._done: set[int] = set()
+        self.on_programs: Callable[[int, int], None] | None = None  # on_programs(done, total) when it changes
+        self.on_result: Callable[[int, "State"], None] | None = None  # on_result(index, root) per finished program
+        self.on_tokens: Callable[[TokenStream], None] | None = None
+        # KV references: how many unfinished programs reach each node (freed at 0), and each one's nodes
+        self._users: dict[int, int] = {}
+        self._nodes_of: dict[int, set[int]] = {}
+        self.hold_submissions = False  # a batch starting: the passes must see every program first
+        self._error: BaseException | None = None  # a job's error, raised by flush (single runs)
 
     def root(self, seed: int | None = None) -> "State":
         """A new root state (a program); ``seed`` overrides the run's seed for its branches."""
@@ -113,55 +152,173 @@ class ProgramRun:
         self.roots.append(state)
         return state
 
-    def program_returned(self, root: "State") -> None:
-        """The body of the program at ``root`` has returned. It counts as done once nothing it queued is
-        left to run (at once, or after a later flush); ``on_programs`` hears of every change."""
-        self._returned.add(root.program)
-        self._count_programs()
-
-    def _count_programs(self) -> None:
-        if not self._returned:
-            return
-        busy = {st.program for st in self.states if st.pending}
-        done = sum(1 for p in self._returned if p not in busy)
-        if done != self.programs_done:
-            self.programs_done = done
-            if self.on_programs is not None:
-                self.on_programs(done, len(self.roots))
-
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    # flushing ---------------------------------------------------------------------------------
-    def flush(self, final: bool = False) -> None:
-        """Run every queued gen/select of every state, in batched phases, until none is left.
+    def add_node(self, program: int, parent: int | None, tokens=(), kind: str = "text") -> int:
+        """A new tree node made by ``program`` (counted as its user until the program is done)."""
+        node = self.tree.add_node(parent, tokens, kind=kind)
+        self._users[node] = 1
+        self._nodes_of.setdefault(program, set()).add(node)
+        return node
 
-        ``final``: the program has returned, so a state's last queued ``gen`` is the end of its branch
-        (the runtime may then free its KV early and run over-large workloads in groups)."""
-        if self.tracing:
-            raise StopTrace("a generated value is read")
-        if self.scheduler is not None and self.scheduler.in_program():
-            self.scheduler.wait_for_flush()  # the scheduler flushes once every program waits
+    # programs ------------------------------------------------------------------------------------
+    def program_returned(self, root: "State", value=None) -> None:
+        """The body of the program at ``root`` returned ``value`` (kept as ``root.ret_value``). Its
+        queued work runs with the last op of each state marked final; it is done once nothing it
+        queued is left (at once, or when its jobs complete)."""
+        root.ret_value = value
+        self._returned.add(root.program)
+        if not self.tracing:
+            self._submit(root.program)
+        self._check_done(root.program)
+
+    def program_failed(self, root: "State", error: BaseException) -> None:
+        """The program at ``root`` raised (or was stopped): record it, cancel its jobs, free its KV.
+        Other programs are not affected."""
+        if root.program in self._done:
+            return
+        root.error = error
+        for st in self.states_of.get(root.program, []):
+            if st._job is not None and self.tree_run is not None:
+                self.tree_run.cancel(st._job)
+            st._job, st.pending = None, []
+        self._returned.add(root.program)
+        self._finish_program(root.program)
+
+    def program_busy(self, program: int) -> bool:
+        """Some state of ``program`` has queued work (or a job running)."""
+        return any(st.pending for st in self.states_of.get(program, []))
+
+    def is_done(self, program: int) -> bool:
+        """The program's function returned (or it failed) and nothing it queued is left."""
+        return program in self._done
+
+    def _check_done(self, program: int) -> None:
+        if program in self._returned and program not in self._done and not self.program_busy(program):
+            self._finish_program(program)
+
+    def _finish_program(self, program: int) -> None:
+        """Settle the program's reductions, free the KV no unfinished program reaches, report it."""
+        root = self.roots[program]
+        self._done.add(program)
+        if root.error is None and self.scheduler is not None:  # (a single run settles them in finish())
+            try:
+                for st in self.states_of.get(program, []):
+                    for value in list(st.vars.values()):
+                        if isinstance(value, _Reduced):
+                            value.get()
+            except Exception as e:  # a reduction's own error (bad extract result, ...) fails this program only
+                root.error = e
+        self._release(program)
+        self.programs_done = len(self._done)
+        if self.on_result is not None:
+            self.on_result(program, root)
+        if self.on_programs is not None:
+            self.on_programs(self.programs_done, len(self.roots))
+
+    def _release(self, program: int) -> None:
+        if self.tree_run is None:
+            return
+        for node in self._nodes_of.pop(program, ()):
+            self._users[node] = self._users.get(node, 1) - 1
+            if self._users[node] <= 0:
+                self.tree_run.kv.free(node)
+
+    def _count_users(self) -> None:
+        """Recount which programs reach which nodes (after the passes restructured the tree)."""
+        self._nodes_of = {}
+        for st in self.states:
+            if st.node is not None and st.node in self.tree.graph:
+                self._nodes_of.setdefault(st.program, set()).update(self.tree.path(st.node))
+        self._users = {}
+        for nodes in self._nodes_of.values():
+            for n in nodes:
+                self._users[n] = self._users.get(n, 0) + 1
+
+    # running queued work ----------------------------------------------------------------------
+    def submit_all(self) -> None:
+        """Submit the next queued op of every state that has none running."""
+        self._submit()
+
+    def submit_program(self, program: int) -> None:
+        """Submit the next queued op of each of ``program``'s states that has none running."""
+        self._submit(program)
+
+    def _submit(self, program: int | None = None) -> None:
+        if self.hold_submissions:
             return
         if not self.passes_done:
             self.passes_done = True
             self.run_passes()
-        while True:
-            owners, gens, scores = [], [], []
-            for st in self.states:
-                st._apply_immediate()
-                if st.pending:
-                    owners.append(st)
-                    request = st._request(st.pending[0], final=final and len(st.pending) == 1)
-                    (gens if isinstance(request, GenRequest) else scores).append(request)
-            self._count_programs()  # after each phase: programs with nothing left to run are done
-            if not owners:
+        for st in self.states_of.get(program, []) if program is not None else list(self.states):
+            self._submit_state(st)
+
+    def _submit_state(self, st: "State") -> None:
+        if st._job is not None or st._closed == "pruned":
+            return
+        st._apply_immediate()
+        if not st.pending:
+            return
+        final = st.program in self._returned and len(st.pending) == 1
+        op = st.pending[0]
+        request = st._request(op, final=final)
+        stream = None
+        if self.on_tokens is not None and isinstance(op, Gen):
+            hook = self.on_tokens
+            stream = lambda tokens, st=st, name=op.name: hook(TokenStream(st, name, tokens))  # noqa: E731
+        try:
+            st._job = self.tree_run.submit(request, on_done=lambda job, st=st: self._on_done(st, job), on_tokens=stream)
+        except (ValueError, RuntimeError) as e:
+            st.pending = []
+            self._fail(st.program, e)
+
+    def _on_done(self, st: "State", job) -> None:
+        """A state's job completed: record its value, submit the state's next op."""
+        st._job = None
+        if job.error is not None:
+            st.pending = []
+            self._fail(st.program, job.error)
+            return
+        op = st.pending.pop(0)
+        st._complete(op, job.result)
+        if isinstance(op, Gen):
+            used = self._tokens[st.program] = self._tokens.get(st.program, 0) + len(job.result.tokens)
+            if self.max_program_tokens is not None and used > self.max_program_tokens:
+                self._fail(st.program, RuntimeError(
+                    f"program {st.program} generated {used} tokens, past its limit max_program_tokens="
+                    f"{self.max_program_tokens}; it was stopped (raise the limit if this is intended)"))
                 return
-            gen_results, score_results = self.tree_run.execute(gens, scores)
-            gen_it, score_it = iter(gen_results), iter(score_results)
-            for st in owners:
-                op = st.pending.pop(0)
-                st._complete(op, next(gen_it) if isinstance(op, Gen) else next(score_it))
+        self._submit_state(st)
+        self._check_done(st.program)
+
+    def _fail(self, program: int, error: BaseException) -> None:
+        """A job of ``program`` failed: in a batch the program fails alone (its thread is stopped);
+        a single program raises at its next read."""
+        if self.scheduler is not None:
+            self.scheduler.stop(program)
+            self.program_failed(self.roots[program], error)
+        else:
+            self._error = error
+
+    def flush(self, final: bool = False) -> None:
+        """Run queued gen/select ops until the waiting program (or, outside a batch, every state) has
+        none left. Other programs keep running meanwhile; see the class docstring.
+
+        ``final``: the program has returned (see :meth:`program_returned`)."""
+        if self.tracing:
+            raise StopTrace("a generated value is read")
+        if self.scheduler is not None and self.scheduler.in_program():
+            self.scheduler.wait()  # the batch submits this program's work and resumes it when done
+            return
+        self._error = None
+        self._submit()
+        while any(st.pending for st in self.states) and self._error is None:
+            if not self.tree_run.advance():
+                raise RuntimeError("queued work is left but the engine has nothing to run")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def run_passes(self) -> None:
         """Before anything is computed: merge the programs' roots by common token prefix and drop
@@ -170,25 +327,30 @@ class ProgramRun:
 
         for st in self.states:
             st._apply_immediate()
-        if self.flat:
-            return
-        report: dict = {}
-        roots = sorted({st.node for st in self.roots if st.node is not None and self.tree.parent(st.node) is None})
-        if self.share_prefixes and len(roots) > 1:
-            report["shared_nodes"] = share_prefixes(self.tree, roots)
-        if self.min_shared_saving is not None:
-            keep = {n for st in self.states for n in (st.node, st.origin) if n is not None}
-            computed = self.tree_run.kv.computed if self.tree_run is not None else (lambda n: 0)
-            report["simplified"] = simplify(self.tree, min_saving=self.min_shared_saving, keep=keep, computed=computed)
-        self.pass_report = report
+        if not self.flat:
+            report: dict = {}
+            roots = sorted({st.node for st in self.roots if st.node is not None and self.tree.parent(st.node) is None})
+            if self.share_prefixes and len(roots) > 1:
+                report["shared_nodes"] = share_prefixes(self.tree, roots)
+            if self.min_shared_saving is not None:
+                keep = {n for st in self.states for n in (st.node, st.origin) if n is not None}
+                computed = self.tree_run.kv.computed if self.tree_run is not None else (lambda n: 0)
+                report["simplified"] = simplify(self.tree, min_saving=self.min_shared_saving, keep=keep, computed=computed)
+            self.pass_report = report
+        self._count_users()
 
     def finish(self) -> None:
         """Flush, then free all KV (the values stay readable; states accept no more ops)."""
+        for root in self.roots:
+            if root.program not in self._returned:
+                self.program_returned(root)
         self.flush(final=True)
         for st in self.states:  # every value is there now: settle the reductions (cheap, no model)
             for value in list(st.vars.values()):
-                if isinstance(value, _Reduced):
+                if isinstance(value, _Reduced) and self.roots[st.program].error is None:
                     value.get()
+        for root in self.roots:
+            self._check_done(root.program)
         for node in sorted(self.tree_run.kv.segments):
             self.tree_run.kv.free(node)
         self.finished = True
@@ -213,7 +375,11 @@ class State:
         self._gens = 0
         self._closed: str | None = None
         self._after_select = False  # tracing only: the continuation depends on the winner
+        self._job = None  # the engine job of pending[0], once submitted
+        self.ret_value = None  # a root: what the program function returned
+        self.error: BaseException | None = None  # a root in a batch: why the program failed
         run.states.append(self)
+        run.states_of.setdefault(program, []).append(self)
 
     # appending --------------------------------------------------------------------------------
     def __iadd__(self, item) -> "State":
@@ -246,9 +412,9 @@ class State:
         """The node this state appends to, created when the current one is shared (has children)."""
         tree = self._run.tree
         if self.node is None:
-            self.node = self.origin = tree.add_node(None, self._run.bos)
+            self.node = self.origin = self._run.add_node(self.program, None, self._run.bos)
         elif tree.children(self.node):
-            self.node = tree.add_node(self.node)
+            self.node = self._run.add_node(self.program, self.node)
         return self.node
 
     def _apply_immediate(self) -> None:
@@ -286,7 +452,7 @@ class State:
             ids = self._run.tokenize(choice)
             if not ids:
                 raise ValueError(f"select({op.name!r}): choice {choice!r} has no tokens")
-            out.append(self._run.tree.add_node(base, ids, kind="choice"))
+            out.append(self._run.add_node(self.program, base, ids, kind="choice"))
         return tuple(out)
 
     def _request(self, op, final: bool = False):
@@ -334,7 +500,8 @@ class State:
         branches = []
         for i in range(n):
             # attention="flat" (a baseline): no sharing, every branch starts from its own copy
-            node = tree.add_node(None, tree.path_tokens(base)) if self._run.flat else tree.add_node(base)
+            node = self._run.add_node(self.program, None if self._run.flat else base,
+                                      tree.path_tokens(base) if self._run.flat else ())
             branches.append(State(self._run, node=node, path=self.path + (i,), variables=dict(self.vars),
                                   chatting=self._chatting, seed=self.seed, program=self.program))
         group = ForkGroup([self], [branches])
