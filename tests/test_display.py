@@ -37,6 +37,7 @@ class ScriptedRun:
         self.engine, self.tree, self.forward_passes = engine, SharingTree(), 0
         self.kv = types.SimpleNamespace(segments={}, free=lambda node: None)
         self.queue = []
+        self.host_seconds = {"programs": 0.0}
 
     def free(self, node):
         self.tree.prune(node)

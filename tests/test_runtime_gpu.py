@@ -115,3 +115,40 @@ def test_workload_larger_than_gpu_memory_runs_in_groups_with_the_same_outputs():
         assert pieces_groups == 1
         alone += tokens
     assert grouped == alone
+
+
+def test_continuous_batch_with_mixed_steps_equals_each_program_alone():
+    """Programs that grow as they run, on the GPU with CUDA graphs: new work is prefilled in the same
+    forward passes as the live branches' decode rows, phases are replanned as work joins and leaves,
+    and every program's greedy tokens equal those of the program run alone (fp32: IEEE kernels, so
+    batch composition cannot flip a greedy choice)."""
+    import random
+
+    import treegen
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192)
+    engine = Engine(LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cuda"), IdTokenizer())
+    rng = random.Random(0)
+    ids = lambda n: " " + " ".join(str(rng.randrange(1, 1000)) for _ in range(n))  # noqa: E731
+    prefix = ids(300)
+
+    @treegen.program
+    def grows(s, question, lengths):
+        s += prefix + question
+        for width in lengths:
+            b = s.fork(len(width))
+            b += lambda i: treegen.gen("a", max_tokens=width[i], ignore_eos=True)
+            s.join(b)
+            s += " " + s["a"][0].split()[-1]
+        return s["a"]
+
+    inputs = [{"question": ids(rng.randint(1, 40)),
+               "lengths": [[rng.randint(1, 60) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]}
+              for _ in range(24)]
+    roots = grows.run_batch(engine, inputs)
+    run = roots[0]._run.tree_run
+    assert run.mixed_steps > 3 and len(run.decode_phases) > 3
+    for x, root in zip(inputs, roots):
+        assert root.ret_value == grows.run(engine, **x).ret_value

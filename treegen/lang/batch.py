@@ -24,6 +24,7 @@ or however the engine schedules it.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 
@@ -139,9 +140,11 @@ class Cooperative:
                     w.thread.join(timeout=5)
 
     def _resume(self, run, w: _Worker) -> None:
+        started = time.perf_counter()
         w.resume()
         if w.error is not None:
             run.program_failed(run.roots[w.index], w.error)
             w.error = None
         elif w.waiting and not w.stopped:
             run.submit_program(w.index)
+        run.tree_run.host_seconds["programs"] += time.perf_counter() - started

@@ -115,8 +115,8 @@ class ProgramRun:
         self.tracing = engine is None
         self.flat = engine is not None and engine.attention == "flat"
         self.states: list[State] = []
-        ids = tokenizer("x").input_ids
-        self.bos = [ids[0]] if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id else []
+        ids = tokenizer("x").input_ids if tokenizer.bos_token_id is not None else []
+        self.bos = [ids[0]] if ids and ids[0] == tokenizer.bos_token_id else []
         self.finished = False
         self.eos = set(engine.model.eos_token_ids) if engine is not None else set()
         if tokenizer.eos_token_id is not None:

@@ -27,6 +27,7 @@ half the branches live, or enough new work waiting); branches that take nothing 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -89,6 +90,7 @@ class Decoder:
         whenever branches finished (their jobs are complete), see the module docstring."""
         run, tree, kv, model = self.run, self.tree, self.kv, self.model
         device = model.device
+        started = time.perf_counter()
         live = list(self.live)
         run.decode_phases.append(len(live))
         nodes = [self.jobs[b].request.node for b in live]
@@ -116,6 +118,7 @@ class Decoder:
             column.add_(1)
 
         replay = self._capture(step) if self.graphs and plan.backend == "triton" else None
+        run.host_seconds["plan"] += time.perf_counter() - started
         pipelined = device.type == "cuda"
         done_steps, pending = 0, None
         for t in range(width):
@@ -148,11 +151,13 @@ class Decoder:
     def _settle(self, live: list[int], block: "_Block") -> None:
         """Accept a block of sampled tokens of the phase's branches ``live`` (those still live)."""
         tokens, lps = block.read()
+        started = time.perf_counter()
         alive = set(self.live)
         finished = {b for j, b in enumerate(live) if b in alive and self._accept(b, tokens[j], lps[j])}
         if finished:
             self.live = [b for b in self.live if b not in finished]
         self._report()
+        self.run.host_seconds["accept"] += time.perf_counter() - started
 
     # ---------------------------------------------------------------------------------------------
     def _accept(self, b: int, new: list[int], logprobs: list[float]) -> bool:

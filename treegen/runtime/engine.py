@@ -25,6 +25,8 @@ phase), that token is run again as a query and writes the identical KV into its 
 
 from __future__ import annotations
 
+import time
+
 import networkx as nx
 import torch
 
@@ -103,6 +105,9 @@ class TreeRun:
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         self._phase = None  # the running decode phase (a generator), if any
+        # host time by kind (seconds): scheduling, planning phases (with CUDA graph capture), reading
+        # sampled tokens, running program code (batch driver); benchmarks report it per step
+        self.host_seconds = {"schedule": 0.0, "plan": 0.0, "accept": 0.0, "programs": 0.0}
         self._completed: list[Job] = []
 
     # jobs ----------------------------------------------------------------------------------------
@@ -138,7 +143,9 @@ class TreeRun:
                 except StopIteration:
                     self._phase = None
                 continue
+            t0 = time.perf_counter()
             step = self.scheduler.next_step(len(self.decoder.live))
+            self.host_seconds["schedule"] += time.perf_counter() - t0
             for job in step.refused:
                 self.complete(job, None)
             if step.runs_model:

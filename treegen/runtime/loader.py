@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -45,11 +46,18 @@ _STAMP = "treegen-source.json"
 
 class IdTokenizer:
     """A stand-in tokenizer for random-weight models (benchmarks, GPU tests): there is no vocabulary,
-    so generated token ids are their own text. Has no BOS/EOS and no chat template."""
+    so token ids are their own text — ``decode`` writes them space-separated and calling it reads
+    such text back (``" 5 17 3"`` → ``[5, 17, 3]``). Has no BOS/EOS and no chat template."""
 
     bos_token_id = None
     eos_token_id = None
     chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        try:
+            return SimpleNamespace(input_ids=[int(word) for word in text.split()])
+        except ValueError:
+            raise ValueError(f"IdTokenizer reads token ids written as integers, got {text[:40]!r}") from None
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return " ".join(map(str, ids))

@@ -1,0 +1,261 @@
+"""Dynamic workloads (programs that grow as they run) against the same token work as one static fork.
+
+Random weights of a real model shape (speed does not depend on the weights), bf16, EOS ignored so
+every ``gen`` makes exactly its ``max_tokens``; token ids are their own text (``IdTokenizer``). Every
+workload runs through ``run_batch`` — the continuous engine loop, programs resuming as soon as their
+own work is done — and is compared with **the same token work run as one static fork in the same
+process**: the same shared prefix, one node per program, ``branches`` leaves each generating the
+workload's mean tokens per branch, all known up front (``TreeRun.execute``).
+
+Workloads (``branches`` = programs x width, the live branches when every program is generating):
+
+* ``rounds`` — each program: the shared prefix, its own question, then three rounds of
+  fork(width) → gen (lengths drawn between 16 and 384) → join → read the answers → append a follow-up;
+* ``rounds-equal`` — the same with every gen 128 tokens;
+* ``tot`` — a tree-of-thought search: fork(width) thoughts (lengths 32..192), keep the two with the
+  best mean log-probability (``top_k``), prune the others, expand each kept thought by fork(width/2),
+  three levels;
+
+Reported per case: tokens/s of both (generated tokens / wall time, prefill included), their ratio,
+decode steps, host seconds per decode step by kind (``TreeRun.host_seconds``), the step time of the
+static run (for host time as a fraction of a step) and the GPU busy fraction (NVML utilisation sampled
+every 20 ms, when available).
+
+    python benchmarks/bench_dynamic.py --shape tinyllama-1.1b --branches 256 1024
+    python benchmarks/bench_dynamic.py --shape llama3-8b --branches 256 1024 --workloads rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch
+import transformers
+import triton
+from transformers import LlamaConfig
+
+import treegen
+from treegen.runtime.engine import Engine, GenRequest
+from treegen.runtime.loader import IdTokenizer
+from treegen.runtime.model import LlamaFamilyModel
+from treegen.runtime.sampler import SamplingParams
+from bench_end_to_end import SHAPES  # benchmarks/
+from plotting import pyplot, save
+
+PREFIX, QUESTION, FOLLOW_UP, ROUNDS = 512, 32, 8, 3
+
+
+def text(ids) -> str:
+    return " " + " ".join(map(str, ids))
+
+
+@treegen.program
+def rounds(s, prefix, question, follow_up, lengths, width):
+    s += text(prefix) + text(question)
+    for r in range(ROUNDS):
+        b = s.fork(width)
+        b += lambda i: treegen.gen("answer", max_tokens=lengths[r][i], ignore_eos=True)
+        s.join(b)
+        s["answer"]  # the next round depends on these answers
+        s += text(follow_up[r])
+    return [len(a.split()) for a in s["answer"]]
+
+
+@treegen.program
+def tot(s, prefix, question, lengths, width):
+    s += text(prefix) + text(question)
+    frontier, level = [s], 0
+    for level in range(ROUNDS):
+        k = width if level == 0 else max(1, width // 2)
+        nxt = []
+        for node in frontier:
+            b = node.fork(k)
+            b += lambda i, node=node: treegen.gen("thought", max_tokens=lengths.pop(), ignore_eos=True)
+            nxt += list(b)
+        scores = [st.info["thought"]["logprob"] if st["thought"] is not None else 0 for st in nxt]
+        ranked = sorted(range(len(nxt)), key=lambda i: -scores[i])
+        keep = set(ranked[:2])
+        for i, st in enumerate(nxt):
+            if i not in keep:
+                st.prune()
+        frontier = [nxt[i] for i in sorted(keep)]
+    return [st["thought"] for st in frontier]
+
+
+def workload(kind: str, programs: int, width: int, vocab: int, seed: int = 0):
+    """(program, inputs, generated tokens in all) for ``programs`` programs of ``kind``."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
+    prefix = ids(PREFIX)
+    inputs, total = [], 0
+    for _ in range(programs):
+        if kind == "tot":
+            n = width + 2 * max(1, width // 2) * (ROUNDS - 1)
+            lengths = [rng.randint(32, 192) for _ in range(n)]
+            inputs.append(dict(prefix=prefix, question=ids(QUESTION), lengths=list(lengths), width=width))
+        else:
+            draw = (lambda: 128) if kind == "rounds-equal" else (lambda: rng.randint(16, 384))
+            lengths = [[draw() for _ in range(width)] for _ in range(ROUNDS)]
+            inputs.append(dict(prefix=prefix, question=ids(QUESTION), follow_up=[ids(FOLLOW_UP) for _ in range(ROUNDS)],
+                               lengths=lengths, width=width))
+        total += sum(map(sum, lengths)) if kind != "tot" else sum(lengths)
+    return (tot if kind == "tot" else rounds), inputs, total
+
+
+class Busy:
+    """Samples the GPU's utilisation (NVML: the fraction of time a kernel ran) every 20 ms."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        try:
+            torch.cuda.utilization()
+            self.ok = True
+        except Exception as e:  # noqa: BLE001 - no NVML here: report None
+            print(f"no GPU utilisation ({type(e).__name__}: {e})")
+            self.ok = False
+
+    def __enter__(self):
+        if self.ok:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.samples.append(torch.cuda.utilization())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    @property
+    def fraction(self):
+        return sum(self.samples) / (100 * len(self.samples)) if self.ok and self.samples else None
+
+
+def measure_dynamic(engine: Engine, kind: str, programs: int, width: int) -> dict:
+    prog, inputs, total = workload(kind, programs, width, engine.model.vocab_size)
+    torch.cuda.synchronize()
+    with Busy() as busy:
+        start = time.perf_counter()
+        roots = prog.run_batch(engine, inputs)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    tree_run = roots[0]._run.tree_run
+    made = sum(st.info[name]["tokens"] for st in roots[0]._run.states for name in ("answer", "thought")
+               if name in st.info and "tokens" in st.info[name])
+    assert made == total, (made, total)
+    steps = tree_run.forward_passes
+    return {"dynamic_s": elapsed, "dynamic_tok_s": total / elapsed, "tokens": total, "forward_passes": steps,
+            "mixed_steps": tree_run.mixed_steps, "decode_phases": len(tree_run.decode_phases),
+            "host_ms_per_step": {k: 1e3 * v / steps for k, v in tree_run.host_seconds.items()},
+            "gpu_busy": busy.fraction}
+
+
+def measure_static(engine: Engine, programs: int, width: int, new: int) -> dict:
+    """The same prefix, one question node per program, programs x width leaves of ``new`` tokens each."""
+    g = torch.Generator().manual_seed(1)
+    vocab = engine.model.vocab_size
+    torch.cuda.synchronize()
+    with Busy() as busy:
+        start = time.perf_counter()
+        run = engine.start()
+        root = run.tree.add_node(None, torch.randint(1, vocab, (PREFIX,), generator=g).tolist())
+        leaves = []
+        for _ in range(programs):
+            q = run.tree.add_node(root, torch.randint(1, vocab, (QUESTION,), generator=g).tolist())
+            leaves += [run.tree.add_node(q) for _ in range(width)]
+        params = SamplingParams(max_tokens=new, ignore_eos=True)
+        results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    assert all(len(r.tokens) == new for r in results)
+    decode_steps = run.forward_passes - run.mixed_steps
+    return {"static_s": elapsed, "static_tok_s": len(leaves) * new / elapsed, "static_new": new,
+            "static_step_ms": 1e3 * elapsed / max(1, run.forward_passes), "static_decode_steps": decode_steps,
+            "static_gpu_busy": busy.fraction}
+
+
+def plot(rows: list[dict], out: Path, title: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind in dict.fromkeys(r["workload"] for r in rows):
+        pts = sorted((r["branches"], r["ratio"]) for r in rows if r["workload"] == kind)
+        ax.plot(*zip(*pts), marker="o", label=kind)
+    ax.axhline(0.85, color="grey", linestyle="--", linewidth=1, label="target 0.85")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("branches (programs x width)")
+    ax.set_ylabel("dynamic / static tokens/s")
+    ax.set_ylim(0, 1.2)
+    ax.legend()
+    fig.suptitle(title)
+    save(fig, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
+    parser.add_argument("--branches", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--workloads", nargs="+", default=["rounds", "rounds-equal", "tot"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    model = LlamaFamilyModel.random(LlamaConfig(**SHAPES[args.shape]), dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, IdTokenizer())
+    warm = workload("rounds", 4, args.width, model.vocab_size)
+    warm[0].run_batch(engine, warm[1][:4])  # compile kernels once
+    rows = []
+    for kind in args.workloads:
+        for branches in args.branches:
+            programs = branches // args.width
+            row = {"workload": kind, "shape": args.shape, "branches": branches, "programs": programs, "width": args.width}
+            row.update(measure_dynamic(engine, kind, programs, args.width))
+            gc.collect()
+            per_branch = round(row["tokens"] / branches)
+            row.update(measure_static(engine, programs, args.width, per_branch))
+            row["ratio"] = row["dynamic_tok_s"] / row["static_tok_s"]
+            row["host_fraction_of_step"] = sum(row["host_ms_per_step"].values()) / row["static_step_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    print(f"\n## {args.shape}, bf16 — dynamic vs the same token work as one static fork\n")
+    print("| workload | branches | static tok/s | dynamic tok/s | ratio | GPU busy (dyn/static) | host ms/step |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        busy = "/".join("-" if b is None else f"{b:.2f}" for b in (r["gpu_busy"], r["static_gpu_busy"]))
+        print(f"| {r['workload']} | {r['branches']} | {r['static_tok_s']:,.0f} | {r['dynamic_tok_s']:,.0f} | "
+              f"{r['ratio']:.2f} | {busy} | {sum(r['host_ms_per_step'].values()):.2f} |")
+    result = {"benchmark": "dynamic", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
+              "device": torch.cuda.get_device_name(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                           "transformers": transformers.__version__, "cuda": torch.version.cuda,
+                           "python": platform.python_version()},
+              "method": "tokens/s = generated tokens / wall time (prefill and program code included); static = "
+                        "the same prefix, one node per program, branches leaves of the workload's mean tokens, "
+                        "one execute(); same process, same engine",
+              "rows": rows}
+    out = Path(args.out or Path(__file__).parent / "results" / f"dynamic_{args.shape}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {result['device']}")
+
+
+if __name__ == "__main__":
+    main()

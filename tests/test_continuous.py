@@ -1,0 +1,200 @@
+"""Continuous execution on the CPU: programs resume as soon as their own work is done.
+
+A tiny random GQA Llama whose token ids are their own text (``IdTokenizer``), so programs can be
+built from ids and many of them run quickly.
+"""
+
+import random
+
+import pytest
+import torch
+
+import treegen
+from treegen.lang.batch import ProgramError
+from treegen.runtime.engine import Engine
+from treegen.runtime.loader import IdTokenizer
+from treegen.runtime.model import LlamaFamilyModel
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    return LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture
+def engine(model):
+    return Engine(model, IdTokenizer())
+
+
+def ids(rng, n):
+    return " " + " ".join(str(rng.randrange(1, 300)) for _ in range(n))
+
+
+PREFIX = ids(random.Random(7), 24)
+
+
+@treegen.program
+def grows(s, question, lengths, temperature=0.0):
+    """Rounds of fork -> gen -> join -> read -> append; the next round's shape depends on the answers."""
+    s += PREFIX + question
+    for r, width in enumerate(lengths):
+        b = s.fork(len(width))
+        b += lambda i: treegen.gen("a", max_tokens=width[i], temperature=temperature, ignore_eos=True)
+        s.join(b)
+        answers = s["a"]
+        s += " " + answers[0].split()[-1]  # a follow-up built from what was generated
+    return [a.split() for a in s["a"]]
+
+
+def inputs(n, seed=0):
+    rng = random.Random(seed)
+    return [{"question": ids(rng, rng.randint(1, 6)),
+             "lengths": [[rng.randint(1, 9) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 3))]}
+            for _ in range(n)]
+
+
+def test_a_dynamic_program_gives_the_same_tokens_alone_and_among_100_others(engine):
+    batch = inputs(101)
+    for temperature in (0.0, 1.0):
+        roots = grows.run_batch(engine, [dict(x, temperature=temperature) for x in batch], seed=5)
+        for k in (0, 37, 100):
+            alone = grows.run(engine, **batch[k], temperature=temperature, seed=5)
+            assert roots[k].ret_value == alone.ret_value
+            assert roots[k].text() == alone.text()
+        assert [len(r.ret_value) for r in roots] == [len(x["lengths"][-1]) for x in batch]
+
+
+def test_programs_advance_without_waiting_for_the_others(engine):
+    """A program with short gens finishes its three rounds while a long one still decodes its first:
+    no batch-wide barrier, and its follow-up prefill rides along with the long branch's decode steps."""
+    order = []
+    fast = {"question": " 5", "lengths": [[2], [2], [2]]}
+    slow = {"question": " 6", "lengths": [[40]]}
+    roots = grows.run_batch(engine, [slow, fast], on_result=lambda i, root: order.append(i))
+    assert order == [1, 0]
+    tree_run = roots[0]._run.tree_run
+    assert tree_run.mixed_steps >= 3  # the fast program's rounds were prefilled beside the slow decode
+    assert tree_run.forward_passes <= 1 + 40 + 2  # the slow branch's steps, not slow + fast one after another
+    assert roots[0].ret_value == grows.run(engine, **slow).ret_value
+    assert roots[1].ret_value == grows.run(engine, **fast).ret_value
+
+
+def test_static_program_keeps_one_prefill_and_one_step_per_token(engine):
+    @treegen.program
+    def static(s, n):
+        s += PREFIX
+        b = s.fork(n)
+        b += lambda i: treegen.gen("x", max_tokens=3 + i, ignore_eos=True)
+        s.join(b)
+
+    root = static.run(engine, 4)
+    run = root._run.tree_run
+    assert run.mixed_steps == 1 and run.forward_passes == 1 + 5  # prefill + first tokens, then 5 decode steps
+
+
+def test_an_exception_in_one_program_leaves_the_others_results(engine):
+    @treegen.program
+    def sometimes(s, k):
+        s += PREFIX + f" {k + 1}"
+        s += treegen.gen("a", max_tokens=3, ignore_eos=True)
+        s["a"]
+        if k == 2:
+            raise ValueError("bad input 2")
+        b = s.fork(2)
+        b += treegen.gen("b", max_tokens=4, ignore_eos=True)
+        s.join(b)
+        return k
+
+    seen = []
+    with pytest.raises(ProgramError, match=r"program 2 failed: ValueError: bad input 2; the other 4 programs finished") as e:
+        sometimes.run_batch(engine, [{"k": k} for k in range(5)], on_result=lambda i, r: seen.append((i, r.error)))
+    results = e.value.results
+    assert [r.ret_value for r in results] == [0, 1, None, 3, 4]
+    assert isinstance(results[2].error, ValueError) and set(e.value.errors) == {2}
+    for k in (0, 1, 3, 4):
+        assert results[k]["b"] == sometimes.run(engine, k)["b"]
+    assert sorted(i for i, _ in seen) == [0, 1, 2, 3, 4]
+    assert [i for i, err in seen if err is not None] == [2]
+
+
+def test_a_program_that_never_stops_is_stopped_alone(engine):
+    @treegen.program
+    def forever(s, endless):
+        s += PREFIX
+        while True:
+            s += treegen.gen("a", max_tokens=8, ignore_eos=True)
+            s["a"]
+            if not endless:
+                return "done"
+
+    with pytest.raises(ProgramError, match="program 1 generated 56 tokens, past its limit max_program_tokens=50") as e:
+        forever.run_batch(engine, [{"endless": False}, {"endless": True}], max_program_tokens=50)
+    assert e.value.results[0].ret_value == "done"
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_with_its_size(model):
+    engine = Engine(model, IdTokenizer(), kv_budget_bytes=100 * Engine(model, IdTokenizer()).kv_shape.bytes_per_token)
+
+    @treegen.program
+    def big(s, n):
+        s += PREFIX
+        s += treegen.gen("a", max_tokens=n, ignore_eos=True)
+
+    assert len(big.run(engine, 10)["a"].split()) == 10
+    with pytest.raises(MemoryError, match=r"gen \(node 0, max_tokens=200\) needs 224 tokens .* more than the whole KV budget of 100 tokens"):
+        big.run(engine, 200)
+
+
+def test_under_a_small_budget_a_stream_of_programs_never_exceeds_it(model):
+    whole = Engine(model, IdTokenizer())
+    batch = inputs(40, seed=3)
+    want = grows.run_batch(whole, batch)
+    per_token = whole.kv_shape.bytes_per_token
+    budget = 400 * per_token
+    roots = grows.run_batch(Engine(model, IdTokenizer(), kv_budget_bytes=budget), batch)
+    scheduler = roots[0]._run.tree_run.scheduler
+    assert scheduler.peak_slots * per_token <= budget < whole_peak(want) * per_token
+    assert scheduler.memory_waits > 0
+    assert [r.ret_value for r in roots] == [r.ret_value for r in want]
+
+
+def whole_peak(roots):
+    return roots[0]._run.tree_run.scheduler.peak_slots
+
+
+def test_streamed_tokens_equal_the_final_result(engine):
+    streams = {}
+
+    def on_tokens(stream):
+        key = (id(stream.state), stream.name)  # (paths repeat: every round forks from the root again)
+        assert stream.tokens[: len(streams.get(key, ()))] == streams.get(key, ())  # only ever grows
+        streams[key] = stream.tokens
+
+    roots = grows.run_batch(engine, inputs(6, seed=9), on_tokens=on_tokens)
+    finals = {}
+    for st in roots[0]._run.states:
+        if st.path and "a" in st.info and "tokens" in st.info["a"]:
+            finals[(id(st), "a")] = st.vars["a"]
+    assert set(streams) == set(finals)
+    for key, tokens in streams.items():
+        assert " ".join(map(str, tokens)) == finals[key]
+
+
+def test_freed_programs_give_their_kv_back_while_others_run(engine):
+    """A finished program's own nodes are freed at once; the shared prefix stays while others need it."""
+    held = []
+
+    def on_result(i, root):
+        held.append(root._run.tree_run.kv.slots_reserved())
+
+    batch = [{"question": " 1", "lengths": [[2]]}, {"question": " 2", "lengths": [[3], [30]]}]
+    roots = grows.run_batch(engine, batch, on_result=on_result)
+    run = roots[0]._run
+    prefix_node = run.tree.path(roots[1].node)[0]
+    assert held[0] < run.tree_run.scheduler.peak_slots
+    assert prefix_node in run.tree.graph and len(held) == 2
