@@ -234,6 +234,16 @@ def test_tg_run_batch_equals_runs_alone(smol):
     assert results[1].to_json()["parameters"] == {"q": QUESTIONS[1], "n": 2}
 
 
+def _json_lines(text):
+    """Every line a complete JSON object (what ``--json`` of a batch must always leave)."""
+    import json
+
+    assert text == "" or text.endswith("\n")
+    records = [json.loads(line) for line in text.splitlines()]
+    assert all(isinstance(r, dict) for r in records)
+    return records
+
+
 def test_cli_run_batch(smol, tmp_path, capsys, monkeypatch):
     import json
     from pathlib import Path
@@ -243,24 +253,144 @@ def test_cli_run_batch(smol, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: smol))
     monkeypatch.setenv("COLUMNS", "200")
     inputs = tmp_path / "inputs.jsonl"
-    inputs.write_text("\n".join(json.dumps({"problems": [q]}) for q in QUESTIONS[:2]) + "\n\n")
+    inputs.write_text("\n" + "\n".join(json.dumps({"problems": [q]}) for q in QUESTIONS[:2]) + "\n\n")
     example = Path(__file__).resolve().parents[1] / "examples" / "two_level.tg"
-    out_json = tmp_path / "out.json"
+    out_json = tmp_path / "out.jsonl"
     code = main(["run", str(example), "--batch", str(inputs), "--var", "n=2", "--var", "max_tokens=3",
                  "--json", str(out_json), "--no-progress"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    data = json.loads(out_json.read_text())
+    records = _json_lines(out_json.read_text())  # JSON Lines, in finish order
+    data = sorted(records, key=lambda d: d["index"])
+    assert [(d["index"], d["line"]) for d in data] == [(0, 2), (1, 3)]  # line numbers count the blank line
     assert [d["parameters"]["problems"] for d in data] == [[q] for q in QUESTIONS[:2]]
-    assert all(d["parameters"]["n"] == 2 for d in data)
+    assert all(d["parameters"]["n"] == 2 and "error" not in d for d in data)
     assert "input 2 of 2" in out and "2 programs ran" in err
     alone = main(["run", str(example), "--var", f"problems={json.dumps([QUESTIONS[1]])}", "--var", "n=2",
                   "--var", "max_tokens=3", "--json", "-", "--no-progress"])
-    single = json.loads(capsys.readouterr()[0])
+    single = json.loads(capsys.readouterr()[0])  # without --batch: one JSON document, as before
     assert alone == 0 and single["variables"] == data[1]["variables"]
+    # --json - : the lines go to stdout (and nothing else does)
+    code = main(["run", str(example), "--batch", str(inputs), "--var", "n=2", "--var", "max_tokens=3",
+                 "--json", "-", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert sorted(_json_lines(out), key=lambda d: d["index"]) == data
     inputs.write_text('{"problems": ["a"]}\n{"nope": 1}\n')
     code = main(["run", str(example), "--batch", str(inputs), "--no-progress"])
     assert code == 2 and "line 2: unknown parameter 'nope'" in capsys.readouterr()[1]
     inputs.write_text('{"problems": ["a"]}\n[1\n')
     code = main(["run", str(example), "--batch", str(inputs), "--no-progress"])
     assert code == 2 and "inputs.jsonl:2:" in capsys.readouterr()[1]
+
+
+# a .tg program whose parameter k can make its join fail at run time (top_k needs k >= 1), after its
+# branches were queued: the program fails alone
+FAILS_WITH_K0 = ('param q = "x"\nparam k = 1\n"' + FEW_SHOT.replace("\n", "\\n") + 'Q: {q}\\nA:"\n'
+                 'fork 2 {\n    gen answer(max_tokens=3)\n}\njoin { top = top_k(answer, by=answer, k=k) }\n')
+
+
+def _cli_batch_files(tmp_path, lines):
+    import json
+
+    prog = tmp_path / "prog.tg"
+    prog.write_text(FAILS_WITH_K0)
+    inputs = tmp_path / "inputs.jsonl"
+    inputs.write_text("".join((json.dumps(x) if x is not None else "") + "\n" for x in lines))
+    return prog, inputs
+
+
+def test_cli_run_batch_a_failing_input(smol, tmp_path, capsys, monkeypatch):
+    from treegen.cli import main
+
+    from treegen.lang.batch import ProgramError
+    from treegen.lang.tg.program import TgProgram, TgResult
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: smol))
+    monkeypatch.setenv("COLUMNS", "200")
+    run_batch, raised = TgProgram.run_batch, []
+
+    def spy(self, *args, **kwargs):
+        try:
+            return run_batch(self, *args, **kwargs)
+        except ProgramError as e:
+            raised.append(e)
+            raise
+
+    monkeypatch.setattr(TgProgram, "run_batch", spy)
+    prog, inputs = _cli_batch_files(tmp_path, [{"q": QUESTIONS[0]}, None, {"q": QUESTIONS[1], "k": 0},
+                                               {"q": QUESTIONS[2]}])
+    out_json = tmp_path / "out.jsonl"
+    code = main(["run", str(prog), "--batch", str(inputs), "--json", str(out_json), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert "Traceback" not in out + err
+    records = _json_lines(out_json.read_text())
+    by_index = {r["index"]: r for r in records}
+    assert len(records) == 3 and sorted(by_index) == [0, 1, 2]
+    assert [by_index[i]["line"] for i in range(3)] == [1, 3, 4]
+    bad = by_index[1]
+    assert bad["error"].startswith("TgError: ") and "k must be an integer >= 1, got 0" in bad["error"]
+    assert "variables" not in bad and bad["parameters"] == {"q": QUESTIONS[1], "k": 0}
+    for i in (0, 2):  # the others finished and were written
+        assert "error" not in by_index[i] and len(by_index[i]["variables"]["top"]) == 1
+        assert by_index[i]["parameters"]["q"] == QUESTIONS[2 * (i > 0)]
+    assert f"treegen: input {inputs}:3 (index 1) failed: TgError: " in err
+    assert f"1 of 3 programs failed: {inputs}:3 (index 1)" in err and f"results are in {out_json}" in err
+    assert "input 3 of 3" in out and "k must be an integer" in out
+    # the ProgramError names the input by its line (describe), and carries every result
+    (e,) = raised
+    assert str(e).startswith(f"program 1 (input {inputs}:3) failed: TgError: ") and list(e.errors) == [1]
+    assert all(isinstance(r, TgResult) for r in e.results) and [r.error is not None for r in e.results] == \
+        [False, True, False]
+
+
+def test_cli_run_batch_interrupted(smol, tmp_path, capsys, monkeypatch):
+    """Ctrl-C (here raised in the batch's driver when the first program is done) exits 130 with one
+    line, and OUT holds the finished program."""
+    from treegen.cli import main
+    from treegen.render import TreeWatch
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: smol))
+    monkeypatch.setenv("COLUMNS", "200")
+    programs = TreeWatch.programs
+
+    def ctrl_c(self, done, total):
+        programs(self, done, total)
+        if done == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TreeWatch, "programs", ctrl_c)
+    prog, inputs = _cli_batch_files(tmp_path, [{"q": q} for q in QUESTIONS])
+    out_json = tmp_path / "out.jsonl"
+    code = main(["run", str(prog), "--batch", str(inputs), "--json", str(out_json), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 130
+    assert err == f"treegen: interrupted: 1 of 3 programs had finished; their results are in {out_json}\n"
+    (record,) = _json_lines(out_json.read_text())
+    assert "variables" in record and record["line"] == record["index"] + 1
+
+
+def test_cli_run_batch_progress(smol, tmp_path, capsys, monkeypatch):
+    """The progress display is fed programs done (not tokens) and nothing is printed per token."""
+    from treegen.cli import main
+    from treegen.render import TreeWatch
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: smol))
+    monkeypatch.setenv("COLUMNS", "200")
+    programs, seen = TreeWatch.programs, []
+
+    def record(self, done, total):
+        programs(self, done, total)
+        seen.append((self, done, total))
+
+    monkeypatch.setattr(TreeWatch, "programs", record)
+    prog, inputs = _cli_batch_files(tmp_path, [{"q": q} for q in QUESTIONS])
+    code = main(["run", str(prog), "--batch", str(inputs)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert [(done, total) for _, done, total in seen] == [(k, 3) for k in range(4)]
+    watch = seen[-1][0]
+    assert watch.tree is not None
+    assert watch.describe(watch.sample(), 1.0).startswith("3/3 programs done · running · 6 branches · ")
+    assert err.strip().count("\n") == 0 and "3 programs ran" in err  # only the summary: no per-token output

@@ -76,7 +76,10 @@ def test_help_and_usage_errors(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 0
-        assert "usage: treegen" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "usage: treegen" in out
+        if argv == ["run", "--help"]:  # batch results are JSON Lines in the order programs finish
+            assert "JSON Lines" in out and "finish order" in " ".join(out.split())
     for argv in ([], ["frobnicate"], ["run"], ["run", "x.tg", "--seed", "abc"]):
         with pytest.raises(SystemExit) as e:
             main(argv)

@@ -6,7 +6,10 @@
     treegen run FILE --batch INPUTS.jsonl ...       one program per line of parameter values, one workload
 
 Results go to stdout, diagnostics (errors, progress) to stderr. Exit status: 0 success, 1 a failure
-while running, 2 a mistake in the program, its parameters or the command line, 130 interrupted.
+while running (in a batch: any program failed; the others still finish and are written), 2 a mistake
+in the program, its parameters or the command line, 130 interrupted. With ``--batch``, ``--json OUT``
+is JSON Lines written as each program finishes (finish order), so a stopped run leaves every finished
+program's result in OUT.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -58,11 +62,14 @@ def _parser() -> argparse.ArgumentParser:
     common(r)
     r.add_argument("--seed", type=int, default=0, help="program seed (default 0)")
     r.add_argument("--json", metavar="OUT", help="write the executed tree (every branch's text and variables) "
-                                                 "as JSON to OUT ('-' for stdout)")
+                                                 "as JSON to OUT ('-' for stdout); with --batch, JSON Lines: one "
+                                                 "object per input, written as soon as that program finishes, so "
+                                                 "in finish order, not input order (each has 'index', 0-based, and "
+                                                 "'line' in JSONL; a failed one has 'error')")
     r.add_argument("--batch", metavar="JSONL",
                    help="run the program once per line of JSONL (a JSON object of parameter values, over the "
                         "--var values) as one workload: shared prompt prefixes are found and stored once; "
-                        "--json then writes a list with one result per line")
+                        "a program that fails is reported and the others finish (exit status 1)")
     r.add_argument("--device", default="cpu", help="torch device (default cpu)")
     r.add_argument("--no-progress", action="store_true", help="no progress display")
     r.set_defaults(func=cmd_run)
@@ -150,20 +157,20 @@ def cmd_run(args) -> int:
     out, err = _consoles()
     watch = TreeWatch()
     dtype = getattr(torch, args.dtype)
-    progress = not args.no_progress
+
+    def load():
+        _quiet_transformers()
+        return Engine.load(args.model, dtype=dtype, device=args.device)
+
+    if batch is not None:
+        return _run_batch(args, prog, *batch, load, watch, out, err)
 
     def work():
-        _quiet_transformers()
-        engine = Engine.load(args.model, dtype=dtype, device=args.device)
+        engine = load()
         start = time.perf_counter()
-        if batch is not None:
-            return (prog.run_batch(engine, batch, seed=args.seed, watch=watch, on_programs=watch.programs),
-                    time.perf_counter() - start)
         return prog.run(engine, seed=args.seed, watch=watch, **values), time.perf_counter() - start
 
-    result, seconds = watch.run(work, err, enabled=progress)
-    if batch is not None:
-        return _report_batch(args, result, seconds, out, err)
+    result, seconds = watch.run(work, err, enabled=not args.no_progress)
     if args.json:
         text = json.dumps(result.to_json(), indent=2, ensure_ascii=False)
         if args.json == "-":
@@ -178,8 +185,9 @@ def cmd_run(args) -> int:
     return EXIT_OK
 
 
-def _read_batch(prog, path: str, values: dict) -> list[dict]:
-    """The JSONL inputs of ``--batch``: per line a JSON object of parameter values over ``values``."""
+def _read_batch(prog, path: str, values: dict) -> tuple[list[dict], list[int]]:
+    """The JSONL inputs of ``--batch``: per line a JSON object of parameter values over ``values``;
+    returns them and their line numbers (blank lines are skipped)."""
     from treegen.lang.tg import TgError
     from treegen.lang.tg.errors import Pos, Source
 
@@ -188,7 +196,7 @@ def _read_batch(prog, path: str, values: dict) -> list[dict]:
             lines = f.read().splitlines()
     except OSError as e:
         raise TgError(f"--batch {path}: {e.strerror}", prog._where()) from None
-    source, out = Source(path, "\n".join(lines)), []
+    source, out, numbers = Source(path, "\n".join(lines)), [], []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -203,29 +211,148 @@ def _read_batch(prog, path: str, values: dict) -> list[dict]:
         except TgError as e:
             raise TgError(f"--batch {path} line {i}: {e.message}", e.pos) from None
         out.append(values | item)
+        numbers.append(i)
     if not out:
         raise TgError(f"--batch {path}: no inputs", prog._where())
-    return out
+    return out, numbers
 
 
-def _report_batch(args, results, seconds: float, out, err) -> int:
+class _JsonLines:
+    """``--json OUT`` of a batch: one JSON object per line, written and flushed as each program
+    finishes, so the file is valid JSON Lines holding every finished program whenever the run stops.
+    Thread-safe; after :meth:`close` (or a failed write) further lines are dropped."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.saved = "were written to stdout" if path == "-" else f"are in {path}"  # "their results ..."
+        self.file = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+        self.lock = threading.Lock()
+        self.closed = False
+        self.error: OSError | None = None
+
+    def write(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with self.lock:
+            if self.closed or self.error is not None:
+                return
+            try:
+                self.file.write(line)
+                self.file.flush()
+            except OSError as e:  # reported when the run ends; the run goes on
+                self.error = e
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                if self.file is not sys.stdout:
+                    self.file.close()
+                else:
+                    self.file.flush()
+            except OSError as e:
+                self.error = self.error or e
+
+
+def _error_text(e: BaseException) -> str:
+    """``ExceptionType: message`` on one line (a ``.tg`` error with its ``file:line:col``)."""
+    from treegen.lang.tg import TgError
+
+    message = f"{e.pos}: {e.message}" if isinstance(e, TgError) and e.pos is not None else str(e)
+    return f"{type(e).__name__}: {' '.join(message.splitlines())}"
+
+
+def _run_batch(args, prog, inputs: list[dict], lines: list[int], load, watch, out, err) -> int:
+    """``treegen run --batch``: results go to ``--json`` as each program finishes (JSON Lines, finish
+    order); failed programs are reported and the others finish (exit 1); Ctrl-C exits 130."""
+    from treegen.lang.batch import ProgramError
+    from treegen.lang.tg.program import _clean
     from treegen.render import result_view
 
-    if args.json:
-        text = json.dumps([r.to_json() for r in results], indent=2, ensure_ascii=False)
-        if args.json == "-":
-            print(text)
-            return EXIT_OK
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    for i, r in enumerate(results):
-        out.rule(f"input {i + 1} of {len(results)}")
-        out.print(result_view(r, args.max_children))
-    tree = results[0].state.tree
-    tokens = sum(len(d["tokens"]) for _, d in tree.graph.nodes(data=True))
-    err.print(f"[dim]{len(results)} programs ran in {seconds:.1f} s as one workload · {tokens} tokens in the tree"
-              + (f" · wrote {args.json}" if args.json else "") + "[/]", highlight=False)
-    return EXIT_OK
+    total = len(inputs)
+    where = [f"{args.batch}:{line}" for line in lines]
+    sink = _JsonLines(args.json) if args.json else None
+    results: dict = {}  # index -> TgResult, as they finish
+    clock: dict = {}
+
+    def on_result(i: int, result) -> None:
+        results[i] = result
+        if result.error is not None:
+            err.print(f"treegen: input {where[i]} (index {i}) failed: {_error_text(result.error)}",
+                      markup=False, highlight=False, soft_wrap=True)
+        if sink is None:
+            return
+        if result.error is None:
+            try:
+                sink.write({"index": i, "line": lines[i], **result.to_json()})
+                return
+            except Exception as e:  # noqa: BLE001 - this result alone is lost; the batch goes on
+                result.state.error = RuntimeError(f"its result could not be saved: {_error_text(e)}")
+                err.print(f"treegen: input {where[i]} (index {i}) failed: {_error_text(result.error)}",
+                          markup=False, highlight=False, soft_wrap=True)
+        # a failed program: what identifies it, and why (its variables may be missing or unfinished)
+        sink.write({"index": i, "line": lines[i], "program": prog.path, "seed": result.seed,
+                    "parameters": _clean(result.values), "error": _error_text(result.error)})
+
+    def work() -> None:
+        engine = load()
+        clock["start"] = time.perf_counter()
+        prog.run_batch(engine, inputs, seed=args.seed, watch=watch, on_programs=watch.programs,
+                       on_result=on_result, describe=lambda i: f"{i} (input {where[i]})")
+
+    failure = None
+    try:
+        watch.run(work, err, enabled=not args.no_progress)
+    except ProgramError as e:
+        failure = e
+        if args.traceback or os.environ.get("TREEGEN_TRACEBACK"):
+            traceback.print_exc()
+    except KeyboardInterrupt:  # BatchInterrupted, or Ctrl-C while loading the model
+        if sink is not None:
+            sink.close()
+        done = len(results)
+        failed = sum(r.error is not None for r in results.values())
+        what = f"{done} of {total} programs had finished" + (f" ({failed} failed)" if failed else "")
+        if sink is not None and done:
+            what += f"; their results {sink.saved}"
+        elif not done:
+            what = f"no program of {total} had finished"
+        print(f"treegen: interrupted: {what}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if sink is not None:
+            sink.close()
+    seconds = time.perf_counter() - clock.get("start", time.perf_counter())
+    failed = sorted(i for i, r in results.items() if r.error is not None)
+    if args.json != "-":
+        for i in range(total):
+            out.rule(f"input {i + 1} of {total} ({where[i]})")
+            r = results.get(i)
+            if r is None or r.error is not None:
+                out.print(f"failed: {_error_text(r.error) if r is not None else 'no result'}",
+                          style="red", markup=False, highlight=False)
+            else:
+                out.print(result_view(r, args.max_children))
+        trees = [r.state.tree for r in results.values()]
+        tokens = sum(len(d["tokens"]) for _, d in trees[0].graph.nodes(data=True)) if trees else 0
+        err.print(f"[dim]{total} programs ran in {seconds:.1f} s as one workload · {tokens} tokens in the tree"
+                  + (f" · wrote {args.json}" if sink is not None and sink.error is None else "") + "[/]",
+                  highlight=False)
+    status = EXIT_OK
+    if sink is not None and sink.error is not None:
+        print(f"treegen: error: --json {args.json}: {sink.error.strerror or sink.error}", file=sys.stderr)
+        status = EXIT_FAILURE
+    if failure is not None and not failed:  # (every failed program is reported through on_result)
+        print(f"treegen: error: {failure}", file=sys.stderr)
+        status = EXIT_FAILURE
+    elif failed:
+        names = ", ".join(f"{where[i]} (index {i})" for i in failed[:5]) + (", ..." if len(failed) > 5 else "")
+        saved = f"; their results {sink.saved}" if sink is not None and sink.error is None else ""
+        print(f"treegen: error: {len(failed)} of {total} programs failed: {names}; "
+              f"the other {total - len(failed)} finished{saved}", file=sys.stderr)
+        status = EXIT_FAILURE
+    return status
 
 
 def _quiet_transformers() -> None:

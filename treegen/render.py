@@ -136,7 +136,7 @@ def result_view(result: TgResult, max_children: int = 8, width: int = 60) -> Tre
 
 # progress ---------------------------------------------------------------------------------------------
 class TreeWatch:
-    """Progress of a run, drawn from the main thread while the program runs in a worker thread.
+    """Progress of a run, drawn from a helper thread while the program runs in the main thread.
 
     What it shows is read from the run's sharing tree (``watch(tree)`` hands it over): tokens the
     tree holds, the growth rate of that count (the decode rate while branches generate), live
@@ -185,36 +185,39 @@ class TreeWatch:
         return line
 
     def run(self, work: Callable[[], object], console: Console, enabled: bool = True):
-        """Run ``work()`` in a thread, showing progress on ``console``; return its result or raise its error."""
-        box: dict = {}
+        """Run ``work()`` in the calling thread, showing progress on ``console`` from a helper thread
+        (redrawn four times a second, never per token); return its result or raise its error.
 
-        def target():
-            try:
-                box["value"] = work()
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                box["error"] = e
-
-        thread = threading.Thread(target=target, name="treegen-run", daemon=True)
-        thread.start()
+        The work runs in the calling (main) thread so that Ctrl-C interrupts the work itself: a batch
+        stops and raises :class:`~treegen.lang.batch.BatchInterrupted` with what had finished."""
+        if not enabled:
+            return work()
         columns = (SpinnerColumn(), _ProgramsBar(bar_width=20), TextColumn("{task.description}"), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True, disable=not enabled) as progress:
+        with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("loading the model", total=None)
-            last, rate = None, 0.0
-            while thread.is_alive():
-                thread.join(0.25)
-                if self.programs_done is not None:  # the bar: programs done of the batch
-                    progress.update(task, completed=self.programs_done[0], total=self.programs_done[1])
-                s = self.sample()
-                if s is None:
-                    continue
-                now = time.perf_counter()
-                if last is not None and s[2] and now > last[0]:
-                    rate = 0.7 * rate + 0.3 * max(s[0] - last[1], 0) / (now - last[0])
-                last = (now, s[0])
-                progress.update(task, description=self.describe(s, rate))
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+            stop = threading.Event()
+
+            def update() -> None:
+                last, rate = None, 0.0
+                while not stop.wait(0.25):
+                    if self.programs_done is not None:  # the bar: programs done of the batch
+                        progress.update(task, completed=self.programs_done[0], total=self.programs_done[1])
+                    s = self.sample()
+                    if s is None:
+                        continue
+                    now = time.perf_counter()
+                    if last is not None and s[2] and now > last[0]:
+                        rate = 0.7 * rate + 0.3 * max(s[0] - last[1], 0) / (now - last[0])
+                    last = (now, s[0])
+                    progress.update(task, description=self.describe(s, rate))
+
+            thread = threading.Thread(target=update, name="treegen-progress", daemon=True)
+            thread.start()
+            try:
+                return work()
+            finally:
+                stop.set()
+                thread.join()
 
 
 class _ProgramsBar(BarColumn):

@@ -85,17 +85,41 @@ class TgProgram:
 
 
     def run_batch(self, engine, inputs: list[Mapping[str, Any]], *, seed: int = 0, watch: Callable | None = None,
-                  **options) -> list["TgResult"]:
-        """Run once per entry of ``inputs`` (parameter values) as one workload; see
-        :meth:`treegen.Program.run_batch` (``options``: ``seeds``, ``share_prefixes``,
-        ``min_shared_saving``, ``on_programs``). Parameters are checked for every input before anything runs."""
+                  on_result: Callable[[int, "TgResult"], None] | None = None,
+                  describe: Callable[[int], str] = str, **options) -> list["TgResult"]:
+        """Run once per entry of ``inputs`` (parameter values) as one workload; returns the results in
+        input order. Parameters are checked for every input before anything runs.
+
+        ``on_result(index, result)``: each program's :class:`TgResult` as soon as that program is done
+        (in finish order; a failed one has ``result.error``). ``describe(i)``: how errors name input
+        ``i`` (the command line: its index and ``inputs.jsonl:LINE``). ``options``: ``seeds``,
+        ``share_prefixes``, ``min_shared_saving``, ``on_programs``, ``on_tokens``,
+        ``max_program_tokens``, as in :meth:`treegen.Program.run_batch`. Faults as there: a failed
+        program raises :class:`~treegen.lang.batch.ProgramError` once the others are done, Ctrl-C
+        :class:`~treegen.lang.batch.BatchInterrupted`; their ``results`` are :class:`TgResult` here
+        (None for the programs an interrupt left unfinished)."""
+        from treegen.lang.batch import BatchInterrupted, ProgramError
         from treegen.lang.dsl import run_batch
 
+        if on_result is not None and not callable(on_result):
+            raise TypeError(f"run_batch: on_result must be a function (index, result), got {type(on_result).__name__}")
         bound = [self.bind(values) for values in inputs]
         lowerings = [Lowering(self.file, b, watch) for b in bound]
-        roots = run_batch(engine, [_body(lw) for lw in lowerings], seed=seed, **options)
-        seeds = options.get("seeds") or [seed] * len(roots)
-        return [TgResult(self, lw.root, b, s, engine.tokenizer) for lw, b, s in zip(lowerings, bound, seeds)]
+        seeds = options.get("seeds") or [seed] * len(bound)
+
+        def result(i: int, root) -> "TgResult":
+            lw = lowerings[i]
+            branch = lw.root if lw.root is not None and lw.root.state is root else Branch(root)  # failed before it began
+            return TgResult(self, branch, bound[i], seeds[i], engine.tokenizer)
+
+        hook = None if on_result is None else lambda i, root: on_result(i, result(i, root))
+        try:
+            roots = run_batch(engine, [_body(lw) for lw in lowerings], seed=seed, on_result=hook, describe=describe,
+                              **options)
+        except (ProgramError, BatchInterrupted) as e:
+            e.results = [None if root is None else result(i, root) for i, root in enumerate(e.results)]
+            raise
+        return [result(i, root) for i, root in enumerate(roots)]
 
 
 def _body(lowering: Lowering) -> Callable:
@@ -145,6 +169,11 @@ class TgResult:
     @property
     def state(self):
         return self.root.state
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the program failed (a batch run; see :meth:`TgProgram.run_batch`), else None."""
+        return getattr(self.root.state, "error", None)
 
     def __getitem__(self, name: str):
         return self.root.state[name]
