@@ -7,7 +7,13 @@ own work is done — and is compared with **the same token work run as one stati
 process**: the same shared prefix, one node per program, ``branches`` leaves each generating the
 workload's mean tokens per branch, all known up front (``TreeRun.execute``).
 
-Workloads (``branches`` = programs x width, the live branches when every program is generating):
+The engine runs at most ``branches`` generating branches at once (``Engine(max_batch=branches)``),
+and the workload has ``oversubscribe`` times more programs than that batch holds when every program
+generates (``programs = oversubscribe x branches / width``): programs waiting on their own answers
+leave the batch to others, as in any serving engine. The static run decodes the same number of
+tokens with ``branches`` leaves.
+
+Workloads:
 
 * ``rounds`` — each program: the shared prefix, its own question, then three rounds of
   fork(width) → gen (lengths drawn between 16 and 384) → join → read the answers → append a follow-up;
@@ -144,8 +150,9 @@ class Busy:
         return sum(self.samples) / (100 * len(self.samples)) if self.ok and self.samples else None
 
 
-def measure_dynamic(engine: Engine, kind: str, programs: int, width: int) -> dict:
+def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_programs: int) -> dict:
     prog, inputs, total = workload(kind, programs, width, engine.model.vocab_size)
+    prog.run_batch(engine, workload(kind, warm_programs, width, engine.model.vocab_size, seed=1)[1])  # compile
     torch.cuda.synchronize()
     with Busy() as busy:
         start = time.perf_counter()
@@ -167,6 +174,11 @@ def measure_static(engine: Engine, programs: int, width: int, new: int) -> dict:
     """The same prefix, one question node per program, programs x width leaves of ``new`` tokens each."""
     g = torch.Generator().manual_seed(1)
     vocab = engine.model.vocab_size
+    run = engine.start()  # warm-up: compile this batch's kernels
+    root = run.tree.add_node(None, list(range(1, PREFIX + 1)))
+    run.execute([GenRequest(run.tree.add_node(root, [7]), SamplingParams(max_tokens=9, ignore_eos=True), key=i)
+                 for i in range(programs * width)], [])
+    del run
     torch.cuda.synchronize()
     with Busy() as busy:
         start = time.perf_counter()
@@ -197,7 +209,7 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
         ax.plot(*zip(*pts), marker="o", label=kind)
     ax.axhline(0.85, color="grey", linestyle="--", linewidth=1, label="target 0.85")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("branches (programs x width)")
+    ax.set_xlabel("branches (max batch)")
     ax.set_ylabel("dynamic / static tokens/s")
     ax.set_ylim(0, 1.2)
     ax.legend()
@@ -210,23 +222,23 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
     parser.add_argument("--branches", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--oversubscribe", type=int, default=3, help="programs per batch's worth of programs")
     parser.add_argument("--workloads", nargs="+", default=["rounds", "rounds-equal", "tot"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     model = LlamaFamilyModel.random(LlamaConfig(**SHAPES[args.shape]), dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, IdTokenizer())
-    warm = workload("rounds", 4, args.width, model.vocab_size)
-    warm[0].run_batch(engine, warm[1][:4])  # compile kernels once
     rows = []
     for kind in args.workloads:
         for branches in args.branches:
-            programs = branches // args.width
-            row = {"workload": kind, "shape": args.shape, "branches": branches, "programs": programs, "width": args.width}
-            row.update(measure_dynamic(engine, kind, programs, args.width))
+            engine = Engine(model, IdTokenizer(), max_batch=branches)
+            programs = args.oversubscribe * branches // args.width
+            row = {"workload": kind, "shape": args.shape, "branches": branches, "programs": programs,
+                   "width": args.width, "max_batch": branches}
+            row.update(measure_dynamic(engine, kind, programs, args.width, warm_programs=branches // args.width))
             gc.collect()
             per_branch = round(row["tokens"] / branches)
-            row.update(measure_static(engine, programs, args.width, per_branch))
+            row.update(measure_static(engine, branches // args.width, args.width, per_branch))
             row["ratio"] = row["dynamic_tok_s"] / row["static_tok_s"]
             row["host_fraction_of_step"] = sum(row["host_ms_per_step"].values()) / row["static_step_ms"]
             rows.append(row)

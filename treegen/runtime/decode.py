@@ -117,8 +117,10 @@ class Decoder:
             steps.add_(1)
             column.add_(1)
 
+        planned = time.perf_counter()
+        run.host_seconds["plan"] += planned - started
         replay = self._capture(step) if self.graphs and plan.backend == "triton" else None
-        run.host_seconds["plan"] += time.perf_counter() - started
+        run.host_seconds["capture"] += time.perf_counter() - planned
         pipelined = device.type == "cuda"
         done_steps, pending = 0, None
         for t in range(width):

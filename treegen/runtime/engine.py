@@ -53,11 +53,13 @@ class Engine:
     max_prefill_tokens: prefill runs in chunks of at most this many tokens (bounded activations).
     kv_budget_bytes: KV memory a run may use (default: the free device memory on CUDA, no limit on
     the CPU); work is admitted while its KV fits, the rest waits for finished branches to free
-    theirs (:mod:`treegen.runtime.scheduler`).
+    theirs (:mod:`treegen.runtime.scheduler`). max_batch: branches generating at once at most (None:
+    as many as the KV budget holds); more work waits for branches to finish.
     """
 
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
-                 max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None) -> None:
+                 max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
+                 max_batch: int | None = None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
@@ -70,6 +72,9 @@ class Engine:
         if kv_budget_bytes is not None and (not isinstance(kv_budget_bytes, int) or kv_budget_bytes <= 0):
             raise ValueError(f"kv_budget_bytes must be a positive integer or None, got {kv_budget_bytes!r}")
         self.kv_budget_bytes = kv_budget_bytes
+        if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+            raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
+        self.max_batch = max_batch
         # progress hook: on_step(live_branches, tokens_done, tokens_budget), called by the decoder
         # after the first tokens and at every host sync (display/progress.py adapts it to a bar)
         self.on_step = None
@@ -99,15 +104,15 @@ class TreeRun:
         m = self.model
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                           dtype=m.dtype, device=m.device)
-        self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens)
+        self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens, engine.max_batch)
         self.decoder = Decoder(self)
         self.forward_passes = 0
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         self._phase = None  # the running decode phase (a generator), if any
-        # host time by kind (seconds): scheduling, planning phases (with CUDA graph capture), reading
-        # sampled tokens, running program code (batch driver); benchmarks report it per step
-        self.host_seconds = {"schedule": 0.0, "plan": 0.0, "accept": 0.0, "programs": 0.0}
+        # host time by kind (seconds): scheduling, planning phases, capturing their CUDA graphs (which
+        # runs the first step), reading sampled tokens, running program code (batch driver)
+        self.host_seconds = {"schedule": 0.0, "plan": 0.0, "capture": 0.0, "accept": 0.0, "programs": 0.0}
         self._completed: list[Job] = []
 
     # jobs ----------------------------------------------------------------------------------------

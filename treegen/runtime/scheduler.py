@@ -84,10 +84,13 @@ class Scheduler:
     """Decides each step of one tree run (see the module docstring).
 
     ``budget()``: the current :class:`KVBudget` (asked only when jobs wait); ``token_budget``: rows a
-    step aims for, decode rows included."""
+    step aims for, decode rows included; ``max_batch``: generating branches at most (None: as many
+    as memory holds)."""
 
-    def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int) -> None:
+    def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None) -> None:
         self.tree, self.kv, self.budget, self.token_budget = tree, kv, budget, token_budget
+        self.max_batch = max_batch
+        self.live = 0  # generating branches (told by the engine each step)
         self.waiting: deque[Job] = deque()
         self.admitted: list[Job] = []  # admitted, rows not run yet
         self.clock = 0  # decode steps run so far (advanced by the engine)
@@ -112,7 +115,9 @@ class Scheduler:
         if live == 0 or 2 * live <= size:
             return True
         new = len(self.waiting) + len(self.admitted)
-        if not new:
+        if self.max_batch is not None:
+            new = min(new, self.max_batch - live)  # only what could join now
+        if new <= 0:
             return False
         return (size - live) + new >= REPLAN_FRACTION * size or self.clock - (self._work_since or 0) >= MAX_WAIT_STEPS
 
@@ -120,6 +125,7 @@ class Scheduler:
     def next_step(self, live: int) -> Step:
         """The next step, given ``live`` decoding branches (each one decode row in the step)."""
         step = Step()
+        self.live = live
         if self.waiting:
             self._admit(step, busy=live > 0 or bool(self.admitted))
         self._take_rows(step, room=self.token_budget - live)
@@ -148,8 +154,11 @@ class Scheduler:
         reserved = self.kv.slots_reserved()
         counted: set[int] = set()
         taken: list[tuple[Job, dict[int, int]]] = []
+        generating = self.live + sum(1 for j in self.admitted if j.is_gen)
         while self.waiting:
             job = self.waiting[0]
+            if self.max_batch is not None and job.is_gen and generating >= self.max_batch:
+                break  # the batch is full: wait for branches to finish
             need = self.need(job, counted)
             slots = sum(need.values())
             if total is not None and reserved + slots > total:
@@ -174,6 +183,7 @@ class Scheduler:
             taken.append((job, need))
             counted |= set(need)
             reserved += slots
+            generating += job.is_gen
         if not taken:
             return
         self.kv.ensure_free(sum(sum(need.values()) for _, need in taken))
