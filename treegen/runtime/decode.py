@@ -35,6 +35,9 @@ from treegen.runtime.cuda_graph import capture
 from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams, sample
 
+# a phase expected to end sooner than this many steps runs without a CUDA graph (capture costs more)
+MIN_CAPTURED_STEPS = 8
+
 
 class Decoder:
     """The generating branches of one :class:`~treegen.runtime.engine.TreeRun` (see module doc)."""
@@ -119,7 +122,9 @@ class Decoder:
 
         planned = time.perf_counter()
         run.host_seconds["plan"] += planned - started
-        replay = self._capture(step) if self.graphs and plan.backend == "triton" else None
+        replay = None
+        if self.graphs and plan.backend == "triton" and self._worth_capturing(remaining):
+            replay = self._capture(step)
         run.host_seconds["capture"] += time.perf_counter() - planned
         pipelined = device.type == "cuda"
         done_steps, pending = 0, None
@@ -188,6 +193,14 @@ class Decoder:
         if hook is not None:
             left = sum(self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in self.live)
             hook(len(self.live), self.tokens_done, self.tokens_done + left)
+
+    def _worth_capturing(self, remaining: list[int]) -> bool:
+        """Capturing costs a few steps' host time: skip it for a phase that new work waiting for room
+        will end within ``MIN_CAPTURED_STEPS`` (when a quarter of its branches are done)."""
+        scheduler = self.run.scheduler
+        if not scheduler.has_work():
+            return True
+        return sorted(remaining)[len(remaining) // 4] >= MIN_CAPTURED_STEPS
 
     @staticmethod
     def _capture(step):

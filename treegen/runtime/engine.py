@@ -110,6 +110,7 @@ class TreeRun:
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         self._phase = None  # the running decode phase (a generator), if any
+        self._just_mixed = False  # the last step prefilled new work (see advance)
         # host time by kind (seconds): scheduling, planning phases, capturing their CUDA graphs (which
         # runs the first step), reading sampled tokens, running program code (batch driver)
         self.host_seconds = {"schedule": 0.0, "plan": 0.0, "capture": 0.0, "accept": 0.0, "programs": 0.0}
@@ -148,11 +149,19 @@ class TreeRun:
                 except StopIteration:
                     self._phase = None
                 continue
+            live = len(self.decoder.live)
+            if self._just_mixed and live and not self.scheduler.phase_should_end(live, live):
+                # new work arrived during the last mixed step, too little to be worth another
+                # uncaptured step before the live branches decode on: it joins when the phase ends
+                self._just_mixed = False
+                self._phase = self.decoder.phase()
+                continue
             t0 = time.perf_counter()
-            step = self.scheduler.next_step(len(self.decoder.live))
+            step = self.scheduler.next_step(live)
             self.host_seconds["schedule"] += time.perf_counter() - t0
             for job in step.refused:
                 self.complete(job, None)
+            self._just_mixed = step.runs_model
             if step.runs_model:
                 self._run_step(step)
             elif self.decoder.live:

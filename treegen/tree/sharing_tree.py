@@ -96,8 +96,7 @@ class SharingTree:
         return len(self.tokens(node)) + self.graph.nodes[node]["gen_budget"]
 
     def parent(self, node: int) -> int | None:
-        preds = list(self.graph.predecessors(node))
-        return preds[0] if preds else None
+        return next(iter(self.graph.pred[node]), None)
 
     def children(self, node: int) -> list[int]:
         return sorted(self.graph.successors(node))
