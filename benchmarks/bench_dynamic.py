@@ -166,6 +166,7 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_p
     steps = tree_run.forward_passes
     return {"dynamic_s": elapsed, "dynamic_tok_s": total / elapsed, "tokens": total, "forward_passes": steps,
             "mixed_steps": tree_run.mixed_steps, "decode_phases": len(tree_run.decode_phases),
+            "kv_compactions": tree_run.kv.compactions, "kv_allocations": tree_run.kv.allocations,
             "host_ms_per_step": {k: 1e3 * v / steps for k, v in tree_run.host_seconds.items()},
             "gpu_busy": busy.fraction}
 

@@ -120,8 +120,10 @@ class Cooperative:
                 self._resume(run, w)
             run.hold_submissions = False
             run.submit_all()
+            run.touched |= {w.index for w in self.workers if w.waiting and not run.program_busy(w.index)}
             while True:
-                ready = [w for w in self.workers if w.waiting and not w.done
+                touched, run.touched = sorted(run.touched), set()  # only these can have become ready
+                ready = [w for w in (self.workers[i] for i in touched) if w.waiting and not w.done
                          and (w.stopped or not run.program_busy(w.index))]
                 if ready:
                     for w in ready:
@@ -147,4 +149,6 @@ class Cooperative:
             w.error = None
         elif w.waiting and not w.stopped:
             run.submit_program(w.index)
+            if not run.program_busy(w.index):  # nothing to wait for after all: look at it again
+                run.touched.add(w.index)
         run.tree_run.host_seconds["programs"] += time.perf_counter() - started

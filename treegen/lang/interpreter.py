@@ -144,6 +144,7 @@ class ProgramRun:
         self._users: dict[int, int] = {}
         self._nodes_of: dict[int, set[int]] = {}
         self.hold_submissions = False  # a batch starting: the passes must see every program first
+        self.touched: set[int] = set()  # programs whose jobs completed or failed since the driver looked
         self._error: BaseException | None = None  # a job's error, raised by flush (single runs)
 
     def root(self, seed: int | None = None) -> "State":
@@ -276,6 +277,7 @@ class ProgramRun:
     def _on_done(self, st: "State", job) -> None:
         """A state's job completed: record its value, submit the state's next op."""
         st._job = None
+        self.touched.add(st.program)
         if job.error is not None:
             st.pending = []
             self._fail(st.program, job.error)
@@ -295,6 +297,7 @@ class ProgramRun:
     def _fail(self, program: int, error: BaseException) -> None:
         """A job of ``program`` failed: in a batch the program fails alone (its thread is stopped);
         a single program raises at its next read."""
+        self.touched.add(program)
         if self.scheduler is not None:
             self.scheduler.stop(program)
             self.program_failed(self.roots[program], error)
@@ -566,7 +569,7 @@ class State:
             run.tree_run.free(self.origin)
         else:
             tree.prune(self.origin)
-        for st in run.states:
+        for st in run.states_of.get(self.program, run.states):  # (a program's states stay in it)
             if st.node in gone:
                 st._closed = "pruned"
         return freed

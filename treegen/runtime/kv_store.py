@@ -8,6 +8,7 @@ grow past its range it moves, once, to a larger one. Nothing is ever copied per 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class KVStore:
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.segments: dict[int, Segment] = {}
         self._free: list[tuple[int, int]] = [(0, initial_slots)]  # (start, length), sorted by start
+        self.allocations = self.compactions = 0  # counters: segments placed, pool compactions
 
     @property
     def num_slots(self) -> int:
@@ -76,25 +78,30 @@ class KVStore:
         self.segments[node] = new
         return new
 
-    def ensure_free(self, slots: int) -> None:
+    def ensure_free(self, slots: int, limit: int | None = None) -> None:
         """Grow the pool once, if needed, so that ``slots`` more slots are free (freed spans reused).
 
-        Checks device memory first: raises MemoryError naming the bytes needed and available."""
+        ``limit``: the most slots the pool may hold (the KV budget); when given, the pool grows
+        geometrically (to twice its size, within the limit and the device's free memory) so that a
+        run admitting work little by little copies its pool a logarithmic number of times, not once
+        per admission. Checks device memory first: raises MemoryError naming the bytes needed and
+        available."""
         free_slots = sum(n for _, n in self._free)
         if free_slots >= slots:
             return
-        extra = slots - free_slots  # the new span joins a free tail; freed spans inside the pool are reused
-        need = extra * self.bytes_per_token
+        short = slots - free_slots  # the new span joins a free tail; freed spans inside the pool are reused
+        extra = short if limit is None else max(short, min(self.num_slots, limit - self.num_slots))
+        per = self.bytes_per_token
         copying = any(s.computed for s in self.segments.values())  # then the grown pool is a copy, made
-        if copying:                                                 # while the old one is still held
-            need += self.num_slots * self.bytes_per_token
+        copy = self.num_slots * per if copying else 0               # while the old one is still held
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached
-            if need > free:
-                raise MemoryError(f"the KV cache needs {need / 2**30:.2f} GiB more for {extra} token slots "
-                                  f"({self.bytes_per_token} bytes each{', plus a copy of the pool it grows' if copying else ''}), "
+            if short * per + copy > free:
+                raise MemoryError(f"the KV cache needs {(short * per + copy) / 2**30:.2f} GiB more for {short} token slots "
+                                  f"({per} bytes each{', plus a copy of the pool it grows' if copying else ''}), "
                                   f"{free / 2**30:.2f} GiB is free on {self.device}")
+            extra = max(short, min(extra, (free - copy) // per - 1024))  # leave the device some room
         self._grow(extra)
 
     def free(self, node: int) -> None:
@@ -103,22 +110,26 @@ class KVStore:
             self._release(seg.start, seg.capacity)
 
     def _allocate(self, length: int) -> int:
-        for i, (start, free_len) in enumerate(self._free):
-            if free_len >= length:
-                self._free[i] = (start + length, free_len - length)
-                if self._free[i][1] == 0:
-                    del self._free[i]
-                return start
+        fits = [i for i, (_, free_len) in enumerate(self._free) if free_len >= length]
+        if fits:  # best fit: the smallest span that holds it, so large spans stay whole for large nodes
+            i = min(fits, key=lambda i: self._free[i][1])
+            start, free_len = self._free[i]
+            self._free[i] = (start + length, free_len - length)
+            if self._free[i][1] == 0:
+                del self._free[i]
+            self.allocations += 1
+            return start
         if sum(n for _, n in self._free) >= length:
             self._compact()  # enough room, but in pieces: close the holes rather than grow (no second pool)
         else:
             self._grow(length)
         return self._allocate(length)
 
-    def _compact(self, chunk: int = 1024) -> None:
+    def _compact(self, chunk: int = 16384) -> None:
         """Move every segment down to close the free holes between them, in place (a copy of at most
         ``chunk`` slots at a time, never a second pool). Segment starts change: only call this while
         no attention plan built on the old starts is still in use (plans are made after reserving)."""
+        self.compactions += 1
         pos = 0
         for seg in sorted(self.segments.values(), key=lambda seg: seg.start):
             if seg.start != pos:
@@ -148,11 +159,14 @@ class KVStore:
         self._release(old, new - old)
 
     def _release(self, start: int, length: int) -> None:
-        spans = sorted(self._free + [(start, length)])
-        merged: list[tuple[int, int]] = []
-        for s, n in spans:
-            if merged and merged[-1][0] + merged[-1][1] == s:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((s, n))
-        self._free = merged
+        """Return a span to the free list (kept sorted, neighbours merged): O(log n) to find its place."""
+        free = self._free
+        i = bisect.bisect_left(free, (start, 0))
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == start:  # joins the span before it
+            i -= 1
+            start, length = free[i][0], free[i][1] + length
+            del free[i]
+        if i < len(free) and start + length == free[i][0]:  # and the span after it
+            length += free[i][1]
+            del free[i]
+        free.insert(i, (start, length))

@@ -188,7 +188,7 @@ class Scheduler:
             generating += job.is_gen
         if not taken:
             return
-        self.kv.ensure_free(sum(sum(need.values()) for _, need in taken))
+        self.kv.ensure_free(sum(sum(need.values()) for _, need in taken), limit=total)
         for job, need in taken:
             for node in need:
                 req = job.request
