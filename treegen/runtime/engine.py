@@ -321,14 +321,19 @@ class TreeRun:
 
     # ---------------------------------------------------------------------------------------------
     def kv_budget(self) -> KVBudget:
-        """The KV memory this run may use: ``engine.kv_budget_bytes`` if set; on CUDA its slot pool
-        plus what the device has free (cached blocks included) less a margin for activations; on the
-        CPU no limit."""
+        """The KV memory this run may use now. On CUDA: its slot pool plus what the device has free
+        (cached blocks included) less a margin for activations — less the pool itself again once KV
+        is written, because a grown pool is a copy made while the old one is still held (so
+        admitting work never needs memory the device cannot give); at most ``engine.kv_budget_bytes``
+        when set. On the CPU: ``engine.kv_budget_bytes`` (None: no limit)."""
         kv, engine = self.kv, self.engine
-        if engine.kv_budget_bytes is not None:
-            return KVBudget(engine.kv_budget_bytes, kv.bytes_per_token)
         if kv.device.type != "cuda":
-            return KVBudget(None, kv.bytes_per_token)
+            return KVBudget(engine.kv_budget_bytes, kv.bytes_per_token)
         free, total = torch.cuda.mem_get_info(kv.device)
         free += torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
-        return KVBudget(kv.num_slots * kv.bytes_per_token + int(free - max(0.1 * total, 4 * 2**30)), kv.bytes_per_token)
+        pool = kv.num_slots * kv.bytes_per_token
+        room = int(free - max(0.1 * total, 4 * 2**30)) - (pool if kv.written() else 0)
+        reachable = pool + max(0, room)
+        if engine.kv_budget_bytes is not None:
+            reachable = min(reachable, engine.kv_budget_bytes)
+        return KVBudget(reachable, kv.bytes_per_token)

@@ -49,6 +49,13 @@ class KVStore:
         seg = self.segments.get(node)
         return seg.computed if seg else 0
 
+    def written(self) -> bool:
+        """Some node holds written KV (growing the pool then copies it)."""
+        return any(s.computed for s in self.segments.values())
+
+    def slots_free(self) -> int:
+        return sum(n for _, n in self._free)
+
     def bytes_held(self) -> int:
         """Bytes of KV actually written, summed over nodes (each shared node counted once)."""
         return sum(s.computed for s in self.segments.values()) * self.bytes_per_token
@@ -78,22 +85,25 @@ class KVStore:
         self.segments[node] = new
         return new
 
-    def ensure_free(self, slots: int, limit: int | None = None) -> None:
+    def ensure_free(self, slots: int, limit: int | None = None, want: int = 0) -> None:
         """Grow the pool once, if needed, so that ``slots`` more slots are free (freed spans reused).
 
         ``limit``: the most slots the pool may hold (the KV budget); when given, the pool grows
-        geometrically (to twice its size, within the limit and the device's free memory) so that a
-        run admitting work little by little copies its pool a logarithmic number of times, not once
-        per admission. Checks device memory first: raises MemoryError naming the bytes needed and
+        geometrically (to twice its size, or to ``want`` free slots while nothing is written and
+        growing copies nothing, within the limit and the device's free memory) so that a run
+        admitting work little by little copies its pool a logarithmic number of times, not once per
+        admission. Checks device memory first: raises MemoryError naming the bytes needed and
         available."""
-        free_slots = sum(n for _, n in self._free)
+        free_slots = self.slots_free()
         if free_slots >= slots:
             return
         short = slots - free_slots  # the new span joins a free tail; freed spans inside the pool are reused
-        extra = short if limit is None else max(short, min(self.num_slots, limit - self.num_slots))
+        copying = self.written()  # then the grown pool is a copy, made while the old one is still held
+        extra = short
+        if limit is not None:
+            extra = max(short, min(max(self.num_slots, 0 if copying else want - free_slots), limit - self.num_slots))
         per = self.bytes_per_token
-        copying = any(s.computed for s in self.segments.values())  # then the grown pool is a copy, made
-        copy = self.num_slots * per if copying else 0               # while the old one is still held
+        copy = self.num_slots * per if copying else 0
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached
@@ -145,7 +155,7 @@ class KVStore:
     def _grow(self, length: int) -> None:
         old = self.num_slots
         new = old + length if self.device.type == "cuda" else max(2 * old, old + length)
-        if not any(s.computed for s in self.segments.values()):
+        if not self.written():
             # nothing written yet: drop the old pool first instead of copying it (no transient 2x)
             shape = (self.num_layers, new, self.num_kv_heads, self.head_dim)
             self.k = self.v = None

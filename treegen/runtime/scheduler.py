@@ -188,7 +188,11 @@ class Scheduler:
             generating += job.is_gen
         if not taken:
             return
-        self.kv.ensure_free(sum(sum(need.values()) for _, need in taken), limit=total)
+        slots = sum(sum(need.values()) for _, need in taken)
+        want = 0
+        if self.kv.slots_free() < slots and not self.kv.written():  # growing copies nothing yet: size the
+            want = slots + sum(sum(self.need(j, counted).values()) for j in self.waiting)  # pool for all known
+        self.kv.ensure_free(slots, limit=total, want=want)
         for job, need in taken:
             for node in need:
                 req = job.request
