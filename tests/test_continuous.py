@@ -198,3 +198,30 @@ def test_freed_programs_give_their_kv_back_while_others_run(engine):
     prefix_node = run.tree.path(roots[1].node)[0]
     assert held[0] < run.tree_run.scheduler.peak_slots
     assert prefix_node in run.tree.graph and len(held) == 2
+
+
+def test_joined_branches_free_their_kv_and_a_failed_program_cancels_its_running_jobs(engine):
+    """After a join a branch reads no more KV: its leaf is freed at once, not when its program ends.
+    A program that fails while its other branches still decode has those jobs cancelled."""
+    seen = {}
+
+    @treegen.program
+    def joins(s, fail):
+        s += PREFIX
+        b = s.fork(3)
+        b += lambda i: treegen.gen("a", max_tokens=4 + 10 * i, ignore_eos=True)
+        if fail:
+            b[0]["a"]  # the shortest branch is done; the others still decode
+            raise RuntimeError("stop here")
+        s.join(b)
+        s["a"]
+        kv = s._run.tree_run.kv
+        seen["leaves held"] = [st.node in kv.segments for st in b]
+        seen["root held"] = s.node in kv.segments
+
+    with pytest.raises(ProgramError, match="program 1 failed: RuntimeError: stop here") as e:
+        joins.run_batch(engine, [{"fail": False}, {"fail": True}])
+    assert seen == {"leaves held": [False, False, False], "root held": True}
+    run = e.value.results[0]._run.tree_run
+    assert not run.busy() and run.decoder.live == []
+    assert e.value.results[0]["a"] == joins.run(engine, False)["a"]

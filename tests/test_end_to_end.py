@@ -132,13 +132,15 @@ def test_shared_prefix_kv_is_stored_once(smol):
         s += FEW_SHOT * 2
         b = s.fork(8)
         b += treegen.gen("x", max_tokens=6)
-        s.join(b)
-        s["x"]  # run now, to look at the KV held
+        for branch in b:
+            branch["x"]  # run now, to look at the KV held while the branches are open
         kv = s._run.tree_run.kv
         seen["held"] = kv.bytes_held()
         seen["per_token"] = kv.bytes_per_token
         seen["prompt"] = len(s.tree.tokens(s.node))
         seen["generated"] = [c["tokens"] for c in (st.info["x"] for st in s._run.states[1:])]
+        s.join(b)  # joined branches read no more KV: theirs is freed, the shared prompt stays
+        seen["after join"] = kv.bytes_held()
 
     prog.run(smol)
     # the prompt once, plus each branch's tokens but its last (sampled, not yet run through the model)
@@ -146,6 +148,7 @@ def test_shared_prefix_kv_is_stored_once(smol):
     assert seen["held"] == stored * seen["per_token"]
     unshared = sum(seen["prompt"] + n - 1 for n in seen["generated"])
     assert seen["held"] < unshared * seen["per_token"] / 4
+    assert seen["after join"] == seen["prompt"] * seen["per_token"]
 
 
 def test_compiled_tree_is_known_before_running(smol):

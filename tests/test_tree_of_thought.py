@@ -84,26 +84,28 @@ def test_prune_frees_exactly_the_branch_kv(smol):
         s += "Count: one, two,"
         b = s.fork(3, content=lambda i: [" three", " four, five", " six"][i])
         b += treegen.gen("x", max_tokens=3)
-        s.join(b)
+        return b
 
     seen = {}
 
     @treegen.program
     def outer(s):
-        prog.fn(s)
-        s["x"]  # run it
+        b = prog.fn(s)
+        values = [st["x"] for st in b]  # run it; the branches stay open (not joined)
         kv, tree = s._run.tree_run.kv, s.tree
-        branch = s.vars["x"].states[1]
+        branch = b[1]
         before = kv.bytes_held()
         own = tree.path(branch.node)[tree.path(branch.node).index(branch.origin):]
         expect = sum(kv.computed(n) for n in own) * kv.bytes_per_token
         freed = branch.prune()
         seen.update(before=before, after=kv.bytes_held(), freed=freed, expect=expect,
-                    still=[kv.computed(st.node) for st in s.vars["x"].states])
+                    still=[kv.computed(st.node) for st in b])
         assert branch.prune() == 0  # twice is a no-op
         with pytest.raises(RuntimeError, match="pruned"):
             branch += "more"
-        assert branch["x"] == s["x"][1]  # values stay readable
+        assert branch["x"] == values[1]  # values stay readable
+        s.join(b)  # a pruned branch joins like the others
+        assert s["x"] == values
 
     outer.run(smol)
     assert seen["freed"] == seen["expect"] > 0

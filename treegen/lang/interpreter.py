@@ -261,7 +261,8 @@ class ProgramRun:
         st._apply_immediate()
         if not st.pending:
             return
-        final = st.program in self._returned and len(st.pending) == 1
+        # the branch takes nothing more after its last op: the program returned, or it was joined
+        final = (st.program in self._returned or st._closed == "joined") and len(st.pending) == 1
         op = st.pending[0]
         request = st._request(op, final=final)
         stream = None
@@ -292,6 +293,8 @@ class ProgramRun:
                     f"{self.max_program_tokens}; it was stopped (raise the limit if this is intended)"))
                 return
         self._submit_state(st)
+        if st._closed == "joined":
+            st._release_leaf()
         self._check_done(st.program)
 
     def _fail(self, program: int, error: BaseException) -> None:
@@ -420,6 +423,13 @@ class State:
             self.node = self._run.add_node(self.program, self.node)
         return self.node
 
+    def _release_leaf(self) -> None:
+        """A joined branch reads no more KV: once its work is done, its own leaf's KV is freed (its
+        last queued gen is submitted final, which frees it when it completes)."""
+        run = self._run
+        if run.tree_run is not None and not self.pending and self.node is not None and not run.tree.children(self.node):
+            run.tree_run.kv.free(self.node)  # (a joined branch's leaf is its own: fork made it for it)
+
     def _apply_immediate(self) -> None:
         while self.pending and not isinstance(self.pending[0], (Gen, Select)):
             self._apply(self.pending.pop(0))
@@ -529,6 +539,7 @@ class State:
         for child in children:
             names += [k for k in child.vars if k not in names and (k not in self.vars or child.vars[k] is not self.vars[k])]
             child._closed = "joined"
+            child._release_leaf()
         for name, spec in (reductions or {}).items():
             _check_reduction(name, spec, names)
         for name in names:

@@ -87,6 +87,10 @@ class Decoder:
         self.live = still
         self._report()
 
+    def cancel(self, job: Job) -> None:
+        """A live branch's job was cancelled: it leaves the live set (see ``TreeRun.cancel``)."""
+        self.live = [b for b in self.live if self.jobs[b] is not job]
+
     # ---------------------------------------------------------------------------------------------
     def phase(self):
         """Decode the live branches until the scheduler ends the phase; a generator that yields

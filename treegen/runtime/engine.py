@@ -173,6 +173,17 @@ class TreeRun:
         done, self._completed = self._completed, []
         return done
 
+    def cancel(self, job: Job) -> None:
+        """Drop a job that is not done: a waiting or admitted one leaves the queue, a decoding
+        branch leaves the batch (a running phase computes its row until it ends, unread). Its
+        ``on_done`` is not called; the KV it holds stays until its owner frees it."""
+        if job.done:
+            return
+        job.done = True
+        job.error = RuntimeError("cancelled")
+        if not self.scheduler.cancel(job):
+            self.decoder.cancel(job)
+
     def complete(self, job: Job, result) -> None:
         """Record a job's result (``job.error`` set: refused) and tell its submitter."""
         job.result, job.done = result, True

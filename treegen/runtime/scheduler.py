@@ -106,6 +106,14 @@ class Scheduler:
             self._work_since = self.clock
         self.waiting.append(job)
 
+    def cancel(self, job: Job) -> bool:
+        """Remove a job not admitted or not yet run; False when it is not here (it is decoding)."""
+        for queue in (self.waiting, self.admitted):
+            if job in queue:
+                queue.remove(job)
+                return True
+        return False
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.admitted)
 
