@@ -234,6 +234,7 @@ def main() -> None:
         for branches in args.branches:
             engine = Engine(model, IdTokenizer(), max_batch=branches)
             programs = args.oversubscribe * branches // args.width
+            print(f"{time.strftime('%H:%M:%S')} {kind}, {branches} branches, {programs} programs", flush=True)
             row = {"workload": kind, "shape": args.shape, "branches": branches, "programs": programs,
                    "width": args.width, "max_batch": branches}
             row.update(measure_dynamic(engine, kind, programs, args.width, warm_programs=branches // args.width))
@@ -244,6 +245,7 @@ def main() -> None:
             row["host_fraction_of_step"] = sum(row["host_ms_per_step"].values()) / row["static_step_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write(args, rows)  # after every case: a run cut short keeps what it measured
             gc.collect()
             torch.cuda.empty_cache()
     print(f"\n## {args.shape}, bf16 — dynamic vs the same token work as one static fork\n")
@@ -253,6 +255,11 @@ def main() -> None:
         busy = "/".join("-" if b is None else f"{b:.2f}" for b in (r["gpu_busy"], r["static_gpu_busy"]))
         print(f"| {r['workload']} | {r['branches']} | {r['static_tok_s']:,.0f} | {r['dynamic_tok_s']:,.0f} | "
               f"{r['ratio']:.2f} | {busy} | {sum(r['host_ms_per_step'].values()):.2f} |")
+    out = write(args, rows)
+    plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {torch.cuda.get_device_name()}")
+
+
+def write(args, rows: list[dict]) -> Path:
     result = {"benchmark": "dynamic", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
               "device": torch.cuda.get_device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -262,12 +269,12 @@ def main() -> None:
               "method": "tokens/s = generated tokens / wall time (prefill and program code included); static = "
                         "the same prefix, one node per program, branches leaves of the workload's mean tokens, "
                         "one execute(); same process, same engine",
-              "rows": rows}
+              "oversubscribe": args.oversubscribe, "rows": rows}
     out = Path(args.out or Path(__file__).parent / "results" / f"dynamic_{args.shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
-    plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {result['device']}")
+    return out
 
 
 if __name__ == "__main__":
