@@ -5,7 +5,8 @@ every ``gen`` makes exactly its ``max_tokens``; token ids are their own text (``
 workload runs through ``run_batch`` — the continuous engine loop, programs resuming as soon as their
 own work is done — and is compared with **the same token work run as one static fork in the same
 process**: the same shared prefix, one node per program, ``branches`` leaves each generating the
-workload's mean tokens per branch, all known up front (``TreeRun.execute``).
+workload's mean tokens per branch, all known up front (``TreeRun.execute``) — or ``--static-forks k``
+such forks in a row, each with 1/k of the tokens, when one fork's KV would not fit the GPU.
 
 The engine runs at most ``branches`` generating branches at once (``Engine(max_batch=branches)``),
 and the workload has ``oversubscribe`` times more programs than that batch holds when every program
@@ -171,8 +172,10 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_p
             "gpu_busy": busy.fraction}
 
 
-def measure_static(engine: Engine, programs: int, width: int, new: int) -> dict:
-    """The same prefix, one question node per program, programs x width leaves of ``new`` tokens each."""
+def measure_static(engine: Engine, programs: int, width: int, new: int, forks: int = 1) -> dict:
+    """The same prefix, one question node per program, programs x width leaves of ``new`` tokens each;
+    ``forks`` such static forks one after the other (so the KV of each fits the GPU: a 1,024-branch
+    fork of 1,800 tokens per branch would not, with Llama-3-8B)."""
     g = torch.Generator().manual_seed(1)
     vocab = engine.model.vocab_size
     run = engine.start()  # warm-up: compile this batch's kernels
@@ -181,23 +184,28 @@ def measure_static(engine: Engine, programs: int, width: int, new: int) -> dict:
                  for i in range(programs * width)], [])
     del run
     torch.cuda.synchronize()
+    steps = waits = made = 0
     with Busy() as busy:
         start = time.perf_counter()
-        run = engine.start()
-        root = run.tree.add_node(None, torch.randint(1, vocab, (PREFIX,), generator=g).tolist())
-        leaves = []
-        for _ in range(programs):
-            q = run.tree.add_node(root, torch.randint(1, vocab, (QUESTION,), generator=g).tolist())
-            leaves += [run.tree.add_node(q) for _ in range(width)]
-        params = SamplingParams(max_tokens=new, ignore_eos=True)
-        results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
+        for _ in range(forks):
+            run = engine.start()
+            root = run.tree.add_node(None, torch.randint(1, vocab, (PREFIX,), generator=g).tolist())
+            leaves = []
+            for _ in range(programs):
+                q = run.tree.add_node(root, torch.randint(1, vocab, (QUESTION,), generator=g).tolist())
+                leaves += [run.tree.add_node(q) for _ in range(width)]
+            params = SamplingParams(max_tokens=new, ignore_eos=True)
+            results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
+            assert all(len(r.tokens) == new for r in results)
+            steps += run.forward_passes
+            waits += run.scheduler.memory_waits
+            made += len(leaves) * new
+            del run, results
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-    assert all(len(r.tokens) == new for r in results)
-    decode_steps = run.forward_passes - run.mixed_steps
-    return {"static_s": elapsed, "static_tok_s": len(leaves) * new / elapsed, "static_new": new,
-            "static_step_ms": 1e3 * elapsed / max(1, run.forward_passes), "static_decode_steps": decode_steps,
-            "static_gpu_busy": busy.fraction}
+    return {"static_s": elapsed, "static_tok_s": made / elapsed, "static_new": new, "static_forks": forks,
+            "static_step_ms": 1e3 * elapsed / max(1, steps), "static_steps": steps,
+            "static_memory_waits": waits, "static_gpu_busy": busy.fraction}
 
 
 def plot(rows: list[dict], out: Path, title: str) -> None:
@@ -224,6 +232,8 @@ def main() -> None:
     parser.add_argument("--branches", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--oversubscribe", type=int, default=3, help="programs per batch's worth of programs")
+    parser.add_argument("--static-forks", type=int, default=1,
+                        help="run the static equivalent as this many forks in a row (each one's KV must fit)")
     parser.add_argument("--workloads", nargs="+", default=["rounds", "rounds-equal", "tot"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -239,8 +249,8 @@ def main() -> None:
                    "width": args.width, "max_batch": branches}
             row.update(measure_dynamic(engine, kind, programs, args.width, warm_programs=branches // args.width))
             gc.collect()
-            per_branch = round(row["tokens"] / branches)
-            row.update(measure_static(engine, branches // args.width, args.width, per_branch))
+            per_branch = round(row["tokens"] / (branches * args.static_forks))
+            row.update(measure_static(engine, branches // args.width, args.width, per_branch, args.static_forks))
             row["ratio"] = row["dynamic_tok_s"] / row["static_tok_s"]
             row["host_fraction_of_step"] = sum(row["host_ms_per_step"].values()) / row["static_step_ms"]
             rows.append(row)

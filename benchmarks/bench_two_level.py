@@ -12,7 +12,7 @@ all on treegen's runtime:
           its problem;
 * flat  — no sharing: every sample holds prefix + problem (FlashAttention / vLLM-style baseline).
 
-Every sample is a *final* request, so a mode whose KV does not fit runs in groups that do (branches of
+Every sample is a *final* request, so a mode whose KV does not fit runs as many branches as fit, the others admitted as finished ones free their KV (branches of
 one subtree together, shared KV freed after its last group; :mod:`treegen.runtime.schedule`): each mode
 gets the largest batch it fits, and ``groups`` / ``batches`` in the JSON say what ran. Decode throughput = samples * (new - 1) / (t(new) - t(1));
 total time (prefill included) reported too. Prints a table, writes JSON (and a PNG when matplotlib is
@@ -113,7 +113,7 @@ def timed(engine, model, make, new: int) -> tuple[float, dict]:
     sync(model)
     elapsed = time.perf_counter() - start
     assert all(len(r.tokens) == new for r in results)
-    info["groups"] = run.groups[-1]
+    info["memory_waits"] = run.scheduler.memory_waits  # admissions that waited for finished branches' KV
     info["batches"] = sorted(set(run.decode_phases), reverse=True)  # live branches per decode phase
     info["kv_peak_bytes"] = run.kv.num_slots * run.kv.bytes_per_token
     del run, results
@@ -189,7 +189,7 @@ def print_table(rows: list[dict], modes) -> None:
             r = by.get(m, {})
             if "decode_tok_s" not in r:
                 return "does not fit" if r else "-"
-            grouped = f", {r['groups']} groups of <= {r['batches'][0]}" if r["groups"] > 1 else ""
+            grouped = f", at most {r['batches'][0]} at once (memory)" if r.get("memory_waits") else ""
             return f"{r['decode_tok_s']:,.0f} tok/s ({r['total_s']:.2f} s{grouped})"
 
         ratio = lambda a, b: (f"{by[a]['decode_tok_s'] / by[b]['decode_tok_s']:.2f}"  # noqa: E731

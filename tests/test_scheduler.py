@@ -1,0 +1,132 @@
+"""The scheduler's decisions as plain data, on a sharing tree and a KV store alone (no model)."""
+
+import pytest
+import torch
+
+from treegen.runtime.kv_store import KVStore
+from treegen.runtime.requests import GenRequest, Job, ScoreRequest
+from treegen.runtime.sampler import SamplingParams
+from treegen.runtime.scheduler import KVBudget, Scheduler
+from treegen.tree.sharing_tree import SharingTree
+
+
+def setup(budget_slots=None, token_budget=1000, max_batch=None):
+    tree = SharingTree()
+    kv = KVStore(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=16)
+    per = kv.bytes_per_token
+    total = None if budget_slots is None else budget_slots * per
+    return tree, kv, Scheduler(tree, kv, lambda: KVBudget(total, per), token_budget, max_batch)
+
+
+def computed(kv, step):
+    """What the engine's forward pass does to the store: the step's rows now have KV."""
+    for n, i in step.rows:
+        kv.segments[n].computed = max(kv.segments[n].computed, i + 1)
+
+
+def gen(node, max_tokens=4, final=False):
+    return Job(GenRequest(node, SamplingParams(max_tokens=max_tokens), key=0, final=final))
+
+
+def test_a_step_prefills_each_shared_node_once_parents_first():
+    tree, kv, sched = setup()
+    root = tree.add_node(None, [1, 2, 3])
+    a, b = tree.add_node(root, [4]), tree.add_node(root, [5, 6])
+    jobs = [gen(a), gen(b)]
+    for j in jobs:
+        sched.submit(j)
+    step = sched.next_step(live=0)
+    assert step.admitted == jobs and step.ready == jobs
+    assert step.rows == [(root, 0), (root, 1), (root, 2), (a, 0), (b, 0), (b, 1)]
+    assert kv.segments[a].capacity == 1 + 4 and kv.segments[root].capacity == 3  # prompt + max_tokens
+    assert not sched.has_work() and sched.next_step(live=2).rows == []
+
+
+def test_a_conditioning_token_with_kv_is_run_again_and_scores_ride_the_same_step():
+    tree, kv, sched = setup()
+    root = tree.add_node(None, [1, 2])
+    kv.reserve(root, 2)
+    kv.segments[root].computed = 2  # already computed
+    child = tree.add_node(root)  # an empty fork child: its first token comes from root's last
+    choices = (tree.add_node(root, [7, 8], kind="choice"), tree.add_node(root, [9], kind="choice"))
+    sched.submit(gen(child))
+    sched.submit(Job(ScoreRequest(root, choices)))
+    step = sched.next_step(live=0)
+    assert step.rows == [(root, 1), (choices[0], 0), (choices[0], 1), (choices[1], 0)]
+    assert len(step.ready) == 2
+
+
+def test_admission_waits_for_memory_and_refuses_what_never_fits():
+    tree, kv, sched = setup(budget_slots=20)
+    root = tree.add_node(None, [1, 2, 3, 4])
+    leaves = [tree.add_node(root) for _ in range(4)]
+    jobs = [gen(n, max_tokens=6, final=True) for n in leaves]
+    big = gen(tree.add_node(None, [1]), max_tokens=30)
+    for j in jobs + [big]:
+        sched.submit(j)
+    step = sched.next_step(live=0)
+    assert step.admitted == jobs[:2]  # 4 + 6 + 6 = 16 of 20 slots; a third would need 22
+    assert sched.memory_waits == 1 and kv.slots_reserved() == 16
+    for n in leaves[:2]:  # those two finish and free their KV
+        kv.free(n)
+    step = sched.next_step(live=0)
+    assert step.admitted == jobs[2:] and step.refused == [big]
+    assert "max_tokens=30) needs 31 tokens" in str(big.error) and "the whole KV budget of 20 tokens" in str(big.error)
+    assert sched.peak_slots <= 20
+
+
+def test_work_that_cannot_fit_while_nothing_runs_is_refused_not_waited_for():
+    tree, kv, sched = setup(budget_slots=12)
+    root = tree.add_node(None, [1, 2])
+    kv.reserve(root, 10)  # held by a branch that continues
+    job = gen(tree.add_node(root), max_tokens=4)
+    sched.submit(job)
+    step = sched.next_step(live=0)
+    assert step.refused == [job] and "held by branches that continue" in str(job.error)
+
+
+def test_max_batch_and_the_token_budget_bound_a_step():
+    tree, kv, sched = setup(token_budget=6, max_batch=3)
+    root = tree.add_node(None, [1, 2, 3])
+    jobs = [gen(tree.add_node(root, [4, 5])) for _ in range(4)]
+    for j in jobs:
+        sched.submit(j)
+    step = sched.next_step(live=1)  # one branch already decodes: two more fit the batch
+    assert step.admitted == jobs[:2]
+    assert step.ready == jobs[:1]  # 3 + 2 rows fill the 6-row budget with the decode row; the next waits
+    computed(kv, step)
+    step = sched.next_step(live=2)  # the first job decodes now: the batch is full
+    assert step.ready == jobs[1:2] and step.rows == [(jobs[1].request.node, 0), (jobs[1].request.node, 1)]
+    assert [j for j in sched.waiting] == jobs[2:]
+
+
+def test_a_phase_ends_when_half_is_done_or_enough_new_work_waits():
+    tree, kv, sched = setup(max_batch=100)
+    assert not sched.phase_should_end(64, 40)
+    assert sched.phase_should_end(64, 32)  # half finished
+    for _ in range(2):
+        sched.submit(gen(tree.add_node(None, [1])))
+    assert not sched.phase_should_end(64, 60)  # 4 finished + 2 new < half the phase
+    assert not sched.phase_should_end(64, 35) and sched.phase_should_end(64, 34)  # 30 finished + 2 new: half
+    sched.tick(64)
+    assert sched.phase_should_end(64, 60)  # new work waited long enough
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_free_list_stays_sorted_merged_and_disjoint(seed):
+    import random
+
+    rng = random.Random(seed)
+    kv = KVStore(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=64)
+    for step in range(300):
+        if kv.segments and rng.random() < 0.45:
+            kv.free(rng.choice(sorted(kv.segments)))
+        else:
+            kv.ensure_free(8)
+            kv.reserve(step, rng.randint(1, 8))
+        spans = kv._free
+        assert spans == sorted(spans)
+        assert all(a[0] + a[1] < b[0] for a, b in zip(spans, spans[1:]))  # merged: never touching
+        owned = sorted((s.start, s.start + s.capacity) for s in kv.segments.values())
+        everything = sorted(owned + [(s, s + n) for s, n in spans])
+        assert all(a[1] <= b[0] for a, b in zip(everything, everything[1:]))
