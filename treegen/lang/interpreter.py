@@ -1,8 +1,10 @@
-"""Executes IR ops on a sharing tree: states, forks, joins, and batched flushing of gen/select.
+"""Executes IR ops on a sharing tree: states, forks, joins, and the jobs that run gen/select.
 
 Each :class:`State` points at a node of the run's sharing tree. Text ops are applied at once; ``gen``
-and ``select`` are queued on the state (with anything appended after them) until a flush runs every
-queued request of every state in one :meth:`~treegen.runtime.engine.TreeRun.execute` call.
+and ``select`` are queued on the state (with anything appended after them). Once submitted, a state's
+next queued op becomes a job of the engine's run (:meth:`~treegen.runtime.engine.TreeRun.submit`) and
+the one after it is submitted when that job completes; reading a value waits for the reading program's
+own states only (:meth:`ProgramRun.flush`).
 
 Without an engine (tracing, used to compile a tree before running) ``gen`` only books its token budget
 in the tree, and anything that needs a generated value stops the trace with :class:`StopTrace`.

@@ -34,6 +34,7 @@ import torch
 from treegen.runtime.cuda_graph import capture
 from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams, sample
+from treegen.runtime.scheduler import REPLAN_FRACTION
 
 # a phase expected to end sooner than this many steps runs without a CUDA graph (capture costs more)
 MIN_CAPTURED_STEPS = 8
@@ -200,11 +201,11 @@ class Decoder:
 
     def _worth_capturing(self, remaining: list[int]) -> bool:
         """Capturing costs a few steps' host time: skip it for a phase that new work waiting for room
-        will end within ``MIN_CAPTURED_STEPS`` (when a quarter of its branches are done)."""
-        scheduler = self.run.scheduler
-        if not scheduler.has_work():
+        will end within ``MIN_CAPTURED_STEPS`` (once ``REPLAN_FRACTION`` of its branches are done)."""
+        if not self.run.scheduler.has_work():
             return True
-        return sorted(remaining)[len(remaining) // 4] >= MIN_CAPTURED_STEPS
+        at = min(len(remaining) - 1, int(len(remaining) * REPLAN_FRACTION))
+        return sorted(remaining)[at] >= MIN_CAPTURED_STEPS
 
     @staticmethod
     def _capture(step):
