@@ -225,3 +225,100 @@ def test_joined_branches_free_their_kv_and_a_failed_program_cancels_its_running_
     run = e.value.results[0]._run.tree_run
     assert not run.busy() and run.decoder.live == []
     assert e.value.results[0]["a"] == joins.run(engine, False)["a"]
+
+
+@pytest.fixture(scope="module")
+def sharp(model):
+    """Weights large enough (std 1) that any wrong KV changes greedy tokens."""
+    return Engine(LlamaFamilyModel.random(model.config, dtype=torch.float32, device="cpu", std=1.0), IdTokenizer())
+
+
+@treegen.program
+def one_prompt(s, text):
+    s += PREFIX + text
+    s += treegen.gen("c", max_tokens=4, ignore_eos=True)
+    return s["c"], s.info["c"]["logprob"]
+
+
+def test_text_queued_after_a_gen_gets_its_kv_computed(sharp):
+    """The text is appended while the gen's phase still runs (its job completes mid-phase): its
+    tokens must be prefilled, not counted as computed."""
+    @treegen.program
+    def chained(s):
+        s += PREFIX
+        s += treegen.gen("a", max_tokens=4, ignore_eos=True)
+        s += " 5 6 7"
+        s += treegen.gen("c", max_tokens=4, ignore_eos=True)
+        return s["c"], s.info["c"]["logprob"]
+
+    root = chained.run(sharp)
+    want = one_prompt.run(sharp, " " + root["a"] + " 5 6 7").ret_value
+    assert root.ret_value[0] == want[0] and root.ret_value[1] == pytest.approx(want[1], abs=1e-4)
+
+
+def test_a_branch_done_while_its_phase_runs_on_keeps_its_kv(sharp):
+    @treegen.program
+    def forked(s, others):
+        s += PREFIX
+        b = s.fork(3)
+        b += lambda i: treegen.gen("a", max_tokens=4 if i == 0 else others, ignore_eos=True)
+        x = b[0]
+        x["a"]
+        x += " 5 6 7"
+        x += treegen.gen("c", max_tokens=4, ignore_eos=True)
+        return x["a"], x["c"]
+
+    short, long = forked.run(sharp, 4).ret_value, forked.run(sharp, 12).ret_value
+    assert short == long
+    assert long[1] == one_prompt.run(sharp, " " + long[0] + " 5 6 7").ret_value[0]
+
+
+def test_pruning_a_root_keeps_the_nodes_prefix_sharing_gave_another_program(sharp):
+    @treegen.program
+    def prog(s, k):
+        s += PREFIX if k == 0 else PREFIX + " 5"  # program 0's prompt is a prefix of program 1's
+        s += treegen.gen("a", max_tokens=2 if k == 0 else 12, ignore_eos=True)
+        s["a"]
+        if k == 0:
+            s.prune()
+            return None
+        s += " 7"
+        s += treegen.gen("c", max_tokens=4, ignore_eos=True)
+        return s["a"], s["c"]
+
+    assert prog.run_batch(sharp, [{"k": 0}, {"k": 1}])[1].ret_value == prog.run(sharp, 1).ret_value
+
+
+def test_a_program_stopped_in_a_mixed_step_leaves_the_batch_running(sharp):
+    """Program 0 passes its token limit when a 1-token gen completes in a mixed step while its other
+    branch still decodes: that branch is cancelled and program 1 finishes as if alone."""
+    @treegen.program
+    def prog(s, k):
+        if k == 0:
+            s += PREFIX
+            b = s.fork(2)
+            b0, b1 = b[0], b[1]
+            b1 += treegen.gen("long", max_tokens=60, ignore_eos=True)
+            b0 += treegen.gen("a", max_tokens=45, ignore_eos=True)
+            b0 += treegen.gen("z", max_tokens=1, ignore_eos=True)
+            s.join(b)
+            return s["z"]
+        s += " 9 8 7 6 5 4 3 2 1"
+        s += treegen.gen("a", max_tokens=12, ignore_eos=True)
+        s["a"]
+        s += " 11 12 13 14 15 16 17 18 19 20" * 3
+        s += treegen.gen("c", max_tokens=30, ignore_eos=True)
+        return s["a"], s["c"]
+
+    with pytest.raises(ProgramError, match="program 0 failed: .* past its limit max_program_tokens=45") as e:
+        prog.run_batch(sharp, [{"k": 0}, {"k": 1}], max_program_tokens=45)
+    assert set(e.value.errors) == {0}
+    assert e.value.results[1].ret_value == prog.run(sharp, 1).ret_value
+
+
+def test_an_on_result_that_raises_stops_the_batch_with_its_error(engine):
+    def on_result(i, root):
+        raise OSError(f"disk full writing {i}")
+
+    with pytest.raises(OSError, match="disk full writing"):
+        grows.run_batch(engine, inputs(3), on_result=on_result)

@@ -122,6 +122,8 @@ class Cooperative:
             run.submit_all()
             run.touched |= {w.index for w in self.workers if w.waiting and not run.program_busy(w.index)}
             while True:
+                if run.callback_error is not None:  # on_result / on_programs raised: stop with it
+                    raise run.callback_error
                 touched, run.touched = sorted(run.touched), set()  # only these can have become ready
                 ready = [w for w in (self.workers[i] for i in touched) if w.waiting and not w.done
                          and (w.stopped or not run.program_busy(w.index))]

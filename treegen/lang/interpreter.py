@@ -148,6 +148,7 @@ class ProgramRun:
         self.hold_submissions = False  # a batch starting: the passes must see every program first
         self.touched: set[int] = set()  # programs whose jobs completed or failed since the driver looked
         self._error: BaseException | None = None  # a job's error, raised by flush (single runs)
+        self.callback_error: Exception | None = None  # on_result/on_programs raised (a batch stops)
 
     def root(self, seed: int | None = None) -> "State":
         """A new root state (a program); ``seed`` overrides the run's seed for its branches."""
@@ -215,10 +216,15 @@ class ProgramRun:
                 root.error = e
         self._release(program)
         self.programs_done = len(self._done)
-        if self.on_result is not None:
-            self.on_result(program, root)
-        if self.on_programs is not None:
-            self.on_programs(self.programs_done, len(self.roots))
+        try:
+            if self.on_result is not None:
+                self.on_result(program, root)
+            if self.on_programs is not None:
+                self.on_programs(self.programs_done, len(self.roots))
+        except Exception as e:  # the caller's own code (writing results, ...): the batch stops with it
+            if self.scheduler is None:
+                raise
+            self.callback_error = self.callback_error or e
 
     def _release(self, program: int) -> None:
         if self.tree_run is None:
@@ -577,9 +583,15 @@ class State:
         gone = {self.origin, *nx.descendants(tree.graph, self.origin)}
         freed = 0
         if run.tree_run is not None:
+            # only what no other program reaches: prefix sharing may have put another program's
+            # nodes below this one's (a root whose prompt is a prefix of another program's)
+            mine = run._nodes_of.get(self.program, set())
+            gone = {n for n in gone if n in mine and run._users.get(n, 1) <= 1}
             kv = run.tree_run.kv
             freed = sum(kv.computed(n) for n in gone) * kv.bytes_per_token
-            run.tree_run.free(self.origin)
+            for n in gone:
+                kv.free(n)
+                tree.graph.nodes[n]["pruned"] = True
         else:
             tree.prune(self.origin)
         for st in run.states_of.get(self.program, run.states):  # (a program's states stay in it)

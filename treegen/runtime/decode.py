@@ -81,11 +81,13 @@ class Decoder:
         lp = logits.log_softmax(-1).gather(1, nxt.unsqueeze(1)).squeeze(1)
         still = []
         for b, t, p in zip(rows, nxt.tolist(), lp.tolist()):
+            if self.jobs[b].done:  # cancelled by an earlier callback (its program failed)
+                continue
             if not self._accept(b, [t], [p]):
                 still.append(b)
             elif self.jobs[b].request.final:
                 self.kv.free(self.jobs[b].request.node)
-        self.live = still
+        self.live = [b for b in still if not self.jobs[b].done]  # (a later callback may cancel too)
         self._report()
 
     def cancel(self, job: Job) -> None:
@@ -103,8 +105,13 @@ class Decoder:
         run.decode_phases.append(len(live))
         nodes = [self.jobs[b].request.node for b in live]
         remaining = [self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in live]
+        # tokens each node holds before its generated ones: what a program appends after a finished
+        # gen (while the phase still runs) has no KV yet, so it must not be counted as computed
+        prompt_len = [len(tree.tokens(n)) - len(self.out[b]) for b, n in zip(live, nodes)]
         input_ids, slots, plan = run.plan_rows(self.decode_rows(), grow=dict(zip(nodes, remaining)))
-        slot_limit = slots + torch.tensor(remaining, device=device) - 1  # never write past a reservation
+        # a branch done while the phase runs on keeps writing into its reservation's last slot, which
+        # holds no KV (its last token's is never written): never into its written KV, never past it
+        slot_limit = slots + torch.tensor(remaining, device=device)
         params = _Params([self.jobs[b] for b in live], device)
         idx = torch.arange(len(live), device=device)
         steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
@@ -154,18 +161,21 @@ class Decoder:
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
             self._settle(live, pending)
         alive = set(self.live)
-        for b, n in zip(live, nodes):
+        for b, n, held in zip(live, nodes, prompt_len):
             if b not in alive and self.jobs[b].request.final:
                 kv.free(n)  # a finished branch that takes nothing more gives its KV back at once
             elif n in kv.segments:  # (its program may have ended and freed it meanwhile)
-                kv.segments[n].computed = len(tree.tokens(n)) - 1  # KV is written for all but the last token
+                kv.segments[n].computed = held + len(self.out[b]) - 1  # KV for all its tokens but the last
 
     def _settle(self, live: list[int], block: "_Block") -> None:
         """Accept a block of sampled tokens of the phase's branches ``live`` (those still live)."""
         tokens, lps = block.read()
         started = time.perf_counter()
         alive = set(self.live)
-        finished = {b for j, b in enumerate(live) if b in alive and self._accept(b, tokens[j], lps[j])}
+        # (a callback in _accept may cancel a later branch: look at each job's state as it comes)
+        finished = {b for j, b in enumerate(live)
+                    if b in alive and not self.jobs[b].done and self._accept(b, tokens[j], lps[j])}
+        finished |= {b for b in alive if self.jobs[b].done}
         if finished:
             self.live = [b for b in self.live if b not in finished]
         self._report()
