@@ -8,7 +8,7 @@ keep running.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from treegen.runtime.sampler import SamplingParams
@@ -58,7 +58,6 @@ class Job:
     result: Any = None
     error: BaseException | None = None
     done: bool = False
-    waited_steps: int = field(default=0, repr=False)  # engine steps it waited for admission
 
     @property
     def is_gen(self) -> bool:
