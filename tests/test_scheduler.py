@@ -130,3 +130,18 @@ def test_the_free_list_stays_sorted_merged_and_disjoint(seed):
         owned = sorted((s.start, s.start + s.capacity) for s in kv.segments.values())
         everything = sorted(owned + [(s, s + n) for s, n in spans])
         assert all(a[1] <= b[0] for a, b in zip(everything, everything[1:]))
+
+
+def test_a_segment_grows_in_place_when_the_span_after_it_is_free():
+    kv = KVStore(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=64)
+    a = kv.reserve(0, 8)
+    kv.k[0, a.start : a.start + 5] = 7.0
+    a.computed = 5
+    kv.reserve(1, 8)
+    kv.free(1)  # the span after node 0 is free again
+    grown = kv.reserve(0, 20)
+    assert grown.start == a.start and grown.capacity == 20 and (kv.k[0, :5] == 7.0).all()
+    kv.reserve(2, 4)  # now something sits right after it: growing again moves it, with its KV
+    moved = kv.reserve(0, 30)
+    assert moved.start != a.start and moved.computed == 5 and (kv.k[0, moved.start : moved.start + 5] == 7.0).all()
+    assert kv.slots_reserved() == 30 + 4

@@ -73,6 +73,18 @@ class KVStore:
         seg = self.segments.get(node)
         if seg is not None and seg.capacity >= length:
             return seg
+        if seg is not None:  # the free span right after it, when long enough, lets it grow in place
+            end = seg.start + seg.capacity
+            i = bisect.bisect_left(self._free, (end, 0))
+            if i < len(self._free) and self._free[i][0] == end and self._free[i][1] >= length - seg.capacity:
+                taken = length - seg.capacity
+                rest = self._free[i][1] - taken
+                if rest:
+                    self._free[i] = (end + taken, rest)
+                else:
+                    del self._free[i]
+                seg.capacity = length
+                return seg
         start = self._allocate(length)
         new = Segment(start, length, 0)
         if seg is not None:

@@ -147,15 +147,18 @@ class Scheduler:
 
     def need(self, job: Job, counted: set[int] | frozenset = frozenset()) -> dict[int, int]:
         """Slots ``job`` adds: every path node without KV (and not in ``counted``) at its length, and
-        a generating node at its tokens plus ``max_tokens`` (less what it already owns)."""
+        a generating node at its tokens plus ``max_tokens`` (all of it when it must grow: it may move,
+        and the old range is held until it has)."""
         tree, kv = self.tree, self.kv
         req = job.request
         ends = [req.node] if isinstance(req, GenRequest) else [req.parent, *req.choices]
         need = {n: len(tree.tokens(n)) for end in ends for n in tree.path(end)
                 if n not in kv.segments and n not in counted}
         if isinstance(req, GenRequest):
+            want = len(tree.tokens(req.node)) + req.params.max_tokens
             have = kv.segments[req.node].capacity if req.node in kv.segments else 0
-            need[req.node] = max(0, len(tree.tokens(req.node)) + req.params.max_tokens - have)
+            # a node that must grow may move: its new range is needed whole while the old one is held
+            need[req.node] = 0 if have >= want else want
         return need
 
     def _admit(self, step: Step, busy: bool) -> None:
