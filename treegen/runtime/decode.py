@@ -79,15 +79,11 @@ class Decoder:
         params = _Params([self.jobs[b] for b in rows], device)
         nxt = params.sample(logits, torch.arange(len(rows), device=device), steps)
         lp = logits.log_softmax(-1).gather(1, nxt.unsqueeze(1)).squeeze(1)
-        still = []
         for b, t, p in zip(rows, nxt.tolist(), lp.tolist()):
-            if self.jobs[b].done:  # cancelled by an earlier callback (its program failed)
-                continue
-            if not self._accept(b, [t], [p]):
-                still.append(b)
-            elif self.jobs[b].request.final:
+            # (a job may be done already: cancelled by an earlier callback, its program having failed)
+            if not self.jobs[b].done and self._accept(b, [t], [p]) and self.jobs[b].request.final:
                 self.kv.free(self.jobs[b].request.node)
-        self.live = [b for b in still if not self.jobs[b].done]  # (a later callback may cancel too)
+        self.live = [b for b in rows if not self.jobs[b].done]
         self._report()
 
     def cancel(self, job: Job) -> None:
@@ -171,13 +167,10 @@ class Decoder:
         """Accept a block of sampled tokens of the phase's branches ``live`` (those still live)."""
         tokens, lps = block.read()
         started = time.perf_counter()
-        alive = set(self.live)
-        # (a callback in _accept may cancel a later branch: look at each job's state as it comes)
-        finished = {b for j, b in enumerate(live)
-                    if b in alive and not self.jobs[b].done and self._accept(b, tokens[j], lps[j])}
-        finished |= {b for b in alive if self.jobs[b].done}
-        if finished:
-            self.live = [b for b in self.live if b not in finished]
+        for j, b in enumerate(live):
+            if not self.jobs[b].done:  # (finished, or cancelled by a callback of an earlier branch)
+                self._accept(b, tokens[j], lps[j])
+        self.live = [b for b in self.live if not self.jobs[b].done]
         self._report()
         self.run.host_seconds["accept"] += time.perf_counter() - started
 

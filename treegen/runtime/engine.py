@@ -218,15 +218,17 @@ class TreeRun:
         logits = self._forward(rows, wanted)
         self.mixed_steps += 1
         dec.draw(logits[: len(decode_rows) + len(gens)], gens)
+        if not scores:
+            return
+        # every choice's mean token log-probability, read to the host at once
         at = len(decode_rows) + len(gens)
-        for job, rs in zip(scores, per_score):
-            vals = []
-            for c, choice_rows in zip(job.request.choices, rs):
-                targets = torch.tensor(tree.tokens(c), device=self.model.device)
-                lp = logits[at : at + len(choice_rows)].log_softmax(-1).gather(1, targets.unsqueeze(1))
-                vals.append(float(lp.mean()))
-                at += len(choice_rows)
-            self.complete(job, vals)
+        targets = torch.tensor([t for job in scores for c in job.request.choices for t in tree.tokens(c)],
+                               device=logits.device)
+        picked = logits[at:].log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        sizes = [len(choice_rows) for rs in per_score for choice_rows in rs]
+        means = iter(torch.stack([part.mean() for part in picked.split(sizes)]).tolist())
+        for job in scores:
+            self.complete(job, [next(means) for _ in job.request.choices])
 
     # ---------------------------------------------------------------------------------------------
     def free(self, node: int) -> None:

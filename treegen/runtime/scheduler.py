@@ -92,7 +92,6 @@ class Scheduler:
     def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None) -> None:
         self.tree, self.kv, self.budget, self.token_budget = tree, kv, budget, token_budget
         self.max_batch = max_batch
-        self.live = 0  # generating branches (told by the engine each step)
         self.waiting: deque[Job] = deque()
         self.admitted: list[Job] = []  # admitted, rows not run yet
         self.clock = 0  # decode steps run so far (advanced by the engine)
@@ -135,9 +134,8 @@ class Scheduler:
     def next_step(self, live: int) -> Step:
         """The next step, given ``live`` decoding branches (each one decode row in the step)."""
         step = Step()
-        self.live = live
         if self.waiting:
-            self._admit(step, busy=live > 0 or bool(self.admitted))
+            self._admit(step, live)
         self._take_rows(step, room=self.token_budget - live)
         if not self.waiting and not self.admitted:
             self._work_since = None
@@ -161,13 +159,14 @@ class Scheduler:
             need[req.node] = 0 if have >= want else want
         return need
 
-    def _admit(self, step: Step, busy: bool) -> None:
+    def _admit(self, step: Step, live: int) -> None:
         budget = self.budget()
         total = budget.slots
         reserved = self.kv.slots_reserved()
         counted: set[int] = set()
         taken: list[tuple[Job, dict[int, int]]] = []
-        generating = self.live + sum(1 for j in self.admitted if j.is_gen)
+        busy = live > 0 or bool(self.admitted)
+        generating = live + sum(1 for j in self.admitted if j.is_gen)
         while self.waiting:
             job = self.waiting[0]
             if self.max_batch is not None and job.is_gen and generating >= self.max_batch:
