@@ -119,7 +119,7 @@ class Cooperative:
                 w.thread.start()
                 self._resume(run, w)
             run.hold_submissions = False
-            run.submit_all()
+            run.submit()
             run.touched |= {w.index for w in self.workers if w.waiting and not run.program_busy(w.index)}
             while True:
                 if run.callback_error is not None:  # on_result / on_programs raised: stop with it
@@ -150,7 +150,7 @@ class Cooperative:
             run.program_failed(run.roots[w.index], w.error)
             w.error = None
         elif w.waiting and not w.stopped:
-            run.submit_program(w.index)
+            run.submit(w.index)
             if not run.program_busy(w.index):  # nothing to wait for after all: look at it again
                 run.touched.add(w.index)
         run.tree_run.host_seconds["programs"] += time.perf_counter() - started

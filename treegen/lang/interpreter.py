@@ -174,7 +174,7 @@ class ProgramRun:
         root.ret_value = value
         self._returned.add(root.program)
         if not self.tracing:
-            self._submit(root.program)
+            self.submit(root.program)
         self._check_done(root.program)
 
     def program_failed(self, root: "State", error: BaseException) -> None:
@@ -208,10 +208,7 @@ class ProgramRun:
         self._done.add(program)
         if root.error is None and self.scheduler is not None:  # (a single run settles them in finish())
             try:
-                for st in self.states_of.get(program, []):
-                    for value in list(st.vars.values()):
-                        if isinstance(value, _Reduced):
-                            value.get()
+                _settle_reductions(self.states_of.get(program, []))
             except Exception as e:  # a reduction's own error (bad extract result, ...) fails this program only
                 root.error = e
         self._release(program)
@@ -246,15 +243,9 @@ class ProgramRun:
                 self._users[n] = self._users.get(n, 0) + 1
 
     # running queued work ----------------------------------------------------------------------
-    def submit_all(self) -> None:
-        """Submit the next queued op of every state that has none running."""
-        self._submit()
-
-    def submit_program(self, program: int) -> None:
-        """Submit the next queued op of each of ``program``'s states that has none running."""
-        self._submit(program)
-
-    def _submit(self, program: int | None = None) -> None:
+    def submit(self, program: int | None = None) -> None:
+        """Submit the next queued op of each state (of ``program``, or all) that has none running;
+        the first call runs the passes (held while a batch starts)."""
         if self.hold_submissions:
             return
         if not self.passes_done:
@@ -326,7 +317,7 @@ class ProgramRun:
             self.scheduler.wait()  # the batch submits this program's work and resumes it when done
             return
         self._error = None
-        self._submit()
+        self.submit()
         while any(st.pending for st in self.states) and self._error is None:
             if not self.tree_run.advance():
                 raise RuntimeError("queued work is left but the engine has nothing to run")
@@ -359,10 +350,8 @@ class ProgramRun:
             if root.program not in self._returned:
                 self.program_returned(root)
         self.flush(final=True)
-        for st in self.states:  # every value is there now: settle the reductions (cheap, no model)
-            for value in list(st.vars.values()):
-                if isinstance(value, _Reduced) and self.roots[st.program].error is None:
-                    value.get()
+        # every value is there now: settle the reductions (cheap, no model)
+        _settle_reductions([st for st in self.states if self.roots[st.program].error is None])
         for root in self.roots:
             self._check_done(root.program)
         for node in sorted(self.tree_run.kv.segments):
@@ -700,6 +689,14 @@ class ForkGroup:
         self._joined = True
         for parent, children in zip(parents, self.children):
             parent._join_children(children, reductions)
+
+
+def _settle_reductions(states) -> None:
+    """Compute every reduction the ``states`` hold (each once; raises a reduction's own error)."""
+    for st in states:
+        for value in list(st.vars.values()):
+            if isinstance(value, _Reduced):
+                value.get()
 
 
 def _check_reduction(name: str, spec, names: list[str]) -> None:
