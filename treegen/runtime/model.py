@@ -1,4 +1,5 @@
-"""Our own decoder forward pass for Llama-family checkpoints (llama, mistral, qwen2).
+"""Our own decoder forward pass for the decoder families of ``treegen/runtime/families.py``
+(Llama, Mistral, Qwen 2/3, Phi-3/4, OLMo 2/3, Gemma 1/2/3).
 
 The model owns the weights and the maths of one decoder step; it owns nothing
 about the KV cache.  Every layer hands the new tokens' (RoPE'd) queries, keys
@@ -6,15 +7,20 @@ and values to a caller-supplied ``attend`` callback, which stores keys/values
 wherever it likes and returns the attention output.  Tokens of many sequences
 are packed in one flat ``[T]`` dimension; the only Python loop is over layers.
 
-Numerics follow transformers' ``LlamaForCausalLM`` (RMSNorm in fp32, RoPE
-cos/sin computed in fp32 then cast to the model dtype, logits from the lm_head
-in the model dtype then cast to fp32), so fp32 logits match HF to ~1e-5.
+One forward serves every family: it reads the family's row of switches (norm slots and style,
+q/k norm, embedding scale, activation, attention scale, partial rotary, RoPE per layer type,
+final-logit soft-cap) rather than branching on ``model_type``.
+
+Numerics follow transformers' own modules for each family (RMSNorm in fp32 with the family's
+rounding, RoPE cos/sin computed in fp32 then cast to the model dtype — kept in fp32 where the family
+does —, logits from the lm_head in the model dtype then cast to fp32), so fp32 logits match HF to ~1e-5.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,13 +29,19 @@ from torch import Tensor
 from treegen.kernels.fused_ops import (add_rms_norm, fused_ops_available, rms_norm_reference, rope_,
                                        rope_reference, silu_mul)
 
-rms_norm = rms_norm_reference
+from .families import FAMILIES, SUPPORTED_MODEL_TYPES, Family
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+rms_norm = rms_norm_reference
 
 # attend(layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim],
 #        v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim]
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+# get(name, shape, optional) -> the checkpoint tensor ``name`` on the target device and dtype, or None
+# when it is absent and ``optional``; ``shape`` is what the config implies (None entries: any size)
+WeightGetter = Callable[[str, tuple, bool], "Tensor | None"]
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class UnsupportedModelError(ValueError):
@@ -43,19 +55,47 @@ class ModelNotFoundError(ValueError):
 # --------------------------------------------------------------------------- config checks
 
 
-def _rope_parameters(config) -> dict:
-    """RoPE settings as one flat dict (transformers 5 ``rope_parameters``, or legacy ``rope_scaling``)."""
+def family_for(model_type: str | None) -> Family:
+    """The family row of ``model_type``; raises :class:`UnsupportedModelError` naming what is supported."""
+    family = FAMILIES.get(model_type)  # type: ignore[arg-type]
+    if family is None:
+        raise UnsupportedModelError(
+            f"unsupported model architecture model_type={model_type!r}; "
+            f"treegen's decoder supports model_type in {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    return family
+
+
+def check_model_type(model_type: str | None) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``model_type`` has a family row."""
+    family_for(model_type)
+
+
+def _is_nested(rp: dict) -> bool:
+    return bool(rp) and all(isinstance(v, dict) or v is None for v in rp.values())
+
+
+def _rope_parameters(config, layer_type: str | None = None) -> dict:
+    """RoPE settings of one layer type as one flat dict (transformers 5 ``rope_parameters``, nested by
+    layer type or not, or legacy ``rope_scaling`` / ``rope_theta`` / ``rope_local_base_freq``)."""
     rp = getattr(config, "rope_parameters", None)
     if rp is None:
         rp = getattr(config, "rope_scaling", None)
     rp = dict(rp or {})
-    if rp and all(isinstance(v, dict) for v in rp.values()):
-        raise UnsupportedModelError(
-            f"per-layer-type RoPE parameters are not supported (got keys {sorted(rp)})"
-        )
+    if _is_nested(rp):
+        if layer_type is None or rp.get(layer_type) is None:
+            raise UnsupportedModelError(
+                f"per-layer-type RoPE parameters are not supported for model_type={config.model_type!r} "
+                f"(got keys {sorted(rp)})"
+            )
+        rp = dict(rp[layer_type])
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None) is not None:
+        rp = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}  # Gemma 3, transformers 4
     rp.setdefault("rope_type", rp.get("type", "default"))
     if "rope_theta" not in rp:
         rp["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    if "partial_rotary_factor" not in rp and getattr(config, "partial_rotary_factor", None) is not None:
+        rp["partial_rotary_factor"] = config.partial_rotary_factor
     return rp
 
 
@@ -65,13 +105,43 @@ def _rope_init_functions() -> dict:
     return ROPE_INIT_FUNCTIONS
 
 
-def check_model_type(model_type: str | None) -> None:
-    """Raise :class:`UnsupportedModelError` unless ``model_type`` is llama / mistral / qwen2."""
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported model architecture model_type={model_type!r}; "
-            f"treegen supports Llama-family checkpoints with model_type in {list(SUPPORTED_MODEL_TYPES)}"
-        )
+def layer_types_of(config) -> list[str]:
+    """Each layer's attention type, ``full_attention`` or ``sliding_attention`` (which layers use
+    ``config.sliding_window``, by the family's rule; see ``Family.window_layers``)."""
+    family = family_for(getattr(config, "model_type", None))
+    n = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    declared = getattr(config, "layer_types", None)
+    if declared is not None:
+        declared = list(declared)
+        unknown = sorted(set(declared) - set(_LAYER_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"layer types {unknown} are not supported (model_type={config.model_type!r}); "
+                                        f"supported: {list(_LAYER_TYPES)}")
+        if len(declared) != n:
+            raise UnsupportedModelError(f"config.layer_types has {len(declared)} entries for {n} layers")
+    if window is None or family.window_layers is None:
+        return ["full_attention"] * n
+    if family.window_layers == "all":
+        return ["sliding_attention"] * n
+    if declared is not None:
+        return declared
+    # no per-layer types in this config: a window that is set counts everywhere unless switched off
+    used = bool(getattr(config, "use_sliding_window", True))
+    return ["sliding_attention" if used else "full_attention"] * n
+
+
+def _rope_layer_keys(config, family: Family) -> list[str | None]:
+    """Per layer, the key of its RoPE table: its layer type where the family gives layer types their
+    own RoPE (Gemma 3's local and global bases), else None (one table for all)."""
+    n = int(config.num_hidden_layers)
+    if not family.rope_per_layer_type:
+        return [None] * n
+    rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    declared = getattr(config, "layer_types", None)
+    if declared is None or not (_is_nested(dict(rp)) or getattr(config, "rope_local_base_freq", None) is not None):
+        return [None] * n
+    return list(declared)
 
 
 def check_supported(config) -> None:
@@ -79,236 +149,367 @@ def check_supported(config) -> None:
 
     Cheap: looks at the config only, so it can run before any weights are loaded.
     """
-    model_type = getattr(config, "model_type", None)
-    check_model_type(model_type)
-    rope_type = _rope_parameters(config)["rope_type"]
-    if rope_type != "default" and rope_type not in _rope_init_functions():
+    family = family_for(getattr(config, "model_type", None))
+    model_type = config.model_type
+    if family.attn_softcap and getattr(config, "attn_logit_softcapping", None) is not None:
         raise UnsupportedModelError(
-            f"unsupported RoPE type {rope_type!r} for model_type={model_type!r}; "
-            f"supported: {['default', *sorted(_rope_init_functions())]}"
+            f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}, "
+            f"model_type={model_type!r}) is not supported: treegen's tree-attention kernels do not cap scores"
         )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"bidirectional attention (model_type={model_type!r}) is not supported: "
+                                    f"treegen decodes causally")
+    if getattr(config, "attention_chunk_size", None):
+        raise UnsupportedModelError(f"chunked attention (model_type={model_type!r}) is not supported")
+    layer_types_of(config)
+    for key in sorted(set(_rope_layer_keys(config, family)), key=str):
+        rope_inv_freq(config, key)
 
 
 def max_context_of(config) -> int:
     """Longest sequence (in tokens) this model can run with plain causal attention.
 
-    ``max_position_embeddings``, further limited by a sliding window (which we do not
+    ``max_position_embeddings``, further limited by a sliding window on any layer (which we do not
     implement: sequences up to the window are exactly full causal attention) and, for
     ``longrope``, by the original context (beyond it HF switches frequency sets).
     ``dynamic`` NTK RoPE equals plain RoPE for sequences up to ``max_position_embeddings``.
     """
     limit = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    if window is not None:
-        layer_types = getattr(config, "layer_types", None)
-        if config.model_type == "mistral":
-            used = True
-        elif layer_types is not None:
-            used = "sliding_attention" in layer_types
-        else:
-            used = bool(getattr(config, "use_sliding_window", False))
-        if used:
-            limit = min(limit, int(window))
-    rp = _rope_parameters(config)
-    if rp["rope_type"] == "longrope" and rp.get("original_max_position_embeddings"):
-        limit = min(limit, int(rp["original_max_position_embeddings"]))
+    if "sliding_attention" in layer_types_of(config):
+        limit = min(limit, int(config.sliding_window))
+    family = family_for(config.model_type)
+    for key in set(_rope_layer_keys(config, family)):
+        rp = _rope_parameters(config, key)
+        if rp["rope_type"] == "longrope" and rp.get("original_max_position_embeddings"):
+            limit = min(limit, int(rp["original_max_position_embeddings"]))
     return limit
 
 
 # --------------------------------------------------------------------------- building blocks
 
 
-def rope_inv_freq(config) -> tuple[Tensor, float]:
-    """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling) exactly as transformers computes them."""
-    rp = _rope_parameters(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if rp["rope_type"] == "default":
-        base = rp["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+def _head_dim(config) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def rope_inv_freq(config, layer_type: str | None = None) -> tuple[Tensor, float]:
+    """(inv_freq [rotary_dim // 2] fp32 on CPU, attention_scaling) exactly as transformers computes
+    them for layers of ``layer_type`` (None: the model's one RoPE). ``rotary_dim`` is ``head_dim``
+    unless the family rotates part of each head (Phi-3's ``partial_rotary_factor``)."""
+    family = family_for(getattr(config, "model_type", None))
+    rp = _rope_parameters(config, layer_type)
+    head_dim = _head_dim(config)
+    rope_type = rp["rope_type"]
+    if rope_type == "default":
+        dim = int(head_dim * rp.get("partial_rotary_factor", 1.0)) if family.partial_rotary else head_dim
+        inv_freq = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv_freq, 1.0
-    inv_freq, scaling = _rope_init_functions()[rp["rope_type"]](config, torch.device("cpu"))
-    if inv_freq.numel() * 2 != head_dim:
-        raise UnsupportedModelError("partial rotary embeddings are not supported")
+    init = _rope_init_functions().get(rope_type)
+    if init is None:
+        raise UnsupportedModelError(
+            f"unsupported RoPE type {rope_type!r} for model_type={config.model_type!r}; "
+            f"supported: {['default', *sorted(_rope_init_functions())]}"
+        )
+    raw = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and _is_nested(dict(raw)):
+        try:
+            inv_freq, scaling = init(config, torch.device("cpu"), layer_type=layer_type)
+        except TypeError:  # an init function without layer types: give it a config with this type's flat dict
+            flat = copy.copy(config)
+            flat.rope_parameters = rp
+            inv_freq, scaling = init(flat, torch.device("cpu"))
+    else:
+        inv_freq, scaling = init(config, torch.device("cpu"))
+    if inv_freq.numel() * 2 != head_dim and not family.partial_rotary:
+        raise UnsupportedModelError(f"partial rotary embeddings are not supported for model_type={config.model_type!r}")
     return inv_freq.to(torch.float32), float(scaling)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Layer:
-    """Weights of one decoder layer (plain tensors; biases may be None).
+    """Weights of one decoder layer (plain tensors; biases and absent norms are None).
 
-    The q/k/v and gate/up projections are also kept fused (``qkv_w``, ``gate_up_w``: one matrix
-    product each per step instead of three / two); the separate weights are views into them.
+    q/k/v and gate/up are held fused (``qkv_w``, ``gate_up_w``: one matrix product each per step);
+    ``q_w``, ``k_w``, ... are views into them. Norm weights are what the family's norm multiplies by:
+    the checkpoint's weight (``llama`` style, model dtype) or, for ``olmo`` / ``gemma`` styles, the
+    fp32 scale (``w`` / ``1 + w``) that HF computes on every call.
     """
 
-    attn_norm: Tensor  # [hidden]
-    q_w: Tensor  # [num_heads * head_dim, hidden]
-    q_b: Tensor | None
-    k_w: Tensor  # [num_kv_heads * head_dim, hidden]
-    k_b: Tensor | None
-    v_w: Tensor  # [num_kv_heads * head_dim, hidden]
-    v_b: Tensor | None
+    qkv_w: Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_b: Tensor | None
     o_w: Tensor  # [hidden, num_heads * head_dim]
     o_b: Tensor | None
-    mlp_norm: Tensor  # [hidden]
-    gate_w: Tensor  # [intermediate, hidden]
-    gate_b: Tensor | None
-    up_w: Tensor  # [intermediate, hidden]
-    up_b: Tensor | None
+    gate_up_w: Tensor  # [2 * intermediate, hidden]
+    gate_up_b: Tensor | None
     down_w: Tensor  # [hidden, intermediate]
     down_b: Tensor | None
-    qkv_w: Tensor | None = None  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    qkv_b: Tensor | None = None
-    gate_up_w: Tensor | None = None  # [2 * intermediate, hidden]
-    gate_up_b: Tensor | None = None
+    qkv_sizes: tuple[int, int, int]  # rows of q, k, v in qkv_w
+    attn_norm: Tensor | None = None  # [hidden], before attention
+    attn_post_norm: Tensor | None = None  # [hidden], on attention's output
+    mlp_norm: Tensor | None = None  # [hidden], before the MLP
+    mlp_post_norm: Tensor | None = None  # [hidden], on the MLP's output
+    q_norm: Tensor | None = None  # [head_dim] ("head" q/k norm) or [num_heads * head_dim] ("proj")
+    k_norm: Tensor | None = None  # [head_dim] or [num_kv_heads * head_dim]
 
     def __post_init__(self) -> None:
-        self.qkv_w, self.qkv_b = _fuse(self, ("q_w", "k_w", "v_w"), ("q_b", "k_b", "v_b"))
-        self.gate_up_w, self.gate_up_b = _fuse(self, ("gate_w", "up_w"), ("gate_b", "up_b"))
+        self.q_w, self.k_w, self.v_w = self.qkv_w.split(self.qkv_sizes)
+        self.q_b, self.k_b, self.v_b = (None, None, None) if self.qkv_b is None else self.qkv_b.split(self.qkv_sizes)
+        inter = self.gate_up_w.shape[0] // 2
+        self.gate_w, self.up_w = self.gate_up_w.split(inter)
+        self.gate_b, self.up_b = (None, None) if self.gate_up_b is None else self.gate_up_b.split(inter)
+        self.qk_norm = None  # [num_heads + num_kv_heads, head_dim]: per-head norms of q and k as one weight
+        if self.q_norm is not None and self.q_norm.shape[0] < self.qkv_sizes[0]:  # per head, not per projection
+            hd = self.q_norm.shape[0]
+            self.qk_norm = torch.cat([self.q_norm.expand(self.qkv_sizes[0] // hd, hd),
+                                      self.k_norm.expand(self.qkv_sizes[1] // hd, hd)])
 
 
-def _fuse(layer: _Layer, weights: tuple[str, ...], biases: tuple[str, ...]) -> tuple[Tensor, Tensor | None]:
-    """Concatenate ``layer``'s weights (and biases, zero where one is missing) along the output axis
-    and make the separate ones views of the result, so the memory is held once."""
-    parts = [getattr(layer, n) for n in weights]
-    fused = torch.cat(parts)
-    sizes = [p.shape[0] for p in parts]
-    for name, view in zip(weights, fused.split(sizes)):
-        setattr(layer, name, view)
-    if all(getattr(layer, n) is None for n in biases):
-        return fused, None
-    fused_b = torch.cat([getattr(layer, n) if getattr(layer, n) is not None else fused.new_zeros(k)
-                         for n, k in zip(biases, sizes)])
-    for name, view in zip(biases, fused_b.split(sizes)):
-        if getattr(layer, name) is not None:
-            setattr(layer, name, view)
-    return fused, fused_b
+def _cat(parts: list[Tensor | None], sizes: list[int]) -> Tensor | None:
+    """Concatenate along the output axis; None when every part is None, zeros where one is missing."""
+    if all(p is None for p in parts):
+        return None
+    ref = next(p for p in parts if p is not None)
+    return torch.cat([p if p is not None else ref.new_zeros(n) for p, n in zip(parts, sizes)])
+
+
+class _Dims(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    inter: int
+    layers: int
+
+
+def _dims(config) -> _Dims:
+    heads = int(config.num_attention_heads)
+    return _Dims(heads, int(getattr(config, "num_key_value_heads", None) or heads), _head_dim(config),
+                 int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers))
+
+
+def _build(config, family: Family, get: WeightGetter, *, tied: bool):
+    """(embed, layers, final norm, lm_head) from checkpoint tensors named as HF's ``*ForCausalLM``
+    names them (``model.layers.{i}.self_attn.q_proj.weight``, ...), read through ``get``.
+
+    q/k/v and gate/up are fused here (one copy while the layer is built) unless the checkpoint
+    already stores them fused (Phi-3's ``qkv_proj`` / ``gate_up_proj``: views, no copy)."""
+    d = _dims(config)
+    q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    sizes = (q_rows, kv_rows, kv_rows)
+    scale_in_fp32 = family.norm_style != "llama"
+
+    def norm(name: str | None, n: int) -> Tensor | None:
+        if name is None:
+            return None
+        w = get(name, (n,), False)
+        if not scale_in_fp32:
+            return w
+        return w.float() + 1.0 if family.norm_style == "gemma" else w.float()
+
+    def lin(name: str, out: int, inp: int) -> tuple[Tensor, Tensor | None]:
+        return get(f"{name}.weight", (out, inp), False), get(f"{name}.bias", (out,), True)
+
+    layers = []
+    for i in range(d.layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        if family.qkv_module:
+            qkv_w, qkv_b = lin(a + family.qkv_module, sum(sizes), d.hidden)
+        else:
+            parts = [lin(a + n, rows, d.hidden) for n, rows in zip(("q_proj", "k_proj", "v_proj"), sizes)]
+            qkv_w, qkv_b = torch.cat([w for w, _ in parts]), _cat([b for _, b in parts], list(sizes))
+            del parts
+        if family.gate_up_module:
+            gate_up_w, gate_up_b = lin(m + family.gate_up_module, 2 * d.inter, d.hidden)
+        else:
+            parts = [lin(m + n, d.inter, d.hidden) for n in ("gate_proj", "up_proj")]
+            gate_up_w, gate_up_b = torch.cat([w for w, _ in parts]), _cat([b for _, b in parts], [d.inter] * 2)
+            del parts
+        qn = {"head": (d.head_dim, d.head_dim), "proj": (q_rows, kv_rows), None: (None, None)}[family.qk_norm]
+        layers.append(_Layer(
+            qkv_w, qkv_b, *lin(a + "o_proj", d.hidden, q_rows), gate_up_w, gate_up_b,
+            *lin(m + "down_proj", d.hidden, d.inter), sizes,
+            attn_norm=norm(family.norms.pre_attn and p + family.norms.pre_attn + ".weight", d.hidden),
+            attn_post_norm=norm(family.norms.post_attn and p + family.norms.post_attn + ".weight", d.hidden),
+            mlp_norm=norm(family.norms.pre_mlp and p + family.norms.pre_mlp + ".weight", d.hidden),
+            mlp_post_norm=norm(family.norms.post_mlp and p + family.norms.post_mlp + ".weight", d.hidden),
+            q_norm=norm(family.qk_norm and a + "q_norm.weight", qn[0]),
+            k_norm=norm(family.qk_norm and a + "k_norm.weight", qn[1]),
+        ))
+    embed = get("model.embed_tokens.weight", (None, d.hidden), False)
+    lm_head = embed if tied else get("lm_head.weight", (None, d.hidden), False)
+    if get("lm_head.bias", (None,), True) is not None:
+        raise UnsupportedModelError("lm_head with a bias is not supported")
+    return embed, layers, norm("model.norm.weight", d.hidden), lm_head
+
+
+def eos_ids_of(*sources) -> set[int]:
+    """The union of ``eos_token_id`` (an int or a list) over configs / generation configs (None skipped)."""
+    eos: set[int] = set()
+    for src in sources:
+        ids = getattr(src, "eos_token_id", None) if src is not None else None
+        if ids is not None:
+            eos.update([ids] if isinstance(ids, int) else ids)
+    return eos
+
+
+class FusedOps(NamedTuple):
+    """Which element-wise steps run as fused CUDA kernels (``treegen/kernels/fused_ops.py``)."""
+
+    norm: bool  # residual add + RMSNorm (llama-style norms only)
+    rope: bool  # RoPE of q and k, writing the keys/values into the KV cache (full rotary only)
+    act: bool  # silu(gate) * up
 
 
 # --------------------------------------------------------------------------- the model
 
 
 class LlamaFamilyModel:
-    """Decoder-only Llama-family model with a cache-agnostic, packed-token forward.
+    """Decoder-only model of any family in ``treegen.runtime.families`` with a cache-agnostic,
+    packed-token forward.
 
-    Attributes: ``config`` (HF config), ``num_layers``, ``num_heads``, ``num_kv_heads``,
-    ``head_dim``, ``hidden_size``, ``vocab_size``, ``dtype``, ``device``,
-    ``eos_token_ids`` (set[int]), ``max_context`` (int, see :func:`max_context_of`),
-    ``attn_scale`` (softmax scale ``head_dim ** -0.5`` that ``attend`` must use).
+    Attributes: ``config`` (HF config), ``family`` (its row of switches), ``num_layers``,
+    ``num_heads``, ``num_kv_heads``, ``head_dim``, ``hidden_size``, ``vocab_size``, ``dtype``,
+    ``device``, ``eos_token_ids`` (set[int]), ``max_context`` (int, see :func:`max_context_of`),
+    ``attn_scale`` (softmax scale that ``attend`` must use: ``head_dim ** -0.5``, or
+    ``query_pre_attn_scalar ** -0.5`` for Gemma 2/3), ``fused`` (fused CUDA kernels on or off) and
+    ``fused_ops`` (which steps actually use them for this family).
     """
 
     def __init__(self, config, embed: Tensor, layers: list[_Layer], norm: Tensor,
                  lm_head: Tensor, eos_token_ids: set[int]):
         check_supported(config)
         self.config = config
+        self.family = family = family_for(config.model_type)
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
-        self.norm = norm  # [hidden]
+        self.norm = norm  # [hidden] (the family's norm scale, see _Layer)
         self.lm_head = lm_head  # [vocab, hidden] (may be the same tensor as embed)
         self.eos_token_ids = set(eos_token_ids)
 
         self.num_layers = len(layers)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.head_dim = _head_dim(config)
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(lm_head.shape[0])
         self.dtype = embed.dtype
         self.device = embed.device
         self.eps = float(config.rms_norm_eps)
-        self.attn_scale = self.head_dim**-0.5
+        scale_base = config.query_pre_attn_scalar if family.attn_scale == "query_pre_attn_scalar" else self.head_dim
+        self.attn_scale = float(scale_base) ** -0.5
         self.max_context = max_context_of(config)
+        self.layer_types = layer_types_of(config)
+        # embeddings times sqrt(hidden), the factor rounded to the model dtype as HF does
+        self.embed_scale = (torch.tensor(self.hidden_size**0.5, dtype=self.dtype, device=self.device)
+                            if family.embed_scale else None)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) if family.final_softcap else None
 
         from transformers.activations import ACT2FN
 
-        self.act = ACT2FN[config.hidden_act]
+        self.act_name = next((getattr(config, a) for a in family.act_attrs if getattr(config, a, None)), None)
+        if self.act_name not in ACT2FN:
+            raise UnsupportedModelError(f"unsupported activation {self.act_name!r} (model_type={config.model_type!r})")
+        self.act = ACT2FN[self.act_name]
         self.intermediate_size = int(layers[0].gate_w.shape[0]) if layers else 0
-        # on CUDA the element-wise steps run as fused Triton kernels (see treegen/kernels/fused_ops.py)
-        self.fused = fused_ops_available(self.device) and config.hidden_act == "silu"
-        inv_freq, self.rope_scaling = rope_inv_freq(config)
-        self.inv_freq = inv_freq.to(self.device)  # [head_dim // 2] fp32
+        # RoPE: one table per key (a layer type where the family gives them different bases, else None)
+        self.rope_keys = _rope_layer_keys(config, family)
+        self.inv_freq: dict[str | None, Tensor] = {}  # key -> [rotary_dim // 2] fp32
+        self.rope_scaling: dict[str | None, float] = {}
+        for key in sorted(set(self.rope_keys), key=str):
+            inv_freq, self.rope_scaling[key] = rope_inv_freq(config, key)
+            self.inv_freq[key] = inv_freq.to(self.device)
+        self.rotary_dim = 2 * next(iter(self.inv_freq.values())).numel()
+        if any(2 * f.numel() != self.rotary_dim for f in self.inv_freq.values()):
+            raise UnsupportedModelError("layer types with different rotary dimensions are not supported")
+        # on CUDA the element-wise steps run as fused Triton kernels where the family's maths is theirs
+        self.fused = fused_ops_available(self.device)
+
+    @property
+    def fused_ops(self) -> FusedOps:
+        """Which steps run fused now (all False unless ``self.fused``): the kernels compute Llama-style
+        RMSNorm, full-head RoPE and SiLU gating; other variants run as PyTorch ops."""
+        on = bool(self.fused)
+        return FusedOps(norm=on and self.family.norm_style == "llama",
+                        rope=on and self.rotary_dim == self.head_dim,
+                        act=on and self.act_name == "silu")
+
+    @classmethod
+    def from_weights(cls, config, get: WeightGetter, *, tied: bool, eos_token_ids: set[int] = frozenset()
+                     ) -> "LlamaFamilyModel":
+        """Build from checkpoint tensors read by ``get(name, shape, optional)`` (HF names; see ``_build``)."""
+        check_supported(config)
+        family = family_for(config.model_type)
+        embed, layers, norm, lm_head = _build(config, family, get, tied=tied)
+        return cls(config, embed, layers, norm, lm_head, set(eos_token_ids) | eos_ids_of(config))
 
     @classmethod
     def from_hf(cls, hf_model, *, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None) -> "LlamaFamilyModel":
-        """Wrap the weights of an HF ``*ForCausalLM`` (llama / mistral / qwen2).
+        """Wrap the weights of an HF ``*ForCausalLM`` of a supported family.
 
         Tensors are shared with ``hf_model`` when device and dtype already match
-        (no copy); drop ``hf_model`` afterwards to free its module wrappers.
+        (no copy; q/k/v and gate/up are fused, which copies those unless the checkpoint
+        stores them fused); drop ``hf_model`` afterwards to free its module wrappers.
         """
         config = hf_model.config
         check_supported(config)
+        state = hf_model.state_dict()
 
-        def t(p: Tensor | None) -> Tensor | None:
-            return None if p is None else p.detach().to(device=device, dtype=dtype)
+        def get(name: str, shape: tuple, optional: bool) -> Tensor | None:
+            t = state.get(name)
+            if t is None:
+                if optional:
+                    return None
+                raise UnsupportedModelError(f"the {config.model_type} model has no weight {name!r}")
+            return _checked(name, t, shape).detach().to(device=device, dtype=dtype)
 
-        def lin(mod) -> tuple[Tensor, Tensor | None]:
-            return t(mod.weight), t(getattr(mod, "bias", None))
-
-        layers = []
-        for blk in hf_model.model.layers:
-            att, mlp = blk.self_attn, blk.mlp
-            layers.append(_Layer(
-                t(blk.input_layernorm.weight), *lin(att.q_proj), *lin(att.k_proj), *lin(att.v_proj),
-                *lin(att.o_proj), t(blk.post_attention_layernorm.weight), *lin(mlp.gate_proj),
-                *lin(mlp.up_proj), *lin(mlp.down_proj),
-            ))
         in_w = hf_model.get_input_embeddings().weight
-        out_w = hf_model.get_output_embeddings().weight
-        embed = t(in_w)
-        lm_head = embed if out_w is in_w or out_w.data_ptr() == in_w.data_ptr() else t(out_w)
-        if getattr(hf_model.get_output_embeddings(), "bias", None) is not None:
+        out = hf_model.get_output_embeddings()
+        tied = out.weight is in_w or out.weight.data_ptr() == in_w.data_ptr()
+        if getattr(out, "bias", None) is not None:
             raise UnsupportedModelError("lm_head with a bias is not supported")
-
-        eos: set[int] = set()
-        for src in (config, getattr(hf_model, "generation_config", None)):
-            ids = getattr(src, "eos_token_id", None) if src is not None else None
-            if ids is not None:
-                eos.update([ids] if isinstance(ids, int) else ids)
-        return cls(config, embed, layers, t(hf_model.model.norm.weight), lm_head, eos)
+        eos = eos_ids_of(config, getattr(hf_model, "generation_config", None))
+        return cls.from_weights(config, get, tied=tied, eos_token_ids=eos)
 
     @classmethod
     def random(cls, config, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
                seed: int = 0, std: float = 0.02) -> "LlamaFamilyModel":
         """Random weights of a config's real shapes, made directly on ``device`` (benchmarks: speed
-        does not depend on the weights). Norm weights are 1; biases exist where the config asks."""
+        does not depend on the weights). Norms are the identity scale; biases exist where the config asks."""
         check_supported(config)
+        family = family_for(config.model_type)
         gen = torch.Generator(device=device).manual_seed(seed)
-        heads = config.num_attention_heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-        hidden, inter = config.hidden_size, config.intermediate_size
-        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attn_bias or family.qkv_bias == "always"
         mlp_bias = bool(getattr(config, "mlp_bias", False))
 
-        def w(*shape):
+        def get(name: str, shape: tuple, optional: bool) -> Tensor | None:
+            if name.endswith(".bias"):
+                on = (qkv_bias and ("_proj.bias" in name and ".self_attn." in name and "o_proj" not in name)) or \
+                     (attn_bias and "o_proj" in name) or (mlp_bias and ".mlp." in name)
+                if not on:
+                    return None
+            if name.endswith("norm.weight"):
+                raw = 0.0 if family.norm_style == "gemma" else 1.0
+                return torch.full(shape, raw, device=device, dtype=dtype)
+            shape = tuple(config.vocab_size if s is None else s for s in shape)
             return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
 
-        def b(n, on):
-            return w(n) if on else None
-
-        ones = torch.ones(hidden, device=device, dtype=dtype)
-        layers = [
-            _Layer(ones, w(heads * hd, hidden), b(heads * hd, qkv_bias), w(kv * hd, hidden), b(kv * hd, qkv_bias),
-                   w(kv * hd, hidden), b(kv * hd, qkv_bias), w(hidden, heads * hd),
-                   b(hidden, bool(getattr(config, "attention_bias", False))), ones, w(inter, hidden),
-                   b(inter, mlp_bias), w(inter, hidden), b(inter, mlp_bias), w(hidden, inter), b(hidden, mlp_bias))
-            for _ in range(config.num_hidden_layers)
-        ]
-        embed = w(config.vocab_size, hidden)
-        lm_head = embed if getattr(config, "tie_word_embeddings", False) else w(config.vocab_size, hidden)
-        eos = getattr(config, "eos_token_id", None)
-        eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-        return cls(config, embed, layers, ones, lm_head, eos_ids)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        return cls.from_weights(config, get, tied=tied)
 
     # ------------------------------------------------------------------ forward
 
-    def rope_cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [T] int64 -> (cos, sin) each [T, 1, head_dim] in the model dtype (HF maths)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim // 2] fp32
+    def rope_cos_sin(self, positions: Tensor, key: str | None = None) -> tuple[Tensor, Tensor]:
+        """positions [T] int64 -> (cos, sin) each [T, 1, rotary_dim] (HF maths) for the RoPE table
+        ``key``: in the model dtype, or fp32 where the family applies RoPE in fp32 (OLMo 2)."""
+        freqs = positions[:, None].float() * self.inv_freq[key][None, :]  # [T, rotary_dim // 2] fp32
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.rope_scaling
-        sin = emb.sin() * self.rope_scaling
-        return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
+        cos = emb.cos() * self.rope_scaling[key]
+        sin = emb.sin() * self.rope_scaling[key]
+        dtype = torch.float32 if self.family.rope_fp32 else self.dtype
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attend: AttendFn,
@@ -329,53 +530,101 @@ class LlamaFamilyModel:
             raise ValueError(f"input_ids and positions must both be [T]; got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         n_tok, nh, nkv, hd = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        fused, inter = self.fused, self.intermediate_size
+        fused, inter = self.fused_ops, self.intermediate_size
         cache = getattr(attend, "cache", None)
-        cos, sin = self.rope_cos_sin(positions)  # [T, 1, D]
+        tables = {key: self.rope_cos_sin(positions, key) for key in self.inv_freq}  # each ([T, 1, R], [T, 1, R])
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         y = None  # the output of the previous sub-layer, not yet added to the residual stream h
         for i, L in enumerate(self.layers):
-            h, x = self._add_norm(h, y, L.attn_norm)
+            h, x = self._add_norm(h, y, L.attn_norm, fused.norm)
             qkv = F.linear(x, L.qkv_w, L.qkv_b).view(n_tok, nh + 2 * nkv, hd)
-            if fused and cache is not None:  # RoPE and the KV cache write in one kernel
+            if L.q_norm is not None:
+                self._qk_norm_(qkv, L)
+            cos, sin = tables[self.rope_keys[i]]
+            if fused.rope and cache is not None:  # RoPE and the KV cache write in one kernel
                 rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv, store=cache(i))
                 o = attend(i, qkv[:, :nh], None, None)
             else:
-                if fused:
+                if fused.rope:
                     rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv)
                     q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
                 else:
-                    q, k = rope_reference(qkv[:, :nh], cos, sin), rope_reference(qkv[:, nh : nh + nkv], cos, sin)
+                    q, k = self._rope(qkv[:, :nh], cos, sin), self._rope(qkv[:, nh : nh + nkv], cos, sin)
                 o = attend(i, q, k, qkv[:, nh + nkv :])  # [T, H, D]
             y = F.linear(o.reshape(n_tok, nh * hd), L.o_w, L.o_b)
-            h, x = self._add_norm(h, y, L.mlp_norm)
+            if L.attn_post_norm is not None:
+                y = self._norm(y, L.attn_post_norm)
+            h, x = self._add_norm(h, y, L.mlp_norm, fused.norm)
             gate_up = F.linear(x, L.gate_up_w, L.gate_up_b)
-            gated = silu_mul(gate_up) if fused else self.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            gated = silu_mul(gate_up) if fused.act else self.act(gate_up[:, :inter]) * gate_up[:, inter:]
             y = F.linear(gated, L.down_w, L.down_b)
+            if L.mlp_post_norm is not None:
+                y = self._norm(y, L.mlp_post_norm)
         if y is not None:
             h = h + y
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)  # [R, hidden]
-        h = rms_norm(h, self.norm, self.eps)
-        return F.linear(h, self.lm_head).float()  # [R, vocab]
+        logits = F.linear(self._norm(h, self.norm), self.lm_head)  # [R, vocab], model dtype
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
 
-    def _add_norm(self, h: Tensor, y: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
-        """The residual add ``h + y`` (nothing when ``y`` is None) and its RMSNorm: (h, normed)."""
-        if self.fused:  # one kernel; adds into h in place
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        """The family's RMSNorm over the last axis of ``x`` (``weight`` broadcasts; see _Layer)."""
+        if self.family.norm_style == "llama":
+            return rms_norm(x, weight, self.eps)
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * weight).to(x.dtype)
+
+    def _add_norm(self, h: Tensor, y: Tensor | None, weight: Tensor | None, fused: bool) -> tuple[Tensor, Tensor]:
+        """The residual add ``h + y`` (nothing when ``y`` is None) and its norm (the identity when
+        ``weight`` is None: a family without that pre-norm): (h, normed)."""
+        if fused and weight is not None:  # one kernel; adds into h in place
             return h, add_rms_norm(h, y, weight, self.eps)
         h = h if y is None else h + y
-        return h, rms_norm(h, weight, self.eps)
+        return h, (h if weight is None else self._norm(h, weight))
+
+    def _qk_norm_(self, qkv: Tensor, L: _Layer) -> None:
+        """Normalise the query and key heads of ``qkv [T, H + 2 Hkv, D]`` in place: per head with one
+        weight for both (``L.qk_norm``), or each over its whole projection (OLMo 2)."""
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if L.qk_norm is not None:  # per head: q and k heads in one call
+            qkv[:, : nh + nkv] = self._norm(qkv[:, : nh + nkv], L.qk_norm)
+        else:
+            flat = qkv.view(qkv.shape[0], -1)
+            flat[:, : nh * hd] = self._norm(flat[:, : nh * hd], L.q_norm)
+            flat[:, nh * hd : (nh + nkv) * hd] = self._norm(flat[:, nh * hd : (nh + nkv) * hd], L.k_norm)
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """HF's RoPE of x [T, heads, D] with cos/sin [T, 1, R]: the first R dims rotate, the rest pass."""
+        r = cos.shape[-1]
+        out = rope_reference(x if r == x.shape[-1] else x[..., :r], cos, sin)
+        if r != x.shape[-1]:
+            out = torch.cat([out.to(x.dtype), x[..., r:]], dim=-1)
+        return out.to(x.dtype)
 
     __call__ = forward
 
     def __repr__(self) -> str:
+        fused = [name for name, on in self.fused_ops._asdict().items() if on]
         return (f"LlamaFamilyModel({self.config.model_type}, layers={self.num_layers}, "
                 f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, hidden={self.hidden_size}, "
                 f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device}, "
-                f"max_context={self.max_context})")
+                f"max_context={self.max_context}, fused={'+'.join(fused) or 'none'})")
+
+
+def _checked(name: str, t: Tensor, shape: tuple) -> Tensor:
+    """``t`` if its shape matches ``shape`` (None entries: any size), else a clear error."""
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = tuple("*" if s is None else s for s in shape)
+        raise UnsupportedModelError(f"weight {name!r} has shape {tuple(t.shape)}, the config implies {want}")
+    return t
 
 
 __all__ = [
-    "AttendFn", "LlamaFamilyModel", "ModelNotFoundError", "SUPPORTED_MODEL_TYPES",
-    "UnsupportedModelError", "check_model_type", "check_supported", "max_context_of", "rms_norm", "rope_inv_freq",
+    "AttendFn", "FusedOps", "LlamaFamilyModel", "ModelNotFoundError", "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError", "check_model_type", "check_supported", "eos_ids_of", "family_for", "layer_types_of",
+    "max_context_of", "rms_norm", "rope_inv_freq",
 ]
