@@ -6,7 +6,8 @@ each they, not the matrix products, set the step time. These kernels do each ste
 
 * :func:`add_rms_norm` — ``h += y`` (the residual add) then ``x = RMSNorm(h)``;
 * :func:`rope_` — rotary embedding of the query and key heads of a fused QKV projection, in place,
-  optionally writing the keys and values straight into the KV cache (no separate cache-write kernels);
+  optionally writing the keys and values straight into the KV cache (no separate cache-write kernels),
+  quantizing them for an 8-bit cache;
 * :func:`silu_mul` — ``silu(gate) * up`` from a fused gate/up projection.
 
 They round where Hugging Face's PyTorch code rounds (every intermediate that HF holds in the model
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from treegen.kernels.kv_quant import STORAGE_QMAX
 
 try:
     import triton
@@ -76,8 +79,21 @@ if triton is not None:
         tl.store(X + row * stride_x + offs, (w * normed).to(X.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rope_kernel(QKV, COS, SIN, KC, VC, SLOTS, n_q, n_kv, stride_t, stride_h, stride_c, stride_ct, stride_ch,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE: tl.constexpr):
+    def _quantize_rows(x, QMAX: tl.constexpr, INT8: tl.constexpr):
+        """Rows of ``x`` [R, D] (fp32, already rounded to the model dtype) → (8-bit values as fp32, scales [R]):
+        ``scale = amax / QMAX``, INT8 rounds half away from zero (the rule of kv_quant.quantize_reference);
+        FP8 rounds when the caller casts to e4m3."""
+        scale = tl.max(tl.abs(x), axis=1) / QMAX
+        y = x / tl.where(scale > 0, scale, 1.0)[:, None]
+        if INT8:
+            y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
+        return tl.minimum(tl.maximum(y, -QMAX), QMAX), scale
+
+    @triton.jit
+    def _rope_kernel(QKV, COS, SIN, KC, VC, SLOTS, KS, VS, n_q, n_kv, stride_t, stride_h, stride_c, stride_ct,
+                     stride_ch, stride_st,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE: tl.constexpr,
+                     QMAX: tl.constexpr, INT8: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -100,12 +116,20 @@ if triton is not None:
             is_q = (offs_h < n_q)[:, None]
             tl.store(base + offs_d[None, :], out, mask=ok & is_q)
             kv_rows = slot * stride_ct + (offs_h - n_q)[:, None] * stride_ch + offs_d[None, :]
-            tl.store(KC + kv_rows, out.to(KC.dtype.element_ty), mask=ok & ~is_q)
             offs_v = tl.arange(0, BLOCK_KV)
             v_ok = (offs_v < n_kv)[:, None]
             v = tl.load(QKV + t * stride_t + (n_q + n_kv + offs_v)[:, None] * stride_h + offs_d[None, :], mask=v_ok)
-            tl.store(VC + slot * stride_ct + offs_v[:, None] * stride_ch + offs_d[None, :],
-                     v.to(VC.dtype.element_ty), mask=v_ok)
+            v_rows = slot * stride_ct + offs_v[:, None] * stride_ch + offs_d[None, :]
+            if QMAX > 0:  # an 8-bit cache: quantize each KV head's row on the way in, store its scale beside it
+                k8, k_scale = _quantize_rows(out.to(tl.float32), QMAX, INT8)
+                tl.store(KC + kv_rows, k8.to(KC.dtype.element_ty), mask=ok & ~is_q)
+                tl.store(KS + slot * stride_st + (offs_h - n_q), k_scale, mask=(offs_h >= n_q) & (offs_h < n_q + n_kv))
+                v8, v_scale = _quantize_rows(v.to(tl.float32), QMAX, INT8)
+                tl.store(VC + v_rows, v8.to(VC.dtype.element_ty), mask=v_ok)
+                tl.store(VS + slot * stride_st + offs_v, v_scale, mask=offs_v < n_kv)
+            else:
+                tl.store(KC + kv_rows, out.to(KC.dtype.element_ty), mask=ok & ~is_q)
+                tl.store(VC + v_rows, v.to(VC.dtype.element_ty), mask=v_ok)
         else:
             tl.store(base + offs_d[None, :], out, mask=ok)
 
@@ -149,27 +173,42 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads:
     (any row stride): the query and key heads are rotated in place; cos/sin ``[T, D]`` in the model
     dtype. ``store=(k_cache, v_cache, slots)``: instead of rotating the keys in place, write the
     rotated keys and the values to ``k_cache[slots]`` / ``v_cache[slots]`` (``[S, num_kv_heads, D]``),
-    the KV cache write in the same launch. Returns ``qkv``."""
+    the KV cache write in the same launch. ``store=(k_cache, v_cache, slots, k_scale, v_scale)``: an
+    8-bit cache (int8 or float8_e4m3fn, :mod:`treegen.kernels.kv_quant`) with its fp32 scales
+    ``[S, num_kv_heads]``: each KV head's row is quantized on the way in. Returns ``qkv``."""
     heads = num_q_heads + 2 * num_kv_heads
     if qkv.dim() != 3 or qkv.shape[1] != heads or qkv.stride(2) != 1 or qkv.stride(1) != qkv.shape[2]:
         raise ValueError(f"rope_: qkv must be [T, {heads} heads, D] with heads packed in each row, got shape "
                          f"{tuple(qkv.shape)} strides {qkv.stride()}")
     if cos.shape != (qkv.shape[0], qkv.shape[2]) or sin.shape != cos.shape or cos.stride(1) != 1:
         raise ValueError(f"rope_: cos/sin must be [T, D] = {(qkv.shape[0], qkv.shape[2])}, got {tuple(cos.shape)}")
+    qmax, int8 = 0.0, False
     if store is not None:
-        k_cache, v_cache, slots = store
+        if len(store) not in (3, 5):
+            raise ValueError(f"rope_: store is (k_cache, v_cache, slots[, k_scale, v_scale]), got {len(store)} items")
+        k_cache, v_cache, slots = store[:3]
         if k_cache.shape[1:] != (num_kv_heads, qkv.shape[2]) or v_cache.stride() != k_cache.stride() \
                 or k_cache.stride(2) != 1 or slots.shape != (qkv.shape[0],):
             raise ValueError(f"rope_: store needs k/v caches [S, {num_kv_heads}, {qkv.shape[2]}] with equal strides "
                              f"and one slot per token, got {tuple(k_cache.shape)} and slots {tuple(slots.shape)}")
+        k_scale = v_scale = k_cache  # unused unless the cache is 8-bit
+        if len(store) == 5:
+            k_scale, v_scale = store[3:]
+            if k_cache.dtype not in STORAGE_QMAX or k_scale.shape != k_cache.shape[:2] \
+                    or k_scale.dtype != torch.float32 or v_scale.stride() != k_scale.stride() or k_scale.stride(1) != 1:
+                raise ValueError(f"rope_: an 8-bit store needs an int8/float8_e4m3fn cache and fp32 scales "
+                                 f"[S, {num_kv_heads}] with equal strides, got cache {k_cache.dtype} and scales "
+                                 f"{k_scale.dtype} {tuple(k_scale.shape)}")
+            qmax, int8 = STORAGE_QMAX[k_cache.dtype], k_cache.dtype == torch.int8
     else:
-        k_cache = v_cache = slots = qkv  # unused
+        k_cache = v_cache = slots = k_scale = v_scale = qkv  # unused
     if qkv.shape[0]:
         _rope_kernel[(qkv.shape[0],)](
-            qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, qkv.stride(0), qkv.stride(1),
-            cos.stride(0), k_cache.stride(0), k_cache.stride(1), HEAD_DIM=qkv.shape[2],
-            BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
-            BLOCK_KV=triton.next_power_of_2(num_kv_heads), STORE=store is not None, num_warps=4)
+            qkv, cos, sin, k_cache, v_cache, slots, k_scale, v_scale, num_q_heads, num_kv_heads, qkv.stride(0),
+            qkv.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0),
+            HEAD_DIM=qkv.shape[2], BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), STORE=store is not None, QMAX=qmax, INT8=int8,
+            num_warps=4)
     return qkv
 
 

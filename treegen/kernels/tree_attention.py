@@ -17,6 +17,9 @@ LSE convention (everywhere in treegen): **natural log**, fp32, ``lse = log(sum_j
 ``s_j = scale * q . k_j``. A segment with no visible key has ``lse = -inf`` and output 0; merging
 it with anything leaves the other side unchanged and never produces NaN.
 
+The cache may be in an 8-bit KV format (:mod:`treegen.kernels.kv_quant`): then ``k_scale`` and
+``v_scale`` ``[num_slots, num_kv_heads]`` fp32 are given, and every path reads ``stored * scale``.
+
 Nothing in this module knows about programs or branches; it sees segments and query rows only.
 """
 
@@ -28,6 +31,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from treegen.kernels.kv_quant import EIGHT_BIT_STORAGE, dequantize_reference
 from treegen.kernels.library_attention import library_available
 from treegen.kernels.tree_attention_triton import tree_attention_triton, triton_available
 from treegen.kernels.triton_plan import TritonPlan, plan_triton
@@ -115,7 +119,7 @@ def plan_tree_attention(
     dtype: the dtype of q/k/v the plan will run with. Triton backend, fp16/bf16 on a Hopper GPU: the
         largest shared segment read by many query rows goes to cuDNN's fused attention
         (:mod:`~treegen.kernels.library_attention`); the plan then runs with that dtype only.
-        None: every segment goes to the Triton kernels, whatever the dtype.
+        None, or an 8-bit KV storage dtype: every segment goes to the Triton kernels.
     triton_options: tuning knobs passed to :func:`~treegen.kernels.triton_plan.plan_triton`
         (``target_programs``, ``block_n``, ``num_stages``, ``library`` to force the library segment
         on or off); the defaults were measured on an H100.
@@ -223,7 +227,14 @@ def _hidden(level: LevelPlan, query_pos: Tensor, group: int) -> Tensor:
     return hidden
 
 
-def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float):
+def _gather(cache: Tensor, scales: Tensor | None, slots: Tensor) -> Tensor:
+    """fp32 ``cache[slots]`` [len(slots), kv_heads, head_dim], dequantized when ``scales`` are given."""
+    stored = cache.index_select(0, slots)
+    return stored.float() if scales is None else dequantize_reference(stored, scales.index_select(0, slots))
+
+
+def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float,
+                  k_scale: Tensor | None = None, v_scale: Tensor | None = None):
     """Attention of every segment of one level against the query rows below it → (o, lse) per row."""
     n, rows = level.query_rows.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -232,8 +243,8 @@ def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor
     qs = q[level.query_rows].float()  # [n, R, Hq, D]
     qs = qs.view(n, rows, num_kv, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, num_kv, rows * group, head_dim)
     flat = level.kv_slots.reshape(-1)
-    k = k_cache.index_select(0, flat).view(n, -1, num_kv, head_dim).float().permute(0, 2, 3, 1)  # [n, Hkv, D, L]
-    v = v_cache.index_select(0, flat).view(n, -1, num_kv, head_dim).float().transpose(1, 2)  # [n, Hkv, L, D]
+    k = _gather(k_cache, k_scale, flat).view(n, -1, num_kv, head_dim).permute(0, 2, 3, 1)  # [n, Hkv, D, L]
+    v = _gather(v_cache, v_scale, flat).view(n, -1, num_kv, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
     scores = torch.matmul(qs, k).mul_(scale).masked_fill_(_hidden(level, query_pos, group), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [n, Hkv, R*G]
     lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)
@@ -243,18 +254,21 @@ def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor
     return out, lse
 
 
-def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float) -> Tensor:
+def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float,
+                             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """PyTorch reference (fp32 maths): one batched attention per tree level, LSE-merged.
 
     q: [num_queries, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
-    (the query rows' own keys must already be written). Returns [num_queries, num_heads, head_dim]
-    in q's dtype. Loops in Python over tree levels only, never over segments or query rows.
+    (the query rows' own keys must already be written); k_scale, v_scale: [num_slots, num_kv_heads]
+    fp32 for an 8-bit cache (None: the cache holds the values themselves). Returns
+    [num_queries, num_heads, head_dim] in q's dtype. Loops in Python over tree levels only, never over
+    segments or query rows.
     """
     num_q, num_heads, head_dim = q.shape
     o_acc = torch.zeros(num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_acc = torch.full((num_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     for i, level in enumerate(plan.levels):
-        out, lse = _attend_level(q, k_cache, v_cache, plan.query_pos, level, scale)
+        out, lse = _attend_level(q, k_cache, v_cache, plan.query_pos, level, scale, k_scale, v_scale)
         o_new = out.reshape(-1, num_heads, head_dim).index_select(0, level.valid_index)
         lse_new = lse.reshape(-1, num_heads).index_select(0, level.valid_index)
         if i:  # merge into what the rows hold from the levels above (each row appears once per level)
@@ -265,7 +279,8 @@ def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
     return o_acc.to(q.dtype)
 
 
-def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan) -> None:
+def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan,
+                 k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
     """Raise ValueError naming the offending argument when shapes, dtypes or devices disagree."""
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -280,19 +295,35 @@ def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentio
         raise ValueError(f"q has {q.shape[0]} rows, the plan was made for {plan.num_queries}")
     if not (q.device == k_cache.device == v_cache.device == plan.query_pos.device):
         raise ValueError(f"devices differ: q {q.device}, k_cache {k_cache.device}, v_cache {v_cache.device}, plan {plan.query_pos.device}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (an 8-bit cache) or neither")
+    if k_scale is None:
+        if not (q.dtype == k_cache.dtype == v_cache.dtype):
+            raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} "
+                             "(an 8-bit cache needs k_scale and v_scale)")
+        return
+    if k_cache.dtype not in EIGHT_BIT_STORAGE or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_scale/v_scale are for an 8-bit cache (int8 or float8_e4m3fn); got k_cache "
+                         f"{k_cache.dtype}, v_cache {v_cache.dtype}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s.shape != k_cache.shape[:2] or s.dtype != torch.float32 or s.device != k_cache.device:
+            raise ValueError(f"{name} must be fp32 [num_slots, num_kv_heads] = {tuple(k_cache.shape[:2])} on "
+                             f"{k_cache.device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
+    if s.stride() != k_scale.stride() or k_scale.stride(1) != 1:
+        raise ValueError("k_scale and v_scale need equal strides and contiguous heads")
 
 
-def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float) -> Tensor:
-    """Dispatcher: the one entry point the runtime calls. Shapes as in :func:`tree_attention_reference`.
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float,
+                   k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+    """Dispatcher: the one entry point the runtime calls. Shapes as in :func:`tree_attention_reference`
+    (``k_scale``/``v_scale``: the scales of an 8-bit cache, None otherwise).
 
     Runs the backend the plan was made for (``plan.backend``; see :func:`plan_tree_attention`).
     """
-    check_inputs(q, k_cache, v_cache, plan)
+    check_inputs(q, k_cache, v_cache, plan, k_scale, v_scale)
     if plan.backend == "triton":
         if plan.triton.group != q.shape[1] // k_cache.shape[1]:
             raise ValueError(f"the plan was made for {plan.triton.group} query heads per KV head, "
                              f"q/k_cache have {q.shape[1] // k_cache.shape[1]}")
-        return tree_attention_triton(q, k_cache, v_cache, plan.triton, plan.query_pos, scale)
-    return tree_attention_reference(q, k_cache, v_cache, plan, scale)
+        return tree_attention_triton(q, k_cache, v_cache, plan.triton, plan.query_pos, scale, k_scale, v_scale)
+    return tree_attention_reference(q, k_cache, v_cache, plan, scale, k_scale, v_scale)

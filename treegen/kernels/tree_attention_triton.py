@@ -53,11 +53,14 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _online_softmax_step(acc, m_i, l_i, qk, v, scale_log2, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr):
+    def _online_softmax_step(acc, m_i, l_i, qk, v, vs, scale_log2, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr,
+                             QUANT: tl.constexpr):
         """Fold one block of raw scores ``qk`` [M, N] (invisible keys -inf) and values ``v`` [N, D] into the
         running base-2 max ``m_i``, sum ``l_i`` and output ``acc``. The base-2 score is ``qk * scale_log2``,
         applied in one FMA with the max subtraction (the max is taken on raw scores: the scale is positive).
-        MAY_BE_EMPTY: a row may have seen no visible key yet (max -inf), which must not turn into NaN."""
+        MAY_BE_EMPTY: a row may have seen no visible key yet (max -inf), which must not turn into NaN.
+        QUANT: ``v`` holds 8-bit values (converted to the query dtype) whose per-key scales ``vs`` [N] are
+        folded into the probabilities before the product (``p @ (v * vs) == (p * vs) @ v``)."""
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
         if MAY_BE_EMPTY:
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -66,19 +69,24 @@ if triton is not None:
         p = tl.exp2(qk * scale_log2 - m_new_safe[:, None])
         alpha = tl.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:
+            p = p * vs[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         return m_new, l_i, acc
 
     @triton.jit
-    def _attend_blocks(acc, m_i, l_i, q, qpos, K, V, stride_kt, pos0, lo, hi, scale_log2,
+    def _attend_blocks(acc, m_i, l_i, q, qpos, K, V, KS, VS, stride_kt, stride_st, pos0, lo, hi, scale_log2,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, QUANT: tl.constexpr):
         """Online-softmax over keys [lo, hi) of a segment (base-2 running max ``m_i`` and sum ``l_i``).
-        MASKED=False: every key of every block is visible to every row (no bounds or causal checks)."""
+        MASKED=False: every key of every block is visible to every row (no bounds or causal checks).
+        QUANT: K/V hold 8-bit values, ``KS``/``VS`` their per-key scales (stride ``stride_st``): the
+        scores are ``(q . k) * k_scale`` and the values are scaled through the probabilities."""
         offs_d = tl.arange(0, HEAD_DIM)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             kv_off = offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+            s_off = offs_n.to(tl.int64) * stride_st
             if MASKED:
                 key_ok = offs_n < hi
                 k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
@@ -86,38 +94,63 @@ if triton is not None:
             else:
                 k = tl.load(K + kv_off)
                 v = tl.load(V + kv_off)
+            if QUANT:
+                if MASKED:
+                    ks = tl.load(KS + s_off, mask=key_ok, other=0.0)
+                    vs = tl.load(VS + s_off, mask=key_ok, other=0.0)
+                else:
+                    ks = tl.load(KS + s_off)
+                    vs = tl.load(VS + s_off)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            else:
+                vs = 0.0
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if QUANT:
+                qk = qk * ks[None, :]
             if MASKED:
                 visible = key_ok[None, :] & ((pos0 + offs_n)[None, :] <= qpos[:, None])
                 qk = tl.where(visible, qk, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, qk, v, scale_log2, True, PRECISION)
+            m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, qk, v, vs, scale_log2, True, PRECISION, QUANT)
         return m_i, l_i, acc
 
     @triton.jit
-    def _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, row0, col, lo, hi, scale_log2,
-                           BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+    def _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, KS, VS, stride_st, row0, col, lo, hi, scale_log2,
+                           BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
+                           QUANT: tl.constexpr):
         """Unmasked online-softmax over keys [lo, hi) (whole blocks) with TMA tensor-descriptor loads;
-        ``row0`` is the segment's first cache slot, ``col`` the KV head's first column."""
+        ``row0`` is the segment's first cache slot, ``col`` the KV head's first column. QUANT: as in
+        :func:`_attend_blocks` (``KS``/``VS`` point at the segment's first slot's scales)."""
         col = col.to(tl.int32)
         for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             row = (row0 + start).to(tl.int32)
             k = K_desc.load([row, col])
             v = V_desc.load([row, col])
+            if QUANT:
+                s_off = (start + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_st
+                ks = tl.load(KS + s_off)
+                vs = tl.load(VS + s_off)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            else:
+                vs = 0.0
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if QUANT:
+                qk = qk * ks[None, :]
             # a fully visible block gives every row a finite score, so the max is never -inf here
-            m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, qk, v, scale_log2, False, PRECISION)
+            m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, qk, v, vs, scale_log2, False, PRECISION, QUANT)
         return m_i, l_i, acc
 
     @triton.jit
     def _segment_attention_kernel(
-        Q, K, V, K_desc, V_desc, O_part, LSE_part, work, rows, q_pos, merge_ptr, merge_idx, Out,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
+        Q, K, V, K_desc, V_desc, KS, VS, O_part, LSE_part, work, rows, q_pos, merge_ptr, merge_idx, Out,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_st, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
         scale_log2,
         O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
         MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, DIRECT_ROWS: tl.constexpr, LIB_BY_ROW: tl.constexpr,
-        LIB_P2: tl.constexpr,
+        LIB_P2: tl.constexpr, QUANT: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -152,15 +185,19 @@ if triton is not None:
         full = tl.minimum(hi, qmin - pos0 + 1)
         full = tl.maximum(kb, kb + (full - kb) // BLOCK_N * BLOCK_N)
         kv_base = slot0.to(tl.int64) * stride_kt + kvh * stride_kh
+        s_base = slot0.to(tl.int64) * stride_st + kvh  # the scales of an 8-bit cache: [slots, kv_heads]
         if USE_TMA:
             # a fully visible block has a finite score in every row, so the running max is finite
-            m_i, l_i, acc = _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, slot0, kvh * HEAD_DIM, kb, full,
-                                               scale_log2, BLOCK_N, WARP_SPECIALIZE, PRECISION)
+            m_i, l_i, acc = _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, KS + s_base, VS + s_base, stride_st,
+                                               slot0, kvh * HEAD_DIM, kb, full, scale_log2, BLOCK_N, WARP_SPECIALIZE,
+                                               PRECISION, QUANT)
         else:
-            m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, stride_kt, pos0, kb,
-                                           full, scale_log2, HEAD_DIM, BLOCK_N, False, PRECISION)
-        m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, stride_kt, pos0, full, hi,
-                                       scale_log2, HEAD_DIM, BLOCK_N, True, PRECISION)
+            m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
+                                           stride_kt, stride_st, pos0, kb, full, scale_log2, HEAD_DIM, BLOCK_N, False,
+                                           PRECISION, QUANT)
+        m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
+                                       stride_kt, stride_st, pos0, full, hi, scale_log2, HEAD_DIM, BLOCK_N, True,
+                                       PRECISION, QUANT)
 
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -282,9 +319,10 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TritonPlan, query_pos: Tensor,
-                          scale: float) -> Tensor:
+                          scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """Triton tree attention. Shapes as :func:`~treegen.kernels.tree_attention.tree_attention_reference`;
-    ``query_pos: [num_queries]`` int32 or int64 absolute positions."""
+    ``query_pos: [num_queries]`` int32 or int64 absolute positions; ``k_scale``/``v_scale``
+    ``[num_slots, num_kv_heads]`` fp32 (contiguous heads): the scales of an 8-bit cache (None: none)."""
     if triton is None:
         raise RuntimeError("the Triton tree-attention kernel needs the triton package")
     num_q, num_heads, head_dim = q.shape
@@ -300,6 +338,10 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     wide = q.element_size() > 2
     o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
+    quant = k_scale is not None
+    if quant and plan.library is not None:
+        raise ValueError("the plan gives a segment to cuDNN attention, which reads no 8-bit KV; plan with "
+                         "dtype= the cache's storage dtype")
     if plan.library is not None:  # [chunks, heads, rows, D] / [chunks, heads, rows], read through their strides
         o_lib, lse_lib = segment_attention(q, k_cache, v_cache, plan.library, scale)
         lib_args = (o_lib, lse_lib, plan.library.num_rows, o_lib.stride(0), o_lib.stride(2), o_lib.stride(1),
@@ -315,9 +357,10 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
         else:
             k_desc = v_desc = k_cache  # unused
         _segment_attention_kernel[(launch.work.shape[0], num_kv)](
-            q, k_cache, v_cache, k_desc, v_desc, o_part, lse_part, launch.work, plan.rows, query_pos,
-            plan.merge_ptr, plan.merge_idx, out,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), o_part.stride(0), o_part.stride(1),
+            q, k_cache, v_cache, k_desc, v_desc, k_scale if quant else k_cache, v_scale if quant else v_cache,
+            o_part, lse_part, launch.work, plan.rows, query_pos, plan.merge_ptr, plan.merge_idx, out,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if quant else 0,
+            o_part.stride(0), o_part.stride(1),
             lse_part.stride(0), out.stride(0), out.stride(1), scale * _LOG2E, *lib_args,
             GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
             USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
@@ -327,7 +370,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1
             MERGE_J=8 if launch.num_warps >= 4 else 1, HAS_LIB=plan.library is not None,
             DIRECT_ROWS=launch.direct_rows, LIB_BY_ROW=plan.library.chunks if plan.library_by_row else 0,
-            LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1,
+            LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
         )
     if plan.fused_merge:

@@ -30,6 +30,7 @@ import time
 import networkx as nx
 import torch
 
+from treegen.kernels.kv_quant import kv_format
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
@@ -54,12 +55,15 @@ class Engine:
     kv_budget_bytes: KV memory a run may use (default: the free device memory on CUDA, no limit on
     the CPU); work is admitted while its KV fits, the rest waits for finished branches to free
     theirs (:mod:`treegen.runtime.scheduler`). max_batch: branches generating at once at most (None:
-    as many as the KV budget holds); more work waits for branches to finish.
+    as many as the KV budget holds); more work waits for branches to finish. kv_dtype: how the KV
+    cache is stored — None (the model's dtype), ``"int8"`` or ``"fp8"`` (8 bits per value plus an fp32
+    scale per token and KV head, :mod:`treegen.kernels.kv_quant`: about half the memory and the
+    attention's reads, so twice the branches fit).
     """
 
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, kv_dtype: str | None = None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
@@ -78,14 +82,15 @@ class Engine:
         # progress hook: on_step(live_branches, tokens_done, tokens_budget), called by the decoder
         # after the first tokens and at every host sync (display/progress.py adapts it to a bar)
         self.on_step = None
+        self.kv_format = kv_format(kv_dtype, model.dtype, model.device)
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
-                                torch.empty((), dtype=model.dtype).element_size())
+                                self.kv_format.bytes_per_value, self.kv_format.scale_bytes)
 
     @classmethod
     def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
              **options) -> "Engine":
         """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id).
-        ``options``: ``attention``, ``cuda_graphs`` (see :class:`Engine`)."""
+        ``options``: ``attention``, ``cuda_graphs``, ``kv_dtype``, ... (see :class:`Engine`)."""
         from treegen.runtime.loader import load_model
 
         return cls(*load_model(model, dtype=dtype, device=device), **options)
@@ -103,7 +108,7 @@ class TreeRun:
         self.tree = SharingTree()
         m = self.model
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                          dtype=m.dtype, device=m.device)
+                          dtype=m.dtype, device=m.device, fmt=engine.kv_format)
         self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens, engine.max_batch)
         self.decoder = Decoder(self)
         self.forward_passes = 0
@@ -271,7 +276,7 @@ class TreeRun:
             device=device,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
-            dtype=kv.dtype,
+            dtype=kv.dtype,  # the storage dtype: an 8-bit cache is read by the Triton kernels only
         )
         for s in new_len:
             kv.segments[s].computed = max(kv.segments[s].computed, new_len[s])
@@ -285,12 +290,17 @@ class TreeRun:
 
         def attend(layer: int, q, k, v):
             if k is not None:  # else the model wrote them already (see cache below)
-                kv.k[layer].index_copy_(0, slots, k.to(kv.dtype))
-                kv.v[layer].index_copy_(0, slots, v.to(kv.dtype))
-            return tree_attention(q, kv.k[layer], kv.v[layer], plan, scale)
+                kv.write(layer, slots, k, v)
+            k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
+            return tree_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
 
-        # where this pass's keys/values go: the model's fused RoPE kernel writes them there directly
-        attend.cache = lambda layer: (kv.k[layer], kv.v[layer], slots)
+        def cache(layer: int):
+            """Where this pass's keys/values go: the model's fused RoPE kernel writes (and, for an 8-bit
+            cache, quantizes) them there directly — ``(k_cache, v_cache, slots[, k_scale, v_scale])``."""
+            k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
+            return (k_cache, v_cache, slots) + ((k_scale, v_scale) if k_scale is not None else ())
+
+        attend.cache = cache
         return attend
 
     def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int]) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """KV cache stored once per tree node, in one flat pool of slots per layer.
 
-``k[layer]`` and ``v[layer]`` are ``[num_slots, num_kv_heads, head_dim]``; each tree node owns one
-contiguous slot range (its *segment*), so attention reads a node's keys as one block for every branch
-below it. A node's range is reserved with room to grow (a branch generating into it); when it must
+``k[layer]`` and ``v[layer]`` are ``[num_slots, num_kv_heads, head_dim]`` in the KV format's storage
+dtype; an 8-bit format (:mod:`treegen.kernels.kv_quant`) adds ``k_scale[layer]`` and ``v_scale[layer]``,
+``[num_slots, num_kv_heads]`` fp32. Each tree node owns one contiguous slot range (its *segment*), so
+attention reads a node's keys as one block for every branch below it. A node's range is reserved with room to grow (a branch generating into it); when it must
 grow past its range it moves, once, to a larger one. Nothing is ever copied per branch.
 """
 
@@ -12,6 +13,8 @@ import bisect
 from dataclasses import dataclass
 
 import torch
+
+from treegen.kernels.kv_quant import KVFormat, kv_format, quantize_reference
 
 
 @dataclass
@@ -24,18 +27,34 @@ class Segment:
 
 
 class KVStore:
-    """A growable slot pool with first-fit allocation of per-node segments."""
+    """A growable slot pool with best-fit allocation of per-node segments."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, initial_slots: int = 1024) -> None:
+                 device: torch.device | str, initial_slots: int = 1024, fmt: KVFormat | None = None) -> None:
+        """``dtype``: the model's dtype; ``fmt``: the KV format (None: the model's dtype, no scales)."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, initial_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.format = fmt or kv_format(None, dtype)
+        self.dtype, self.device = self.format.storage, torch.device(device)
+        self.k = self.v = self.k_scale = self.v_scale = None
+        self._allocate_pool(initial_slots)
         self.segments: dict[int, Segment] = {}
         self._free: list[tuple[int, int]] = [(0, initial_slots)]  # (start, length), sorted by start
         self.allocations = self.compactions = 0  # counters: segments placed, pool compactions
+
+    _POOLS = ("k", "v", "k_scale", "v_scale")  # the tensors indexed [layer, slot, ...] (scales: 8-bit only)
+
+    def _pools(self) -> list[str]:
+        return [name for name in self._POOLS if getattr(self, name) is not None]
+
+    def _zeros(self, name: str, slots: int) -> torch.Tensor:
+        if name in ("k", "v"):
+            return torch.zeros((self.num_layers, slots, self.num_kv_heads, self.head_dim), dtype=self.dtype,
+                               device=self.device)
+        return torch.zeros((self.num_layers, slots, self.num_kv_heads), dtype=torch.float32, device=self.device)
+
+    def _allocate_pool(self, slots: int) -> None:
+        for name in ("k", "v", *(("k_scale", "v_scale") if self.format.quantized else ())):
+            setattr(self, name, self._zeros(name, slots))
 
     @property
     def num_slots(self) -> int:
@@ -43,7 +62,25 @@ class KVStore:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+        """KV bytes of one token over all layers: keys and values, plus their scales in an 8-bit format."""
+        per_head = self.head_dim * self.format.bytes_per_value + self.format.scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+    def layer(self, layer: int) -> tuple:
+        """``(k, v, k_scale, v_scale)`` of one layer (scales None for an unquantized format)."""
+        return tuple(None if t is None else t[layer] for t in (self.k, self.v, self.k_scale, self.v_scale))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values ``[T, kv_heads, head_dim]`` (model dtype) at ``slots [T]``, quantizing
+        them for an 8-bit format (the PyTorch path; on CUDA the fused RoPE kernel writes them itself)."""
+        if not self.format.quantized:
+            self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+            return
+        for x, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            stored, scale = quantize_reference(x, self.format)
+            cache[layer][slots] = stored  # (index_copy_ has no float8 kernel on the CPU)
+            scales[layer].index_copy_(0, slots, scale)
 
     def computed(self, node: int) -> int:
         seg = self.segments.get(node)
@@ -90,8 +127,8 @@ class KVStore:
         if seg is not None:
             if seg.computed:
                 src, dst = slice(seg.start, seg.start + seg.computed), slice(start, start + seg.computed)
-                self.k[:, dst] = self.k[:, src]
-                self.v[:, dst] = self.v[:, src]
+                for pool in (getattr(self, name) for name in self._pools()):
+                    pool[:, dst] = pool[:, src]
             new.computed = seg.computed
             self._release(seg.start, seg.capacity)
         self.segments[node] = new
@@ -158,8 +195,8 @@ class KVStore:
                 for begin in range(0, seg.computed, chunk):  # front to back: a chunk never overwrites its source
                     n = min(chunk, seg.computed - begin)
                     src, dst = slice(seg.start + begin, seg.start + begin + n), slice(pos + begin, pos + begin + n)
-                    self.k[:, dst] = self.k[:, src].clone()
-                    self.v[:, dst] = self.v[:, src].clone()
+                    for pool in (getattr(self, name) for name in self._pools()):
+                        pool[:, dst] = pool[:, src].clone()
                 seg.start = pos
             pos += seg.capacity
         self._free = [(pos, self.num_slots - pos)] if pos < self.num_slots else []
@@ -169,15 +206,12 @@ class KVStore:
         new = old + length if self.device.type == "cuda" else max(2 * old, old + length)
         if not self.written():
             # nothing written yet: drop the old pool first instead of copying it (no transient 2x)
-            shape = (self.num_layers, new, self.num_kv_heads, self.head_dim)
-            self.k = self.v = None
-            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.k = self.v = self.k_scale = self.v_scale = None
+            self._allocate_pool(new)
             self._release(old, new - old)
             return
-        extra = (self.num_layers, new - old, self.num_kv_heads, self.head_dim)
-        self.k = torch.cat([self.k, torch.zeros(extra, dtype=self.dtype, device=self.device)], dim=1)
-        self.v = torch.cat([self.v, torch.zeros(extra, dtype=self.dtype, device=self.device)], dim=1)
+        for name in self._pools():
+            setattr(self, name, torch.cat([getattr(self, name), self._zeros(name, new - old)], dim=1))
         self._release(old, new - old)
 
     def _release(self, start: int, length: int) -> None:

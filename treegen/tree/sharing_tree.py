@@ -24,24 +24,26 @@ import networkx as nx
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one token of KV cache costs for a model: ``2 * layers * kv_heads * head_dim * dtype bytes``."""
+    """What one token of KV cache costs for a model: ``2 * layers * kv_heads * (head_dim * dtype bytes
+    + scale bytes)`` — keys and values; an 8-bit KV format adds a 4-byte scale per token and KV head."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    scale_bytes: int = 0
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.dtype_bytes + self.scale_bytes)
 
     @classmethod
-    def from_config(cls, config, dtype_bytes: int = 2) -> "KVShape":
+    def from_config(cls, config, dtype_bytes: int = 2, scale_bytes: int = 0) -> "KVShape":
         """From a Hugging Face config (``head_dim`` read from it when present)."""
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype_bytes)
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype_bytes, scale_bytes)
 
 
 @dataclass(frozen=True)

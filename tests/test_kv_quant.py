@@ -1,0 +1,173 @@
+"""8-bit KV (INT8 and FP8 e4m3, a scale per token and KV head) on the CPU: the quantization rule, tree
+attention over an 8-bit cache (PyTorch reference and the Triton kernels in the interpreter) against plain
+attention over the dequantized cache, and whole runs against a plain-attention model on the same weights."""
+
+import random
+
+import pytest
+import torch
+
+import treegen
+from test_end_to_end import gen_records
+from test_model import PackedCache
+from test_tree_attention import ground_truth, layout, make_queries, random_tree
+from treegen.kernels.kv_quant import dequantize_reference, kv_format, quantize_reference
+from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
+from treegen.runtime.engine import Engine
+from treegen.runtime.kv_store import KVStore
+from treegen.runtime.loader import load_tokenizer
+
+FORMATS = ["int8", "fp8"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_round_trip_is_within_half_a_step(name):
+    fmt = kv_format(name, torch.float32)
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[7, 1] = 0.0  # an all-zero head: scale 0, reads back zeros
+    stored, scale = quantize_reference(x, fmt)
+    assert stored.dtype == fmt.storage and scale.shape == (50, 3) and scale.dtype == torch.float32
+    back = dequantize_reference(stored, scale)
+    assert (back[7, 1] == 0).all() and scale[7, 1] == 0
+    amax = x.abs().amax(-1, keepdim=True)
+    if name == "int8":  # uniform steps of amax / 127: error at most half a step
+        assert ((back - x).abs() <= scale.unsqueeze(-1) / 2 * (1 + 1e-5)).all()
+    else:  # e4m3 keeps 3 mantissa bits: relative error at most 2^-4 above the subnormals (2^-6 * scale)
+        tol = torch.maximum(x.abs() / 16, 2.0**-10 * scale.unsqueeze(-1))
+        assert ((back - x).abs() <= tol * (1 + 1e-5)).all()
+    assert (back.abs().amax(-1, keepdim=True) - amax).abs().max() <= 1e-5 * amax.max()  # the largest value is exact
+
+
+def test_kv_format_names_the_choices_and_the_sizes():
+    with pytest.raises(ValueError, match=r"kv_dtype must be one of None, 'int8', 'fp8'.*got 'int4'"):
+        kv_format("int4", torch.bfloat16)
+    plain = kv_format(None, torch.bfloat16)
+    assert not plain.quantized and plain.storage == torch.bfloat16 and plain.name == "bfloat16"
+    assert kv_format("fp8", torch.bfloat16).storage == torch.float8_e4m3fn
+    # Llama-3-8B shape: 32 layers x 8 KV heads x 128: bf16 131072 bytes a token, 8-bit 67584 (0.52 of it)
+    sizes = {}
+    for name in (None, "int8"):
+        kv = KVStore(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cpu",
+                     initial_slots=1, fmt=kv_format(name, torch.bfloat16))
+        sizes[name] = kv.bytes_per_token
+    assert sizes == {None: 131072, "int8": 67584}
+
+
+def quantized_cache(slots, num_kv, head_dim, name):
+    fmt = kv_format(name, torch.float32)
+    k8, ks = quantize_reference(torch.randn(slots, num_kv, head_dim), fmt)
+    v8, vs = quantize_reference(torch.randn(slots, num_kv, head_dim), fmt)
+    return k8, v8, ks, vs
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("backend,dtype", [("reference", torch.float32), ("triton", torch.float32),
+                                           ("triton", torch.float16)])
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(8, 1, 128), (9, 3, 64), (4, 4, 64)])
+def test_tree_attention_over_an_8bit_cache_matches_plain_attention_over_its_values(seed, name, backend, dtype,
+                                                                                   num_heads, num_kv, head_dim):
+    """Random unbalanced trees, decode and prefill rows; the kernels dequantize in registers."""
+    rng = random.Random(200 + seed)
+    torch.manual_seed(seed)
+    parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 4),
+                                 max_len=rng.choice([17, 37, 150]))
+    start, pos, slots = layout(parent, length, rng)
+    query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=rng.choice([0, 5]))
+    q = torch.randn(len(query_pos), num_heads, head_dim).to(dtype)
+    k8, v8, ks, vs = quantized_cache(slots, num_kv, head_dim, name)
+    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                               query_segment=query_segment, query_pos=query_pos, backend=backend,
+                               num_heads=num_heads, num_kv_heads=num_kv, dtype=k8.dtype,
+                               triton_options={"fuse_merge": seed % 2 == 0} if backend == "triton" else None)
+    got = tree_attention(q, k8, v8, plan, head_dim**-0.5, ks, vs)
+    want = ground_truth(q.float(), dequantize_reference(k8, ks), dequantize_reference(v8, vs), parent, start, length,
+                        pos, query_segment, query_pos, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_8bit_cache_inputs_are_checked():
+    k8, v8, ks, vs = quantized_cache(10, 2, 64, "int8")
+    plan = plan_tree_attention(segment_parent=[-1], segment_start=[0], segment_len=[10], segment_pos=[0],
+                               query_segment=[0], query_pos=[9])
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(ValueError, match="an 8-bit cache needs k_scale and v_scale"):
+        tree_attention(q, k8, v8, plan, 0.1)
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        tree_attention(q, k8, v8, plan, 0.1, ks, None)
+    with pytest.raises(ValueError, match=r"v_scale must be fp32 \[num_slots, num_kv_heads\]"):
+        tree_attention(q, k8, v8, plan, 0.1, ks, vs[:5])
+    with pytest.raises(ValueError, match="k_scale/v_scale are for an 8-bit cache"):
+        tree_attention(q, k8.float(), v8.float(), plan, 0.1, ks, vs)
+
+
+class QuantizedPackedCache(PackedCache):
+    """The plain-attention reference model, its keys/values stored through the 8-bit rule."""
+
+    def __init__(self, model, fmt):
+        super().__init__(model)
+        self.fmt = fmt
+
+    def attend(self, layer, q, k, v):
+        k, v = (dequantize_reference(*quantize_reference(x, self.fmt)).to(x.dtype) for x in (k, v))
+        return super().attend(layer, q, k, v)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_engine_with_8bit_kv_matches_plain_attention_on_the_same_weights(tiny_llama, name):
+    """A shared prefix and three children, prefilled in chunks (later chunks read the earlier ones from the
+    8-bit cache): every child's logits equal the reference model's with the same 8-bit KV."""
+    _, model = tiny_llama
+    ids = torch.randint(0, 49152, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    run = Engine(model, None, kv_dtype=name, max_prefill_tokens=16).start()
+    assert run.kv.k.dtype == kv_format(name, torch.float32).storage
+    root = run.tree.add_node(None, ids[:30])
+    leaves = [run.tree.add_node(root, ids[30 + 10 * i: 40 + 10 * i]) for i in range(3)]
+    logits = run.prefill(leaves)
+    for i, leaf in enumerate(leaves):
+        seq = torch.tensor(ids[:30] + ids[30 + 10 * i: 40 + 10 * i])
+        ref = QuantizedPackedCache(model, kv_format(name, torch.float32))
+        want = ref.forward(torch.zeros(len(seq), dtype=torch.long), seq, torch.arange(len(seq)))
+        torch.testing.assert_close(logits[leaf], want[30:], atol=1e-4, rtol=1e-4)
+    plain = Engine(model, None).start()
+    root = plain.tree.add_node(None, ids[:30])
+    other = plain.prefill([plain.tree.add_node(root, ids[30:40])])
+    assert not torch.allclose(next(iter(other.values())), logits[leaves[0]], atol=1e-4)  # 8 bits do change them
+
+
+@treegen.program
+def samples(s):
+    s += "The quick brown fox jumps over the lazy dog. " * 3
+    b = s.fork(4, content=[f" Variant {i}:" for i in range(4)])
+    b += lambda i: treegen.gen("x", max_tokens=4 + 2 * i)
+    s.join(b)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_greedy_program_with_8bit_kv_equals_the_reference_decode(tiny_llama, name):
+    """Greedy decoding of every branch (tree engine: shared prefix, decode phases, 8-bit KV) equals
+    step-by-step decoding of that branch's ids by the plain-attention reference storing the same 8-bit KV."""
+    _, model = tiny_llama
+    root = samples.run(Engine(model, load_tokenizer(), kv_dtype=name))
+    records = gen_records(root)
+    assert len(records) == 4
+    fmt = kv_format(name, torch.float32)
+    for prompt, generated, info, st in records:
+        ref = QuantizedPackedCache(model, fmt)
+        logits = ref.forward(torch.zeros(len(prompt), dtype=torch.long), torch.tensor(prompt),
+                             torch.arange(len(prompt)), torch.tensor([len(prompt) - 1]))
+        want = []
+        while len(want) < info["max_tokens"]:
+            want.append(int(logits[-1].argmax()))
+            if want[-1] in model.eos_token_ids:
+                break
+            logits = ref.forward(torch.zeros(1, dtype=torch.long), torch.tensor(want[-1:]),
+                                 torch.tensor([len(prompt) + len(want) - 1]))
+        assert generated == want, f"branch {st.path}: {generated} vs the reference's {want}"
+
+
+def test_engine_refuses_an_unknown_kv_dtype(tiny_llama):
+    _, model = tiny_llama
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        Engine(model, None, kv_dtype="e5m2")
