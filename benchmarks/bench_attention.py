@@ -16,6 +16,7 @@ each) against the same workload planned as one level. Prints a table, writes JSO
 and a PNG plot of the speedup over FlashAttention under benchmarks/results/.
 
     python benchmarks/bench_attention.py [--quick] [--out-dir benchmarks/results]
+    python benchmarks/bench_attention.py --kv-quant    # the same kernels over an INT8 / FP8 KV cache vs bf16
 """
 
 from __future__ import annotations
@@ -181,6 +182,70 @@ def run_point(*, batch, prefix, suffix, heads, kv, head_dim, dtype, with_referen
     return row
 
 
+def run_kv_quant_point(*, batch, prefix, suffix, heads, kv, head_dim, formats=("auto", "int8", "fp8")):
+    """One root of `prefix` tokens with `batch` leaves of `suffix` tokens, bf16 queries: treegen's kernels over
+    a bf16 cache vs an 8-bit one (INT8 / FP8 with a scale per token and KV head), same tree, same values. For
+    each format: median ms, its physical floor (the unique KV bytes it reads at HBM peak, or the FLOPs at
+    tensor-core peak) and the ratio to the bf16 cache."""
+    from treegen.kernels.kv_quant import kv_format, quantize_reference
+
+    parent, length, leaves = layered_layout([(1, prefix), (batch, suffix)])
+    start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k16, v16 = (torch.randn(slots, kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=leaves, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv)
+    name = torch.cuda.get_device_name()
+    key = "H200" if "H200" in name else "H100"
+    flops = 4 * batch * heads * head_dim * (query_pos[0] + 1)
+    rows = []
+    for kv_dtype in formats:
+        f = kv_format(None if kv_dtype == "auto" else kv_dtype, torch.bfloat16, "cuda")
+        if f.quantized:
+            (k, ks), (v, vs) = quantize_reference(k16, f), quantize_reference(v16, f)
+        else:
+            k, v, ks, vs = k16, v16, None, None
+        plan = plan_tree_attention(**common, dtype=k.dtype)
+        ms = bench(lambda: tree_attention(q, k, v, plan, head_dim**-0.5, ks, vs))
+        kv_bytes = sum(length) * kv * 2 * (head_dim * f.bytes_per_value + f.scale_bytes)
+        floor_ms = max(flops / (PEAK_BF16_TFLOPS[key] * 1e12 * 0.8), kv_bytes / (PEAK_HBM_TBS[key] * 1e12)) * 1e3
+        rows.append({"kv_dtype": f.name, "batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads,
+                     "kv_heads": kv, "head_dim": head_dim, "treegen_ms": ms, "floor_ms": floor_ms,
+                     "fraction_of_floor": floor_ms / ms, "library_chunks": plan.triton.library.chunks if plan.triton.library else 0})
+        print(rows[-1], flush=True)
+    for r in rows:
+        r["speedup_vs_bf16_kv"] = rows[0]["treegen_ms"] / r["treegen_ms"]
+    q = k16 = v16 = None
+    torch.cuda.empty_cache()
+    return rows
+
+
+def kv_quant_main(out_dir: Path) -> None:
+    """The paper grid (8/1 heads) and the Llama-3-8B decode shape (32/8) with 8-bit KV vs bf16 KV."""
+    run_kv_quant_point(batch=64, prefix=1024, suffix=32, heads=8, kv=1, head_dim=128)  # warm-up, discarded
+    rows = []
+    points = [(b, p, 32, 8, 1) for b in (64, 256, 1024) for p in (1024, 4096, 16384)]
+    points += [(b, 2048, 128, 32, 8) for b in (128, 256, 512, 1024)]  # Llama-3-8B decode: prefix 2048, 128 own
+    for b, p, s, h, kv in points:
+        rows += run_kv_quant_point(batch=b, prefix=p, suffix=s, heads=h, kv=kv, head_dim=128)
+    keys = ["kv_dtype", "batch", "prefix", "suffix", "heads", "kv_heads", "treegen_ms", "floor_ms",
+            "fraction_of_floor", "speedup_vs_bf16_kv", "library_chunks"]
+    print("\n## Tree attention over an 8-bit KV cache vs bf16 (bf16 queries, d=128)\n" + fmt(rows, keys))
+    result = {
+        "benchmark": "kv_quant_attention", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "dtype": "bfloat16",
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                     "python": platform.python_version()},
+        "timing": "triton.testing.do_bench median (L2 flushed), CUDA graphs; floor = max(FLOPs at 80% of the bf16 "
+                  "tensor-core peak, unique KV bytes (values + scales) at HBM peak)",
+        "rows": rows,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = "kv_quant_attention_" + ("h200" if "H200" in result["device"] else "h100")
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out_dir}/{name}.json")
+
+
 def fmt(rows, keys):
     head = "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys)
     lines = [head]
@@ -198,8 +263,12 @@ def main() -> None:
     parser.add_argument("--sweep-heads", type=int, nargs=2, default=[8, 1], metavar=("Q", "KV"))
     parser.add_argument("--sweep-points", nargs="+", default=None, help="BATCHxPREFIX, e.g. 256x2048")
     parser.add_argument("--sweep-suffix", type=int, default=32)
+    parser.add_argument("--kv-quant", action="store_true", help="only the 8-bit KV comparison (kv_quant_attention_*.json)")
     args = parser.parse_args()
     dtype = torch.bfloat16
+    if args.kv_quant:
+        kv_quant_main(Path(args.out_dir))
+        return
     if args.sweep:
         points = [tuple(map(int, p.split("x"))) for p in args.sweep_points] if args.sweep_points else SWEEP_POINTS
         rows = sweep(dtype, *args.sweep_heads, points=points, suffix=args.sweep_suffix)

@@ -73,8 +73,9 @@ def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: 
     return elapsed, waits
 
 
-def measure_treegen(model, mode: str, batch: int, prefix: int, new: int) -> dict:
-    engine = Engine(model, IdTokenizer(), attention="tree" if mode == "flat" else mode)
+def measure_treegen(model, mode: str, batch: int, prefix: int, new: int, kv_dtype: str = "auto") -> dict:
+    engine = Engine(model, IdTokenizer(), attention="tree" if mode == "flat" else mode,
+                    kv_dtype=None if kv_dtype == "auto" else kv_dtype)
     prompt = torch.randint(0, model.vocab_size, (prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     flat = mode == "flat"
     timed_run(engine, batch=batch, prompt=prompt, new=8, flat=flat)  # warm-up: compile kernels
@@ -82,8 +83,20 @@ def measure_treegen(model, mode: str, batch: int, prefix: int, new: int) -> dict
     tn, waits = timed_run(engine, batch=batch, prompt=prompt, new=new, flat=flat)
     gc.collect()
     torch.cuda.empty_cache()
-    return {"mode": mode, "batch": batch, "prefix": prefix, "new": new, "total_s": tn, "prefill_s": t1,
-            "decode_tok_s": batch * (new - 1) / (tn - t1), "memory_waits": waits}
+    return {"mode": mode, "kv_dtype": engine.kv_format.name, "batch": batch, "prefix": prefix, "new": new,
+            "total_s": tn, "prefill_s": t1, "decode_tok_s": batch * (new - 1) / (tn - t1), "memory_waits": waits}
+
+
+def largest_batch(model, kv_dtype: str, prefix: int, new: int) -> dict:
+    """The most branches of `new` tokens below one shared `prefix` whose KV fits the budget the engine's
+    admission uses (free device memory less its margin), for a KV format."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    engine = Engine(model, IdTokenizer(), kv_dtype=None if kv_dtype == "auto" else kv_dtype)
+    budget = engine.start().kv_budget()
+    per_token = budget.bytes_per_token
+    return {"kv_dtype": engine.kv_format.name, "prefix": prefix, "new": new, "bytes_per_token": per_token,
+            "budget_bytes": budget.total_bytes, "largest_batch": (budget.slots - prefix) // new}
 
 
 def measure_hf(config, batch: int, prefix: int, new: int) -> list[dict]:
@@ -121,7 +134,7 @@ def measure_hf(config, batch: int, prefix: int, new: int) -> list[dict]:
 
 
 def flat_fits(model, batch: int, prefix: int, new: int) -> bool:
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2  # bf16 (flat runs bf16 KV only)
     gc.collect()
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
@@ -159,6 +172,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--modes", nargs="+", default=["tree", "none", "flat"])
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[], help="batches for HF generate")
+    parser.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "int8", "fp8"],
+                        help="KV formats the tree mode runs with (auto: the model's dtype); flat and none run once")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -171,13 +186,43 @@ def main() -> None:
         print(rows[-2:], flush=True)
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
     points = [(b, args.prefix) for b in args.batches] + [(args.batches[-1], p) for p in args.prefix_sweep]
+    fits = [largest_batch(model, d, args.prefix, args.new) for d in args.kv_dtypes] if len(args.kv_dtypes) > 1 else []
+    for row in fits:
+        print(row, flush=True)
+    runs = [(m, d) for m in args.modes for d in (args.kv_dtypes if m == "tree" else ["auto"])]
     for b, p in points:
-        for mode in args.modes:
+        for mode, kv_dtype in runs:
             if mode == "flat" and not flat_fits(model, b, p, args.new):
                 rows.append({"mode": mode, "batch": b, "prefix": p, "new": args.new, "skipped": "KV does not fit"})
             else:
-                rows.append(measure_treegen(model, mode, b, p, args.new))
+                try:
+                    rows.append(measure_treegen(model, mode, b, p, args.new, kv_dtype))
+                except (MemoryError, torch.cuda.OutOfMemoryError) as e:
+                    rows.append({"mode": mode, "kv_dtype": kv_dtype, "batch": b, "prefix": p, "new": args.new,
+                                 "skipped": f"out of memory: {str(e)[:200]}"})
+                    gc.collect()
+                    torch.cuda.empty_cache()
             print(rows[-1], flush=True)
+            write_json(args, rows, fits)
+    for r in rows:  # the issue's columns: tok_s and the ratio to the attention-free ceiling at the same point
+        none = next((n for n in rows if n["mode"] == "none" and n["batch"] == r["batch"] and n["prefix"] == r["prefix"]
+                     and "decode_tok_s" in n), None)
+        if "decode_tok_s" in r:
+            r["tok_s"] = r["decode_tok_s"]
+            if none:
+                r["ratio_to_none"] = r["decode_tok_s"] / none["decode_tok_s"]
+    if len(args.kv_dtypes) > 1:
+        print("\n## tree mode by KV format — decode tokens/s (ratio to none)\n")
+        print("| batch | prefix | " + " | ".join(args.kv_dtypes) + " |")
+        print("|---|---|" + "---|" * len(args.kv_dtypes))
+        for b, p in sorted({(r["batch"], r["prefix"]) for r in rows}):
+            cells = []
+            for d in args.kv_dtypes:
+                name = "bfloat16" if d == "auto" else d  # rows name the format (auto: the model's bf16)
+                r = next((r for r in rows if r["mode"] == "tree" and r.get("kv_dtype") == name
+                          and r["batch"] == b and r["prefix"] == p), None)
+                cells.append(f"{r['tok_s']:,.0f} ({r.get('ratio_to_none', float('nan')):.2f})" if r and "tok_s" in r else "-")
+            print(f"| {b} | {p} | " + " | ".join(cells) + " |")
 
     print(f"\n## {args.shape}, bf16, {args.new} new tokens — decode tokens/s (total s incl. prefill)\n")
     baselines = ["hf", "hf_loop"] if args.hf_batches else []
@@ -191,17 +236,25 @@ def main() -> None:
                               if a in by and c in by and "decode_tok_s" in by[a] and "decode_tok_s" in by[c] else "-")
         print(f"| {b} | {p} | " + " | ".join(cell(m) for m in baselines + args.modes)
               + f" | {ratio('tree', 'none')} | {ratio('tree', 'hf')} | {ratio('tree', 'hf_loop')} |")
+    out = write_json(args, rows, fits)
+    print(f"wrote {out}")
+    plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {torch.cuda.get_device_name()}")
+
+
+def write_json(args, rows: list[dict], fits: list[dict]) -> Path:
+    """The results so far (written after every point: a run cut short keeps what it measured)."""
     result = {"benchmark": "end_to_end", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
               "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                            "cuda": torch.version.cuda, "python": platform.python_version()},
               "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); greedy, EOS ignored; one warm-up run per point",
               "rows": rows}
+    if fits:
+        result["largest_batch"] = fits
     out = Path(args.out or Path(__file__).parent / "results" / f"end_to_end_{args.shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {result['device']}")
+    return out
 
 
 if __name__ == "__main__":
