@@ -78,7 +78,10 @@ def test_fused_rope_quantizes_into_the_cache_like_the_reference(name, heads, kv,
     slots = torch.randperm(slots_total, device="cuda")[:t]
     k8 = torch.zeros(slots_total, kv, head_dim, device="cuda", dtype=fmt.storage)
     v8, ks, vs = torch.zeros_like(k8), torch.zeros(slots_total, kv, device="cuda"), torch.zeros(slots_total, kv, device="cuda")
-    k_ref = rope_reference(qkv[:, heads:heads + kv], cos[:, None], sin[:, None])
+    rotated = rope_(qkv.clone(), cos, sin, heads, kv)  # the kernel's own rotated keys (what it quantizes)
+    torch.testing.assert_close(rotated[:, heads:heads + kv], rope_reference(qkv[:, heads:heads + kv], cos[:, None],
+                                                                            sin[:, None]), atol=2e-2, rtol=2e-2)
+    k_ref = rotated[:, heads:heads + kv]
     v_ref = qkv[:, heads + kv:].clone()
     rope_(qkv, cos, sin, heads, kv, store=(k8, v8, slots, ks, vs))
     for stored, scale, x in ((k8, ks, k_ref), (v8, vs, v_ref)):
