@@ -10,7 +10,7 @@ import torch
 import treegen
 from test_end_to_end import gen_records
 from test_model import PackedCache
-from test_tree_attention import ground_truth, layout, make_queries, random_tree
+from test_tree_attention import DecodeTree, ground_truth, layout, make_queries, random_tree
 from treegen.kernels.kv_quant import dequantize_reference, kv_format, quantize_reference
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.runtime.engine import Engine
@@ -85,6 +85,26 @@ def test_tree_attention_over_an_8bit_cache_matches_plain_attention_over_its_valu
                         pos, query_segment, query_pos, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("fuse", [True, False])
+def test_library_segment_of_an_8bit_cache_is_dequantized_for_it(name, fuse):
+    """The large shared middle node goes to the library kernel (its PyTorch reference on the CPU), which
+    reads the 8-bit cache's keys dequantized; merged with the Triton partials as usual."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    parent = [-1, 0, 0] + [2] * 5 + [1] * 70
+    length = [40, 1101, 30] + [rng.randint(1, 20) for _ in range(75)]
+    tree = DecodeTree(parent, length, list(range(3, 78)), rng)
+    plan = tree.plan(8, 1, library=True, fuse_merge=fuse)
+    assert plan.triton.library is not None
+    q = torch.randn(75, 8, 64)
+    k8, v8, ks, vs = quantized_cache(tree.slots, 1, 64, name)
+    got = tree_attention(q, k8, v8, plan, 0.125, ks, vs)
+    want = ground_truth(q, dequantize_reference(k8, ks), dequantize_reference(v8, vs), tree.parent, tree.start,
+                        tree.length, tree.pos, tree.leaves, tree.query_pos, 0.125)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_8bit_cache_inputs_are_checked():

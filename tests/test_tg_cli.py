@@ -102,6 +102,23 @@ def test_show_prints_the_tree_and_the_saving(capsys):
     assert len(re.findall(r"#\d+ ", out)) == compiled.tree.graph.number_of_nodes() == 1 + 3 + 9
     assert "+16 gen" in out and "9 branches" in out and "Q: Tom has 3 apples" in out
     assert f"{kv.bytes_per_token} B of KV per token (float32)" in out
+    code, out, _ = run_cli(capsys, "show", EXAMPLES / "two_level.tg", "--var", "n=3", "--kv-dtype", "int8")
+    kv8 = treegen.KVShape.from_config(load_config(), 1, 4)  # 8-bit values plus a 4-byte scale per token and head
+    assert code == 0 and f"{kv8.bytes_per_token} B of KV per token (int8)" in out
+    assert kv8.bytes_per_token < kv.bytes_per_token / 3  # 64 + 4 bytes a head instead of 256
+
+
+def test_run_passes_the_kv_dtype_to_the_engine(capsys, monkeypatch, engine):
+    seen = {}
+
+    def load(cls, model=None, **kw):
+        seen.update(kw)
+        return engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    code, out, _ = run_cli(capsys, "run", EXAMPLES / "two_level.tg", "--var", "n=2", "--var", "max_tokens=2",
+                           "--kv-dtype", "fp8", "--no-progress")
+    assert code == 0 and seen["kv_dtype"] == "fp8"
 
 
 def test_show_partial_tree_and_mistakes(capsys, tmp_path):

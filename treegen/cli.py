@@ -46,7 +46,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="set a parameter (repeatable); lists as JSON: --var items='[\"a\", \"b\"]'")
         q.add_argument("--model", default=None, metavar="M", help=_MODEL_HELP)
         q.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
-                       help="precision of the model and its KV cache (default float32, what run uses)")
+                       help="precision of the model (and of its KV cache unless --kv-dtype) (default float32)")
+        q.add_argument("--kv-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                       help="how the KV cache is stored: auto (the model's dtype), int8 or fp8 (8 bits a value "
+                            "plus a scale per token and KV head: about half the memory)")
         q.add_argument("--max-children", type=int, default=8, metavar="N",
                        help="children shown per node, branches per fork (default 8)")
 
@@ -121,6 +124,9 @@ def cmd_check(args) -> int:
 
 
 def cmd_show(args) -> int:
+    import torch
+
+    from treegen.kernels.kv_quant import kv_format
     from treegen.render import sharing_tree_view, stats_table
     from treegen.runtime.loader import load_config, load_tokenizer
     from treegen.tree.sharing_tree import KVShape
@@ -129,11 +135,12 @@ def cmd_show(args) -> int:
     values = prog.parse_vars(args.var)
     prog.bind(values)  # report parameter mistakes before loading anything
     tokenizer = load_tokenizer(args.model)
-    kv = KVShape.from_config(load_config(args.model), _DTYPES[args.dtype])
+    fmt = kv_format(None if args.kv_dtype == "auto" else args.kv_dtype, getattr(torch, args.dtype))
+    kv = KVShape.from_config(load_config(args.model), fmt.bytes_per_value, fmt.scale_bytes)
     compiled = prog.compile(tokenizer=tokenizer, **values)
     out, err = _consoles()
     model = args.model or "SmolLM2-135M-Instruct (embedded)"
-    title = f"{args.file} · {model} · {kv.bytes_per_token} B of KV per token ({args.dtype})"
+    title = f"{args.file} · {model} · {kv.bytes_per_token} B of KV per token ({fmt.name})"
     out.print(sharing_tree_view(compiled.tree, kv, tokenizer, title, args.max_children))
     out.print(stats_table(compiled.stats(kv)))
     if not compiled.complete:
@@ -160,7 +167,8 @@ def cmd_run(args) -> int:
 
     def load():
         _quiet_transformers()
-        return Engine.load(args.model, dtype=dtype, device=args.device)
+        return Engine.load(args.model, dtype=dtype, device=args.device,
+                           kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
 
     if batch is not None:
         return _run_batch(args, prog, *batch, load, watch, out, err)

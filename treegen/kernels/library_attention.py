@@ -9,16 +9,22 @@ its keys are cut into ``chunks`` equal runs, passed as a batch (a view of the ca
 few rows x a long prefix still fill the GPU, and its partial outputs and natural-log LSEs are merged
 by the Triton kernels like any other partial (a negative merge index names a library partial).
 
+An 8-bit cache (:mod:`treegen.kernels.kv_quant`) is read the same way after the segment's keys and
+values are dequantized to the query dtype into a scratch buffer, once per call: a few microseconds of
+copying (the segment's bytes at HBM speed) against the library's speed on the compute-bound work.
+
 The PyTorch reference (:func:`segment_attention_torch`) gives the same partials on any device; CI runs
 the whole plan with it under the Triton interpreter.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+
+from treegen.kernels.kv_quant import dequantize_reference
 
 # the cuDNN path was measured on Hopper (sm90) only; elsewhere the Triton kernels attend every segment
 _MIN_CAPABILITY = (9, 0)
@@ -61,9 +67,21 @@ def _operands(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment):
     return q4, k4, v4
 
 
-def segment_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, scale: float):
-    """Reference: ``(out [chunks, Hq, rows, D] in q's dtype, lse [chunks, Hq, rows] fp32, natural log)``."""
-    q4, k4, v4 = _operands(q, k_cache, v_cache, seg)
+def _dequantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, k_scale, v_scale):
+    """The segment's keys/values of an 8-bit cache in q's dtype, as a cache of their own (the segment
+    moved to slot 0); unchanged when there are no scales."""
+    if k_scale is None:
+        return k_cache, v_cache, seg
+    keys = slice(seg.start, seg.start + seg.chunks * seg.chunk_len)
+    k, v = (dequantize_reference(c[keys], s[keys]).to(q.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+    return k, v, replace(seg, start=0)
+
+
+def segment_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, scale: float,
+                            k_scale: Tensor | None = None, v_scale: Tensor | None = None):
+    """Reference: ``(out [chunks, Hq, rows, D] in q's dtype, lse [chunks, Hq, rows] fp32, natural log)``.
+    ``k_scale``/``v_scale`` ``[slots, kv_heads]``: the cache is 8-bit (None: it holds the values)."""
+    q4, k4, v4 = _operands(q, *_dequantized(q, k_cache, v_cache, seg, k_scale, v_scale))
     group = q4.shape[1] // k4.shape[1]
     k4, v4 = (t.float().repeat_interleave(group, 1) for t in (k4, v4))
     s = q4.float() @ k4.transpose(-1, -2) * scale
@@ -72,15 +90,17 @@ def segment_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: Li
     return out.to(q.dtype), lse
 
 
-def segment_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, scale: float):
+def segment_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, scale: float,
+                      k_scale: Tensor | None = None, v_scale: Tensor | None = None):
     """The segment's partials, as :func:`segment_attention_torch`, by cuDNN on CUDA (any layout: the
-    caller reads them through their strides). GQA is native: key heads are not repeated."""
+    caller reads them through their strides). GQA is native: key heads are not repeated. An 8-bit
+    cache (``k_scale``/``v_scale`` given) is dequantized to q's dtype first (see the module doc)."""
     if not q.is_cuda:
-        return segment_attention_torch(q, k_cache, v_cache, seg, scale)
+        return segment_attention_torch(q, k_cache, v_cache, seg, scale, k_scale, v_scale)
     if q.dtype not in LIBRARY_DTYPES:
         raise ValueError(f"the plan gives a segment to cuDNN attention, which takes fp16/bf16, not {q.dtype}; "
                          "plan with dtype= the dtype you run")
-    q4, k4, v4 = _operands(q, k_cache, v_cache, seg)
+    q4, k4, v4 = _operands(q, *_dequantized(q, k_cache, v_cache, seg, k_scale, v_scale))
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False, False,
                                                                   scale=scale)[:2]
     return out, lse.view(out.shape[:3])  # cuDNN's LSE has a trailing unit dimension

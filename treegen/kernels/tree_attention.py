@@ -116,10 +116,11 @@ def plan_tree_attention(
     backend: ``"auto"`` (Triton on CUDA when available, else the reference), ``"reference"``, or
         ``"triton"`` (also on CPU under ``TRITON_INTERPRET=1``, which is how CI tests the kernels).
     num_heads, num_kv_heads: query and KV head counts; needed by the Triton backend.
-    dtype: the dtype of q/k/v the plan will run with. Triton backend, fp16/bf16 on a Hopper GPU: the
-        largest shared segment read by many query rows goes to cuDNN's fused attention
-        (:mod:`~treegen.kernels.library_attention`); the plan then runs with that dtype only.
-        None, or an 8-bit KV storage dtype: every segment goes to the Triton kernels.
+    dtype: the dtype of the queries the plan will run with (and of the cache, unless it is 8-bit).
+        Triton backend, fp16/bf16 on a Hopper GPU: the largest shared segment read by many query rows
+        goes to cuDNN's fused attention (:mod:`~treegen.kernels.library_attention`; an 8-bit cache's
+        segment is dequantized for it); the plan then runs with that dtype only. None: every segment
+        goes to the Triton kernels.
     triton_options: tuning knobs passed to :func:`~treegen.kernels.triton_plan.plan_triton`
         (``target_programs``, ``block_n``, ``num_stages``, ``library`` to force the library segment
         on or off); the defaults were measured on an H100.

@@ -339,11 +339,8 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
     quant = k_scale is not None
-    if quant and plan.library is not None:
-        raise ValueError("the plan gives a segment to cuDNN attention, which reads no 8-bit KV; plan with "
-                         "dtype= the cache's storage dtype")
     if plan.library is not None:  # [chunks, heads, rows, D] / [chunks, heads, rows], read through their strides
-        o_lib, lse_lib = segment_attention(q, k_cache, v_cache, plan.library, scale)
+        o_lib, lse_lib = segment_attention(q, k_cache, v_cache, plan.library, scale, k_scale, v_scale)
         lib_args = (o_lib, lse_lib, plan.library.num_rows, o_lib.stride(0), o_lib.stride(2), o_lib.stride(1),
                     lse_lib.stride(0), lse_lib.stride(2), lse_lib.stride(1))
     else:

@@ -276,7 +276,7 @@ class TreeRun:
             device=device,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
-            dtype=kv.dtype,  # the storage dtype: an 8-bit cache is read by the Triton kernels only
+            dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
         )
         for s in new_len:
             kv.segments[s].computed = max(kv.segments[s].computed, new_len[s])
