@@ -209,17 +209,53 @@ def run_kv_quant_point(*, batch, prefix, suffix, heads, kv, head_dim, formats=("
         ms = bench(lambda: tree_attention(q, k, v, plan, head_dim**-0.5, ks, vs))
         triton_only = plan_tree_attention(**common, dtype=None)
         triton_ms = bench(lambda: tree_attention(q, k, v, triton_only, head_dim**-0.5, ks, vs))
+        shared_ms = None
+        if plan.triton.fused_merge:  # where the time goes: the shared prefix alone (the rest is the leaves' launch)
+            shared = dataclasses.replace(plan, triton=dataclasses.replace(
+                plan.triton, launches=tuple(w for w in plan.triton.launches if w.block_m != 16)))
+            shared_ms = bench(lambda: tree_attention(q, k, v, shared, head_dim**-0.5, ks, vs))
         kv_bytes = sum(length) * kv * 2 * (head_dim * f.bytes_per_value + f.scale_bytes)
         floor_ms = max(flops / (PEAK_BF16_TFLOPS[key] * 1e12 * 0.8), kv_bytes / (PEAK_HBM_TBS[key] * 1e12)) * 1e3
         rows.append({"kv_dtype": f.name, "batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads,
                      "kv_heads": kv, "head_dim": head_dim, "treegen_ms": ms, "triton_only_ms": triton_ms, "floor_ms": floor_ms,
-                     "fraction_of_floor": floor_ms / ms, "library_chunks": plan.triton.library.chunks if plan.triton.library else 0})
+                     "fraction_of_floor": floor_ms / ms, "library_chunks": plan.triton.library.chunks if plan.triton.library else 0,
+                     "shared_ms": shared_ms, "leaf_ms": None if shared_ms is None else ms - shared_ms})
         print(rows[-1], flush=True)
     for r in rows:
         r["speedup_vs_bf16_kv"] = rows[0]["treegen_ms"] / r["treegen_ms"]
     q = k16 = v16 = None
     torch.cuda.empty_cache()
     return rows
+
+
+def leaf_shape_sweep(batch=1024, prefix=2048, suffix=128, heads=32, kv=8, head_dim=128):
+    """The many-leaves launch's (block_n, warps, stages) per KV format at the Llama-3-8B decode shape: the
+    leaves' own keys are most of the bytes there, so this launch is where 8-bit KV must pay off."""
+    from treegen.kernels.kv_quant import kv_format, quantize_reference
+
+    parent, length, leaves = layered_layout([(1, prefix), (batch, suffix)])
+    start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k16, v16 = (torch.randn(slots, kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=leaves, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv,
+                  dtype=torch.bfloat16)
+    out = []
+    for kv_dtype in ("auto", "int8", "fp8"):
+        f = kv_format(None if kv_dtype == "auto" else kv_dtype, torch.bfloat16, "cuda")
+        (k, ks), (v, vs) = (quantize_reference(t, f) if f.quantized else (t, None) for t in (k16, v16))
+        for shape in ((32, 1, 2), (64, 1, 2), (16, 1, 2), (32, 2, 2), (64, 2, 2), (64, 4, 3), (32, 1, 3)):
+            plan = plan_tree_attention(**common, triton_options={"leaf_shape": shape})
+            try:
+                ms = bench(lambda: tree_attention(q, k, v, plan, head_dim**-0.5, ks, vs))
+            except Exception as e:  # e.g. out of shared memory or registers
+                ms = float("nan")
+                print("leaf shape failed", shape, type(e).__name__, str(e)[:160])
+            out.append({"kv_dtype": f.name, "block_n": shape[0], "num_warps": shape[1], "num_stages": shape[2], "ms": ms})
+            print(out[-1], flush=True)
+    q = k16 = v16 = None
+    torch.cuda.empty_cache()
+    return out
 
 
 def kv_quant_main(out_dir: Path) -> None:
@@ -230,8 +266,9 @@ def kv_quant_main(out_dir: Path) -> None:
     points += [(b, 2048, 128, 32, 8) for b in (128, 256, 512, 1024)]  # Llama-3-8B decode: prefix 2048, 128 own
     for b, p, s, h, kv in points:
         rows += run_kv_quant_point(batch=b, prefix=p, suffix=s, heads=h, kv=kv, head_dim=128)
-    keys = ["kv_dtype", "batch", "prefix", "suffix", "heads", "kv_heads", "treegen_ms", "triton_only_ms", "floor_ms",
-            "fraction_of_floor", "speedup_vs_bf16_kv", "library_chunks"]
+    leaf_sweep = leaf_shape_sweep()
+    keys = ["kv_dtype", "batch", "prefix", "suffix", "heads", "kv_heads", "treegen_ms", "triton_only_ms", "shared_ms",
+            "leaf_ms", "floor_ms", "fraction_of_floor", "speedup_vs_bf16_kv", "library_chunks"]
     print("\n## Tree attention over an 8-bit KV cache vs bf16 (bf16 queries, d=128)\n" + fmt(rows, keys))
     result = {
         "benchmark": "kv_quant_attention", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -240,7 +277,7 @@ def kv_quant_main(out_dir: Path) -> None:
                      "python": platform.python_version()},
         "timing": "triton.testing.do_bench median (L2 flushed), CUDA graphs; floor = max(FLOPs at 80% of the bf16 "
                   "tensor-core peak, unique KV bytes (values + scales) at HBM peak)",
-        "rows": rows,
+        "rows": rows, "leaf_shape_sweep": leaf_sweep,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "kv_quant_attention_" + ("h200" if "H200" in result["device"] else "h100")

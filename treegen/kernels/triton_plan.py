@@ -131,6 +131,7 @@ def plan_triton(
     warp_specialize: bool = False,
     fuse_merge: bool = True,
     library: bool = False,
+    leaf_shape: tuple[int, int, int] | None = None,
 ) -> TritonPlan:
     """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included);
     ``paths[q]``: segments on query row ``q``'s root-to-own-segment path. ``target_programs``: how
@@ -208,8 +209,8 @@ def plan_triton(
         # rows [o, o + n) of ``rows`` consecutive query rows in every item: hand the kernel the first one
         direct = all(rows[o:o + n] == list(range(rows[o], rows[o] + n)) for *_, o, n, _ in items)
         table = [[*w[:4], rows[w[4]], *w[5:]] for w in items] if direct else items
-        return WorkList(i32(table, (-1, 7)), m, *_launch_shape(m, items, num_kv_heads, block_n, num_stages or 3),
-                        direct_rows=direct)
+        return WorkList(i32(table, (-1, 7)), m, *_launch_shape(m, items, num_kv_heads, block_n, num_stages or 3,
+                                                                 leaf_shape), direct_rows=direct)
 
     order = sorted(work.items(), key=lambda mi: (mi[0] == 16) if fused else mi[0])  # fused: own items last
     return TritonPlan(
@@ -227,10 +228,11 @@ def plan_triton(
     )
 
 
-def _launch_shape(block_m: int, items: list, num_kv_heads: int, block_n: int, num_stages: int):
+def _launch_shape(block_m: int, items: list, num_kv_heads: int, block_n: int, num_stages: int,
+                  leaf_shape: tuple[int, int, int] | None = None):
     """(block_n, num_warps, num_stages) of a launch. A thousand or more 16-row programs (branches' own
     keys, a few blocks each) are bound by how many programs an SM holds (their shared-memory buffers):
-    one warp, 32-key blocks, two pipeline buffers. (Fetching a leaf's ancestor partials before its
+    one warp, 32-key blocks, two pipeline buffers (``leaf_shape`` replaces that triple: a tuning knob). (Fetching a leaf's ancestor partials before its
     attention, to shorten each program's chain of dependent loads, measured no faster.) Measured on an H100, Llama-3-8B heads with 1024
     leaves of 64 keys: 123 us vs 163 us (64-key blocks, 4 warps, 3 stages); MHA 32/32: 396 vs 528 us; 8/1
     heads under a 16K root: 23 vs 33 us; equal to the defaults at 512 keys. Fewer programs, or longer items
@@ -241,7 +243,7 @@ def _launch_shape(block_m: int, items: list, num_kv_heads: int, block_n: int, nu
     71/75/91 vs 66 us)."""
     longest = max((ke - kb for _, _, kb, ke, *_ in items), default=0)
     if block_m == 16 and len(items) * num_kv_heads >= 1024 and longest <= _FUSED_LEAF_MAX_KEYS:
-        return 32, 1, 2
+        return leaf_shape or (32, 1, 2)
     return block_n, (8 if block_m == 128 else 4), num_stages
 
 
