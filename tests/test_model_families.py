@@ -246,3 +246,58 @@ def test_window_rule_per_family():
     assert max_context_of(_cfg("Qwen3Config", sliding_window=20)) == 64  # use_sliding_window off
     assert max_context_of(_cfg("Gemma3TextConfig", head_dim=16, sliding_window=20)) == 20
     assert max_context_of(_cfg("Olmo2Config")) == 64
+
+
+# --------------------------------------------------------------------------- the safetensors reader
+
+
+@pytest.mark.parametrize("name", ["phi3-mha", "gemma3", "qwen3-tied-bias"])
+def test_sharded_bf16_checkpoint_is_read_directly(name, tmp_path, monkeypatch):
+    """A bf16 checkpoint in several shards loads as bf16 through treegen's reader (HF's loader is
+    never asked), every weight is the file's tensor unchanged, and logits stay close to HF's in bf16."""
+    hf = make_hf(name).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    save_tiny_tokenizer(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the HF loader was used")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    model, _ = load_model(tmp_path, dtype=torch.bfloat16)
+    layer = model.layers[0]
+    assert model.dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 for t in (layer.qkv_w, layer.gate_up_w, layer.down_w, model.embed))
+    state = hf.state_dict()
+    q_name = "model.layers.0.self_attn." + ("qkv_proj" if name.startswith("phi3") else "q_proj") + ".weight"
+    assert torch.equal(layer.qkv_w[: state[q_name].shape[0]], state[q_name])
+    (seq,) = random_sequences([16])
+    out = PackedCache(model).forward(torch.zeros(16, dtype=torch.long), seq, torch.arange(16))
+    want = hf_logits(hf, seq)
+    assert (out - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_fp32_checkpoint_loaded_as_bf16_rounds_each_tensor_once(tmp_path, saved):
+    hf, path = saved("olmo2")
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    want = hf.state_dict()["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16)
+    assert torch.equal(model.layers[1].down_w, want)
+    assert model.layers[1].q_norm.dtype == torch.float32  # olmo-style norm scale: fp32, as HF computes it
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = make_hf("qwen3")
+    hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.layers.1.self_attn.k_norm.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
+        load_model(tmp_path)
+    state["model.layers.1.self_attn.k_norm.weight"] = torch.ones(7)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"k_norm\.weight.*shape \(7,\).*\(32,\)"):
+        load_model(tmp_path)

