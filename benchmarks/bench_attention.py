@@ -258,7 +258,7 @@ def leaf_shape_sweep(batch=1024, prefix=2048, suffix=128, heads=32, kv=8, head_d
     return out
 
 
-def kv_quant_main(out_dir: Path) -> None:
+def kv_quant_main(out_dir: Path, leaf_sweep: bool = False) -> None:
     """The paper grid (8/1 heads) and the Llama-3-8B decode shape (32/8) with 8-bit KV vs bf16 KV."""
     run_kv_quant_point(batch=64, prefix=1024, suffix=32, heads=8, kv=1, head_dim=128)  # warm-up, discarded
     rows = []
@@ -266,7 +266,7 @@ def kv_quant_main(out_dir: Path) -> None:
     points += [(b, 2048, 128, 32, 8) for b in (128, 256, 512, 1024)]  # Llama-3-8B decode: prefix 2048, 128 own
     for b, p, s, h, kv in points:
         rows += run_kv_quant_point(batch=b, prefix=p, suffix=s, heads=h, kv=kv, head_dim=128)
-    leaf_sweep = leaf_shape_sweep()
+    leaf_sweep = leaf_shape_sweep() if leaf_sweep else []
     keys = ["kv_dtype", "batch", "prefix", "suffix", "heads", "kv_heads", "treegen_ms", "triton_only_ms", "shared_ms",
             "leaf_ms", "floor_ms", "fraction_of_floor", "speedup_vs_bf16_kv", "library_chunks"]
     print("\n## Tree attention over an 8-bit KV cache vs bf16 (bf16 queries, d=128)\n" + fmt(rows, keys))
@@ -303,10 +303,11 @@ def main() -> None:
     parser.add_argument("--sweep-points", nargs="+", default=None, help="BATCHxPREFIX, e.g. 256x2048")
     parser.add_argument("--sweep-suffix", type=int, default=32)
     parser.add_argument("--kv-quant", action="store_true", help="only the 8-bit KV comparison (kv_quant_attention_*.json)")
+    parser.add_argument("--leaf-sweep", action="store_true", help="with --kv-quant: also sweep the leaves' launch shape")
     args = parser.parse_args()
     dtype = torch.bfloat16
     if args.kv_quant:
-        kv_quant_main(Path(args.out_dir))
+        kv_quant_main(Path(args.out_dir), args.leaf_sweep)
         return
     if args.sweep:
         points = [tuple(map(int, p.split("x"))) for p in args.sweep_points] if args.sweep_points else SWEEP_POINTS

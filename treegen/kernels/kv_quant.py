@@ -27,6 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
 # the 8-bit formats: storage dtype and the largest stored magnitude
 _EIGHT_BIT = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 KV_DTYPES = (None, *_EIGHT_BIT)  # None: the model's dtype
@@ -98,5 +104,33 @@ def dequantize_reference(stored: Tensor, scale: Tensor) -> Tensor:
     return stored.float() * scale.unsqueeze(-1)
 
 
-__all__ = ["EIGHT_BIT_STORAGE", "KVFormat", "KV_DTYPES", "STORAGE_QMAX", "dequantize_reference", "kv_format",
-           "quantize_reference"]
+if triton is not None:
+
+    @triton.jit
+    def _dequantize_kernel(X, S, OUT, n_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Rows ``r`` of ``X`` [n_rows, HEAD_DIM] (8-bit) times ``S[r]`` (fp32), rounded to OUT's dtype."""
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = (r < n_rows)[:, None]
+        offs = r[:, None].to(tl.int64) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        x = tl.load(X + offs, mask=ok, other=0).to(tl.float32)
+        s = tl.load(S + r, mask=r < n_rows, other=0.0)
+        tl.store(OUT + offs, (x * s[:, None]).to(OUT.dtype.element_ty), mask=ok)
+
+
+def dequantize(stored: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``dequantize_reference(stored, scale).to(dtype)`` — one kernel on CUDA (same rounding: the fp32
+    product rounded once). stored [..., head_dim] contiguous, scale [...] contiguous fp32."""
+    head_dim = stored.shape[-1]
+    if not (stored.is_cuda and triton is not None and stored.is_contiguous() and scale.is_contiguous()
+            and head_dim & (head_dim - 1) == 0):
+        return dequantize_reference(stored, scale).to(dtype)
+    out = torch.empty(stored.shape, dtype=dtype, device=stored.device)
+    rows, block = scale.numel(), 64
+    if rows:
+        _dequantize_kernel[(triton.cdiv(rows, block),)](stored, scale, out, rows, HEAD_DIM=head_dim,
+                                                       BLOCK_R=block, num_warps=4)
+    return out
+
+
+__all__ = ["EIGHT_BIT_STORAGE", "KVFormat", "KV_DTYPES", "STORAGE_QMAX", "dequantize", "dequantize_reference",
+           "kv_format", "quantize_reference"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from treegen.kernels.kv_quant import dequantize_reference
+from treegen.kernels.kv_quant import dequantize
 
 # the cuDNN path was measured on Hopper (sm90) only; elsewhere the Triton kernels attend every segment
 _MIN_CAPABILITY = (9, 0)
@@ -73,7 +73,7 @@ def _dequantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegmen
     if k_scale is None:
         return k_cache, v_cache, seg
     keys = slice(seg.start, seg.start + seg.chunks * seg.chunk_len)
-    k, v = (dequantize_reference(c[keys], s[keys]).to(q.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+    k, v = (dequantize(c[keys], s[keys], q.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
     return k, v, replace(seg, start=0)
 
 
