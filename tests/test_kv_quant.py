@@ -53,6 +53,14 @@ def test_kv_format_names_the_choices_and_the_sizes():
     assert sizes == {None: 131072, "int8": 67584}
 
 
+def test_fp8_on_a_gpu_without_fp8_names_its_compute_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or newer.*A100-SXM4-80GB has 8.0: use kv_dtype='int8'"):
+        kv_format("fp8", torch.bfloat16, "cuda")
+    assert kv_format("int8", torch.bfloat16, "cuda").storage == torch.int8
+
+
 def quantized_cache(slots, num_kv, head_dim, name):
     fmt = kv_format(name, torch.float32)
     k8, ks = quantize_reference(torch.randn(slots, num_kv, head_dim), fmt)
