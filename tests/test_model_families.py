@@ -52,15 +52,17 @@ CONFIGS = {
     # norms after attention and MLP only, q/k norm over the whole projection, RoPE in fp32
     "olmo2": lambda: _cfg("Olmo2Config"),
     "olmo3": lambda: _cfg("Olmo3Config", sliding_window=48, layer_types=["sliding_attention", "full_attention"]),
-    # scaled embeddings, (1 + w) norms, GeGLU (tanh)
-    "gemma": lambda: _cfg("GemmaConfig", head_dim=16),
+    # scaled embeddings, (1 + w) norms, GeGLU (tanh); Gemma ties its embeddings, which makes a random
+    # model repeat its last token: untied here so that greedy branches differ
+    "gemma": lambda: _cfg("GemmaConfig", head_dim=16, tie_word_embeddings=False),
     # + sandwich norms, query_pre_attn_scalar, final-logit soft-cap (attention soft-cap off: refused below)
     "gemma2": lambda: _cfg("Gemma2Config", head_dim=16, query_pre_attn_scalar=24, sliding_window=48,
-                           attn_logit_softcapping=None, final_logit_softcapping=4.0),
+                           attn_logit_softcapping=None, final_logit_softcapping=4.0, tie_word_embeddings=False),
     # + per-head (1 + w) q/k norms, local/global layers with their own RoPE (global: linear scaling)
     "gemma3": lambda: _cfg(
         "Gemma3TextConfig", num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=48,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=6.0,
+        tie_word_embeddings=False,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
 }
@@ -189,7 +191,9 @@ def test_family_switches_seen_by_the_model(saved):
     gemma3 = load_model(saved("gemma3")[1])[0]
     assert gemma3.attn_scale == 24**-0.5 and gemma3.final_softcap == 6.0
     assert gemma3.rope_keys == ["sliding_attention", "full_attention", "sliding_attention"]
-    assert gemma3.max_context == 48 and gemma3.lm_head is gemma3.embed
+    assert gemma3.max_context == 48 and gemma3.lm_head is not gemma3.embed
+    tied = load_model(saved("qwen3-tied-bias")[1])[0]
+    assert tied.lm_head is tied.embed and tied.layers[0].q_b is not None and tied.layers[0].o_b is not None
     assert "gemma3_text" in repr(gemma3) and "fused=none" in repr(gemma3)  # CPU
     qwen3 = load_model(saved("qwen3")[1])[0]
     assert qwen3.layer_types == ["full_attention", "sliding_attention"] and qwen3.max_context == 48
