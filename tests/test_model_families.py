@@ -305,3 +305,26 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UnsupportedModelError, match=r"k_norm\.weight.*shape \(7,\).*\(32,\)"):
         load_model(tmp_path)
+
+
+def test_hub_id_is_read_from_its_cached_snapshot(tmp_path, monkeypatch):
+    """A hub id in the local HF cache (offline) goes through the same safetensors reader."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "models--treegen-test--tiny-phi3"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    hf = make_hf("phi3-mha")
+    hf.save_pretrained(snapshot)
+    save_tiny_tokenizer(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the HF loader was used")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    model, _ = load_model("treegen-test/tiny-phi3")
+    (seq,) = random_sequences([9])
+    out = PackedCache(model).forward(torch.zeros(9, dtype=torch.long), seq, torch.arange(9))
+    torch.testing.assert_close(out, hf_logits(hf, seq), atol=1e-4, rtol=1e-4)

@@ -11,7 +11,8 @@ row in ``treegen/runtime/families.py`` (Llama, Mistral, Qwen 2/3, Phi-3/4, OLMo 
 A local directory with safetensors weights (``model.safetensors``, or shards listed in
 ``model.safetensors.index.json``) is read directly, tensor by tensor, into treegen's model: each is
 converted to the requested dtype on the CPU and only then moved to the device, so a bf16/fp16 load
-never holds an fp32 copy on the GPU (nor a second copy of the model in HF modules). Hub ids and
+never holds an fp32 copy on the GPU (nor a second copy of the model in HF modules). A hub id is read
+the same way from its snapshot in the HF cache (fetched when missing and the hub is reachable);
 checkpoints without safetensors go through ``AutoModelForCausalLM.from_pretrained``.
 """
 
@@ -221,10 +222,26 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     return _load_tokenizer(source)
 
 
-def _safetensors_files(source: str) -> dict[str, Path] | None:
-    """Tensor name -> file of a local safetensors checkpoint (one file or shards), or None."""
+_WEIGHT_FILES = ["*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json"]
+
+
+def _checkpoint_folder(source: str) -> Path | None:
+    """The local folder holding ``source``'s files: the directory itself, or a hub id's snapshot
+    (fetched if missing and the hub is reachable); None when neither can be had."""
     folder = Path(source).expanduser()
-    if not folder.is_dir():
+    if folder.is_dir():
+        return folder
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, allow_patterns=_WEIGHT_FILES))
+    except Exception:  # noqa: BLE001 - any hub failure: the HF loader below reports it in its own words
+        return None
+
+
+def _safetensors_files(folder: Path | None) -> dict[str, Path] | None:
+    """Tensor name -> file of a safetensors checkpoint in ``folder`` (one file or shards), or None."""
+    if folder is None:
         return None
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -297,9 +314,10 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
         method = dict(config.quantization_config).get("quant_method", "?") \
             if isinstance(config.quantization_config, dict) else type(config.quantization_config).__name__
         raise UnsupportedModelError(f"{source!r}: quantized checkpoints (quant_method={method!r}) are not supported")
-    files = _safetensors_files(source)
+    folder = _checkpoint_folder(source)
+    files = _safetensors_files(folder)
     if files is not None:
-        lm = _read_safetensors(source, files, config, dtype=dtype, device=device)
+        lm = _read_safetensors(str(folder), files, config, dtype=dtype, device=device)
     else:
         kwargs = {} if device.type == "cpu" else {"device_map": device}
         try:
