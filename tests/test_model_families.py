@@ -328,3 +328,33 @@ def test_hub_id_is_read_from_its_cached_snapshot(tmp_path, monkeypatch):
     (seq,) = random_sequences([9])
     out = PackedCache(model).forward(torch.zeros(9, dtype=torch.long), seq, torch.arange(9))
     torch.testing.assert_close(out, hf_logits(hf, seq), atol=1e-4, rtol=1e-4)
+
+
+def test_multimodal_gemma3_checkpoint_runs_its_text_model(tmp_path):
+    """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration: treegen reads the language model's
+    tensors (as the hub stores them) and matches HF's model on text, greedy branches included."""
+    config = transformers.Gemma3Config(
+        text_config={**COMMON, "vocab_size": 128, "head_dim": 16, "sliding_window": 48, "query_pre_attn_scalar": 24,
+                     "layer_types": ["sliding_attention", "full_attention"]},
+        tie_word_embeddings=False,  # the lm_head is stored (HF ties by this outer flag)
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=127, boi_token_index=125, eoi_token_index=126)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "language_model" in pname:
+                p.normal_(0.0, 0.2 if "norm" in pname else 1.0 if "embed" in pname else 0.5 / p.shape[-1] ** 0.5)
+    hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    engine = Engine.load(str(tmp_path))
+    assert engine.model.config.model_type == "gemma3_text" and engine.model.max_context == 48
+    assert engine.model.lm_head is not engine.model.embed
+    (seq,) = random_sequences([12], vocab=120)
+    out = PackedCache(engine.model).forward(torch.zeros(12, dtype=torch.long), seq, torch.arange(12))
+    torch.testing.assert_close(out, hf_logits(hf, seq), atol=1e-4, rtol=1e-4)
+    from_modules = LlamaFamilyModel.from_hf(hf)
+    torch.testing.assert_close(PackedCache(from_modules).forward(torch.zeros(12, dtype=torch.long), seq,
+                                                                 torch.arange(12)), out, atol=0, rtol=0)
+    check_against_hf(hf, engine.tokenizer, gen_records(nested_forks.run(engine)), engine.model.eos_token_ids)

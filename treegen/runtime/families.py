@@ -92,9 +92,21 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
-def family_of(model_type: str | None) -> Family | None:
-    """The row for ``model_type``, or None when treegen has none."""
-    return FAMILIES.get(model_type)  # type: ignore[arg-type]
+@dataclass(frozen=True)
+class TextOnly:
+    """A multimodal checkpoint whose language model is a family above: treegen reads that part only
+    (text in, text out; images are not supported). ``config_attr``: the text config inside the
+    checkpoint's config; ``prefixes``: where the text model's ``model.*`` and ``lm_head.*`` tensors
+    sit in the checkpoint, in the order tried (as saved on the hub, then transformers 5's own names)."""
+
+    config_attr: str
+    prefixes: tuple[tuple[str, str], ...]
 
 
-__all__ = ["FAMILIES", "Family", "NormSlots", "NormStyle", "SUPPORTED_MODEL_TYPES", "family_of"]
+TEXT_ONLY: dict[str, TextOnly] = {
+    "gemma3": TextOnly("text_config", (("language_model.model.", "language_model.lm_head."),
+                                       ("model.language_model.", "lm_head."))),
+}
+
+
+__all__ = ["FAMILIES", "Family", "NormSlots", "NormStyle", "SUPPORTED_MODEL_TYPES", "TEXT_ONLY", "TextOnly"]

@@ -38,7 +38,9 @@ from .model import (
     check_model_type,
     check_supported,
     checked_weight,
+    checkpoint_names,
     eos_ids_of,
+    text_config_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -176,6 +178,13 @@ def _not_found(source: str, err: Exception) -> ModelNotFoundError:
 
 
 def _load_config(source: str):
+    """The config of the model treegen runs (a multimodal checkpoint's text config); see _load_configs."""
+    return _load_configs(source)[1]
+
+
+def _load_configs(source: str):
+    """(the checkpoint's config, the config of the language model treegen runs: the same object, or a
+    multimodal checkpoint's text config); raises for what treegen cannot run."""
     from transformers import AutoConfig
 
     local = Path(source).expanduser()
@@ -197,8 +206,12 @@ def _load_config(source: str):
         raise UnsupportedModelError(
             f"cannot use {source!r}: {err}; treegen supports model_type in {list(SUPPORTED_MODEL_TYPES)}"
         ) from err
-    check_supported(config)
-    return config
+    text = text_config_of(config)
+    if text is not config:
+        logger.warning("treegen: %s is a multimodal %s checkpoint; running its text model (%s) only",
+                       source, config.model_type, text.model_type)
+    check_supported(text)
+    return config, text
 
 
 def _load_tokenizer(source: str):
@@ -211,7 +224,8 @@ def _load_tokenizer(source: str):
 
 
 def load_config(model: str | os.PathLike | None = None):
-    """HF config of ``model`` (no weights); raises for unsupported architectures."""
+    """HF config of ``model`` (no weights; the text model's for a multimodal checkpoint); raises for
+    unsupported architectures."""
     return _load_config(_resolve(model))
 
 
@@ -256,16 +270,18 @@ def _safetensors_files(folder: Path | None) -> dict[str, Path] | None:
     return None
 
 
-def _read_safetensors(source: str, files: dict[str, Path], config, *, dtype: torch.dtype,
+def _read_safetensors(source: str, files: dict[str, Path], outer, config, *, dtype: torch.dtype,
                       device: torch.device) -> LlamaFamilyModel:
     """Build the model straight from safetensors files: each tensor is read on the CPU, converted to
     ``dtype`` there, then moved to ``device`` (a bf16 checkpoint loaded as bf16 is never widened)."""
     from safetensors import safe_open
 
+    stored = checkpoint_names(files)
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
         def get(name: str, shape: tuple, optional: bool):
+            name = stored(name)
             path = files.get(name)
             if path is None:
                 if optional:
@@ -280,8 +296,9 @@ def _read_safetensors(source: str, files: dict[str, Path], config, *, dtype: tor
                                             f"are not supported")
             return checked_weight(name, t, shape).to(dtype=dtype).to(device=device)
 
-        tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in files
-        eos = eos_ids_of(config, _generation_config(source))
+        # HF ties by the checkpoint's (outer) flag, and then saves no lm_head
+        tied = bool(getattr(outer, "tie_word_embeddings", False)) or stored("lm_head.weight") not in files
+        eos = eos_ids_of(outer, config, _generation_config(source))
         return LlamaFamilyModel.from_weights(config, get, tied=tied, eos_token_ids=eos)
 
 
@@ -307,21 +324,22 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     from transformers import AutoModelForCausalLM
 
     source = _resolve(model)
-    config = _load_config(source)
+    outer, config = _load_configs(source)
     tokenizer = _load_tokenizer(source)
     device = torch.device(device)
-    if getattr(config, "quantization_config", None):
-        method = dict(config.quantization_config).get("quant_method", "?") \
-            if isinstance(config.quantization_config, dict) else type(config.quantization_config).__name__
+    quantization = getattr(outer, "quantization_config", None) or getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) \
+            else type(quantization).__name__
         raise UnsupportedModelError(f"{source!r}: quantized checkpoints (quant_method={method!r}) are not supported")
     folder = _checkpoint_folder(source)
     files = _safetensors_files(folder)
     if files is not None:
-        lm = _read_safetensors(str(folder), files, config, dtype=dtype, device=device)
+        lm = _read_safetensors(str(folder), files, outer, config, dtype=dtype, device=device)
     else:
         kwargs = {} if device.type == "cpu" else {"device_map": device}
         try:
-            hf = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
+            hf = AutoModelForCausalLM.from_pretrained(source, config=outer, dtype=dtype, **kwargs)
         except OSError as err:
             raise _not_found(source, err) from err
         lm = LlamaFamilyModel.from_hf(hf, device=device, dtype=dtype)

@@ -29,7 +29,7 @@ from torch import Tensor
 from treegen.kernels.fused_ops import (add_rms_norm, fused_ops_available, rms_norm_reference, rope_,
                                        rope_reference, silu_mul)
 
-from .families import FAMILIES, SUPPORTED_MODEL_TYPES, Family
+from .families import FAMILIES, SUPPORTED_MODEL_TYPES, TEXT_ONLY, Family
 
 rms_norm = rms_norm_reference
 
@@ -67,8 +67,31 @@ def family_for(model_type: str | None) -> Family:
 
 
 def check_model_type(model_type: str | None) -> None:
-    """Raise :class:`UnsupportedModelError` unless ``model_type`` has a family row."""
-    family_for(model_type)
+    """Raise :class:`UnsupportedModelError` unless ``model_type`` has a family row (or is a multimodal
+    checkpoint whose text model has one, see ``families.TEXT_ONLY``)."""
+    if model_type not in TEXT_ONLY:
+        family_for(model_type)
+
+
+def text_config_of(config):
+    """The config of the language model treegen runs: ``config`` itself, or the text config inside a
+    multimodal checkpoint's config (``families.TEXT_ONLY``)."""
+    wrapper = TEXT_ONLY.get(getattr(config, "model_type", None))
+    return config if wrapper is None else getattr(config, wrapper.config_attr)
+
+
+def checkpoint_names(names) -> Callable[[str], str]:
+    """Maps HF's ``*ForCausalLM`` tensor names (``model.layers.0...``, ``lm_head.weight``) to where a
+    checkpoint with tensor ``names`` keeps them: the same names, or a multimodal checkpoint's text model."""
+    if "model.embed_tokens.weight" in names:
+        return lambda name: name
+    for wrapper in TEXT_ONLY.values():
+        for body, head in wrapper.prefixes:
+            if body + "embed_tokens.weight" in names:
+                return lambda name, body=body, head=head: (body + name[len("model."):] if name.startswith("model.")
+                                                           else head + name[len("lm_head."):])
+    raise UnsupportedModelError("the checkpoint has no model.embed_tokens.weight (nor a multimodal checkpoint's "
+                                "text embeddings): not a decoder checkpoint treegen can read")
 
 
 def _is_nested(rp: dict) -> bool:
@@ -452,12 +475,13 @@ class LlamaFamilyModel:
         (no copy; q/k/v and gate/up are fused, which copies those unless the checkpoint
         stores them fused); drop ``hf_model`` afterwards to free its module wrappers.
         """
-        config = hf_model.config
+        config = text_config_of(hf_model.config)
         check_supported(config)
         state = hf_model.state_dict()
+        stored = checkpoint_names(state)
 
         def get(name: str, shape: tuple, optional: bool) -> Tensor | None:
-            t = state.get(name)
+            t = state.get(stored(name))
             if t is None:
                 if optional:
                     return None
@@ -469,7 +493,7 @@ class LlamaFamilyModel:
         tied = out.weight is in_w or out.weight.data_ptr() == in_w.data_ptr()
         if getattr(out, "bias", None) is not None:
             raise UnsupportedModelError("lm_head with a bias is not supported")
-        eos = eos_ids_of(config, getattr(hf_model, "generation_config", None))
+        eos = eos_ids_of(hf_model.config, config, getattr(hf_model, "generation_config", None))
         return cls.from_weights(config, get, tied=tied, eos_token_ids=eos)
 
     @classmethod
@@ -625,6 +649,6 @@ def checked_weight(name: str, t: Tensor, shape: tuple) -> Tensor:
 
 __all__ = [
     "AttendFn", "FusedOps", "LlamaFamilyModel", "ModelNotFoundError", "SUPPORTED_MODEL_TYPES",
-    "UnsupportedModelError", "check_model_type", "check_supported", "checked_weight", "eos_ids_of", "family_for",
-    "layer_types_of", "max_context_of", "rms_norm", "rope_inv_freq",
+    "UnsupportedModelError", "check_model_type", "check_supported", "checked_weight", "checkpoint_names",
+    "eos_ids_of", "family_for", "layer_types_of", "max_context_of", "rms_norm", "rope_inv_freq", "text_config_of",
 ]
