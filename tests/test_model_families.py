@@ -222,6 +222,15 @@ def test_attention_softcap_is_refused_by_name(tmp_path):
         load_model(tmp_path)
 
 
+def test_quantized_checkpoint_is_refused(tmp_path):
+    config = _cfg("Qwen3Config")
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config.save_pretrained(tmp_path)  # no weights: refused from the config alone
+    save_tiny_tokenizer(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="quantized checkpoints.*fp8"):
+        load_model(tmp_path)
+
+
 def test_bidirectional_gemma3_is_refused(tmp_path):
     config = _cfg("Gemma3TextConfig", head_dim=16, use_bidirectional_attention=True)
     with pytest.raises(UnsupportedModelError, match="bidirectional"):
