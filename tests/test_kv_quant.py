@@ -115,6 +115,19 @@ def test_library_segment_of_an_8bit_cache_is_dequantized_for_it(name, fuse):
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantize_kernel_rounds_like_the_reference(name):
+    """The CUDA path's one-launch dequantization (run by the interpreter here): 300 rows, a partial block."""
+    import triton
+
+    from treegen.kernels.kv_quant import _dequantize_kernel
+
+    stored, scale = quantize_reference(torch.randn(100, 3, 64), kv_format(name, torch.float32))
+    out = torch.empty(stored.shape, dtype=torch.float16)
+    _dequantize_kernel[(triton.cdiv(300, 64),)](stored, scale, out, 300, HEAD_DIM=64, BLOCK_R=64)
+    assert torch.equal(out, dequantize_reference(stored, scale).half())
+
+
 def test_8bit_cache_inputs_are_checked():
     k8, v8, ks, vs = quantized_cache(10, 2, 64, "int8")
     plan = plan_tree_attention(segment_parent=[-1], segment_start=[0], segment_len=[10], segment_pos=[0],

@@ -112,7 +112,7 @@ if triton is not None:
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = (r < n_rows)[:, None]
         offs = r[:, None].to(tl.int64) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-        x = tl.load(X + offs, mask=ok, other=0).to(tl.float32)
+        x = tl.load(X + offs, mask=ok).to(tl.float32)  # (no `other`: an int fill has no fp8 cast; stores are masked)
         s = tl.load(S + r, mask=r < n_rows, other=0.0)
         tl.store(OUT + offs, (x * s[:, None]).to(OUT.dtype.element_ty), mask=ok)
 
