@@ -74,8 +74,8 @@ class PackedCache:
         self.model = model
         self.k = [None] * model.num_layers
         self.v = [None] * model.num_layers
-        self.seq = torch.empty(0, dtype=torch.long)
-        self.pos = torch.empty(0, dtype=torch.long)
+        self.seq = torch.empty(0, dtype=torch.long, device=model.device)  # on the model's device (GPU tests)
+        self.pos = torch.empty(0, dtype=torch.long, device=model.device)
 
     def forward(self, seq_ids, input_ids, positions, logits_rows=None):
         self.q_seq, self.q_pos = seq_ids, positions
