@@ -271,18 +271,23 @@ def kv_quant_main(out_dir: Path, leaf_sweep: bool = False) -> None:
             "leaf_ms", "floor_ms", "fraction_of_floor", "speedup_vs_bf16_kv", "library_chunks"]
     print("\n## Tree attention over an 8-bit KV cache vs bf16 (bf16 queries, d=128)\n" + fmt(rows, keys))
     result = {
-        "benchmark": "kv_quant_attention", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "dtype": "bfloat16",
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version()},
-        "timing": "triton.testing.do_bench median (L2 flushed), CUDA graphs; floor = max(FLOPs at 80% of the bf16 "
-                  "tensor-core peak, unique KV bytes (values + scales) at HBM peak)",
+        **result_header("kv_quant_attention", "triton.testing.do_bench median (L2 flushed), CUDA graphs; floor = "
+                        "max(FLOPs at 80% of the bf16 tensor-core peak, unique KV bytes (values + scales) at HBM peak)"),
         "rows": rows, "leaf_shape_sweep": leaf_sweep,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "kv_quant_attention_" + ("h200" if "H200" in result["device"] else "h100")
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out_dir}/{name}.json")
+
+
+def result_header(benchmark: str, timing: str) -> dict:
+    """What every result JSON of this script starts with: the device, versions, date and timing method."""
+    return {"benchmark": benchmark, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(), "dtype": "bfloat16",
+            "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                         "python": platform.python_version()},
+            "timing": timing}
 
 
 def fmt(rows, keys):
@@ -351,12 +356,8 @@ def main() -> None:
           + fmt(two, ["layout", "flash_ms", "treegen_ms", "triton_only_ms", "speedup_vs_flash", "treegen_tflops"]))
 
     result = {
-        "benchmark": "attention", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "dtype": "bfloat16",
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version()},
-        "timing": "triton.testing.do_bench median (L2 flushed), warmup 10, rep 50 ms; flash, cudnn and treegen "
-                  "replayed from CUDA graphs, the PyTorch reference launched eagerly",
+        **result_header("attention", "triton.testing.do_bench median (L2 flushed), warmup 10, rep 50 ms; flash, cudnn "
+                        "and treegen replayed from CUDA graphs, the PyTorch reference launched eagerly"),
         "grid": rows, "shapes": shapes, "two_level": two,
     }
     out = Path(args.out_dir)
