@@ -72,6 +72,20 @@ def test_engine_options_are_validated(tiny_model):
         Engine(model, None, max_prefill_tokens=0)
 
 
+def test_head_dims_the_kernels_lack_run_the_reference_attention_and_the_engine_says_so():
+    from transformers import LlamaConfig
+
+    from treegen.runtime.model import LlamaFamilyModel
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=256)
+    engine = Engine(LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu"), None)
+    assert engine.attention_backend == "reference" and "PyTorch reference attention" in repr(engine)
+    run = engine.start()
+    leaf = run.tree.add_node(run.tree.add_node(None, [1, 2, 3]), [4, 5])
+    assert run.prefill([leaf])[leaf].shape == (2, 64)
+
+
 def test_decode_phases_shrink_as_branches_finish(tiny_model, tokenizer):
     """Branches finishing early leave the batch: later phases plan fewer rows (and tokens stay exact)."""
     _, model = tiny_model

@@ -32,6 +32,7 @@ import torch
 
 from treegen.kernels.kv_quant import kv_format
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
+from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
@@ -83,6 +84,8 @@ class Engine:
         # after the first tokens and at every host sync (display/progress.py adapts it to a bar)
         self.on_step = None
         self.kv_format = kv_format(kv_dtype, model.dtype, model.device)
+        # the Triton kernels take head_dim 64/128; others (Gemma's 256) run the PyTorch reference, exact but slower
+        self.attention_backend = "auto" if model.head_dim in SUPPORTED_HEAD_DIMS else "reference"
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 self.kv_format.bytes_per_value, self.kv_format.scale_bytes)
 
@@ -97,6 +100,11 @@ class Engine:
 
     def start(self) -> "TreeRun":
         return TreeRun(self)
+
+    def __repr__(self) -> str:
+        backend = "tree kernels" if self.attention_backend == "auto" else "PyTorch reference attention"
+        return (f"Engine({self.model!r}, attention={self.attention!r} ({backend}), kv={self.kv_format.name}, "
+                f"cuda_graphs={self.cuda_graphs})")
 
 
 class TreeRun:
@@ -274,6 +282,7 @@ class TreeRun:
             query_segment=[index[n] for n, _ in rows],
             query_pos=[pos[n] + i for n, i in rows],
             device=device,
+            backend=self.engine.attention_backend,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
             dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
