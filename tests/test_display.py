@@ -271,6 +271,30 @@ def test_show_dispatches_and_rejects_others(engine):
         Limits(max_width=1)
 
 
+def test_class_hooks_render_through_the_registered_views(engine):
+    """``import treegen`` registers display's views in treegen.lang.views; without them the hooks fall back."""
+    from treegen.display import program_text, register_views
+    from treegen.lang import views
+
+    compiled = two_level.compile(["a"], n=2, tokenizer=engine.tokenizer)
+    result = two_level.run(engine, ["a"], n=2)
+    assert repr(two_level) == program_text(two_level) and two_level._repr_html_() == program_html(two_level)
+    assert repr(compiled) == compiled_text(compiled) and compiled._repr_html_() == compiled_html(compiled)
+    assert result._repr_html_() == result_html(result)
+    pretty = pytest.importorskip("IPython.lib.pretty").pretty
+    assert pretty(result) == result_text(result)
+    try:
+        for kind in views.KINDS:
+            views.unregister_view(kind)
+        assert repr(two_level) == "<treegen program two_level(problems, n=3)>"
+        assert repr(compiled) == "<CompiledProgram (complete): 4 nodes, 2 branches>"
+        assert pretty(result) == repr(result) and repr(result).startswith("State(path=()")
+        assert two_level._repr_html_() is compiled._repr_html_() is result._repr_html_() is None
+    finally:
+        register_views()
+    assert repr(two_level) == program_text(two_level)
+
+
 # progress ------------------------------------------------------------------------------------------
 class FakeBar:
     made = []

@@ -17,8 +17,10 @@ In a notebook::
 Each view is an HTML string from :mod:`treegen.display.html` and a plain-text one from
 :mod:`treegen.display.text`; both are bounded by :class:`Limits` however large the tree (summarising
 past the limits), self-contained (inline styles and SVG, nothing fetched), and never run the model.
-The classes' ``_repr_html_``/``__repr__`` hooks call :func:`program_html`, :func:`compiled_html`,
-:func:`result_html` and their ``*_text`` twins.
+The classes' ``_repr_html_``/``__repr__`` hooks (``_repr_pretty_`` for a State) render through
+:mod:`treegen.lang.views`, where importing this package registers :func:`program_html`,
+:func:`compiled_html`, :func:`result_html` and their ``*_text`` twins (lang never imports display;
+``import treegen`` imports display, so the views are always there).
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ from treegen.display._view import Limits
 from treegen.display.html import compiled_html, program_html, result_html, tally_html, tree_html, votes_html
 from treegen.display.progress import TreeProgress, progress
 from treegen.display.text import compiled_text, program_text, result_text, tally_text, tree_text
+from treegen.lang import views as lang_views
+
+
+def register_views() -> None:
+    """Make these the views of lang's classes (their notebook and terminal reprs); done on import."""
+    lang_views.register_view("program", program_html, program_text)
+    lang_views.register_view("compiled", compiled_html, compiled_text)
+    lang_views.register_view("result", result_html, result_text)
+
+
+register_views()
 
 
 class Rendered:
@@ -139,5 +152,5 @@ def load_ipython_extension(ipython) -> None:
 
 
 __all__ = ["Limits", "Rendered", "TreeProgress", "compiled_html", "compiled_text", "load_ipython_extension", "page",
-           "program_html", "program_text", "progress", "result_html", "result_text", "show", "tally_html", "tally_text",
-           "tree_html", "tree_text", "votes", "votes_html"]
+           "program_html", "program_text", "progress", "register_views", "result_html", "result_text", "show",
+           "tally_html", "tally_text", "tree_html", "tree_text", "votes", "votes_html"]

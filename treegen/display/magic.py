@@ -114,8 +114,9 @@ class TreegenMagics(Magics):
 
 
 def _html_formatters(ipython) -> None:
-    """Until Program, CompiledProgram and State have ``_repr_html_`` of their own, show them through
-    the display functions (never replacing a hook the classes define)."""
+    """Show classes with no ``_repr_html_`` of their own (the ``.tg`` TgProgram and TgResult) through the
+    display functions; Program, CompiledProgram and State have hooks, rendered by the views this package
+    registers in :mod:`treegen.lang.views`, and a hook a class defines is never replaced."""
     from treegen.display.html import compiled_html, program_html, result_html
     from treegen.display.text import compiled_text, program_text, result_text
     from treegen.lang.dsl import CompiledProgram, Program

@@ -1,4 +1,8 @@
-"""What users write: the Python DSL and the IR it lowers to."""
+"""What users write: the Python DSL and the IR it lowers to.
+
+Layering: lang imports tree and runtime, never the display layer; how its classes look in notebooks
+and terminals is registered from above, in :mod:`treegen.lang.views`.
+"""
 
 from treegen.lang.batch import BatchInterrupted, ProgramError
 from treegen.lang.dsl import (CompiledProgram, Program, assistant, best, collect, concat, gen, program, select,

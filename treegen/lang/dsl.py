@@ -20,8 +20,10 @@ tree grows as the program runs.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
+from treegen.lang import views
 from treegen.lang.batch import BatchInterrupted, Cooperative, ProgramError
 from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
@@ -143,15 +145,17 @@ class CompiledProgram:
             raise ValueError("stats needs a KVShape: pass one, or compile(..., kv_shape=engine.kv_shape)")
         return self.tree.stats(kv)
 
-    def _repr_html_(self) -> str:
-        from treegen.display import compiled_html
-
-        return compiled_html(self)
+    # notebook and terminal views: rendered by the "compiled" view registered in treegen.lang.views
+    def _repr_html_(self) -> str | None:
+        return views.html("compiled", self)
 
     def __repr__(self) -> str:
-        from treegen.display import compiled_text
-
-        return compiled_text(self)
+        shown = views.text("compiled", self)
+        if shown is not None:
+            return shown
+        how = "complete" if self.complete else f"partial: {self.stopped_at}"
+        return (f"<CompiledProgram ({how}): {self.tree.graph.number_of_nodes():,} nodes, "
+                f"{len(self.tree.leaves()):,} branches>")
 
 
 class Program:
@@ -211,7 +215,7 @@ class Program:
         Callbacks, all called from the thread running the batch:
         ``on_programs(done, total)``: progress, with ``done = 0`` at the start and whenever more
         programs are done — a program is done when its function has returned and every ``gen`` /
-        ``select`` it queued has run (e.g. ``treegen.display.progress(engine)``'s ``programs``);
+        ``select`` it queued has run (e.g. the ``programs`` bar of the display package's ``progress(engine)``);
         ``on_result(index, root)``: each program's result as soon as it is done (failed: ``root.error``);
         ``on_tokens(stream)``: a :class:`~treegen.lang.interpreter.TokenStream` each time a branch's
         new tokens are seen (its ``tokens`` so far, ``text``, ``state``, ``name``).
@@ -239,15 +243,19 @@ class Program:
         run.run_passes()
         return CompiledProgram(run.tree, stopped is None, stopped, tokenizer=tokenizer, kv_shape=kv_shape)
 
-    def _repr_html_(self) -> str:
-        from treegen.display import program_html
-
-        return program_html(self)
+    # notebook and terminal views: rendered by the "program" view registered in treegen.lang.views
+    def _repr_html_(self) -> str | None:
+        return views.html("program", self)
 
     def __repr__(self) -> str:
-        from treegen.display import program_text
-
-        return program_text(self)
+        shown = views.text("program", self)
+        if shown is not None:
+            return shown
+        try:  # the program's own parameters, after the state
+            sig = "(" + ", ".join(map(str, list(inspect.signature(self.fn).parameters.values())[1:])) + ")"
+        except (TypeError, ValueError):
+            sig = "(…)"
+        return f"<treegen program {getattr(self.fn, '__name__', 'program')}{sig}>"
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"call {self.fn.__name__}.run(engine, ...) to run a program, or .compile(tokenizer=...) to see its tree")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import networkx as nx
 
-from treegen.lang import reduce
+from treegen.lang import reduce, views
 from treegen.lang.chat import role_affixes
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Text, as_ops
 from treegen.runtime.requests import GenRequest, ScoreRequest
@@ -634,15 +634,13 @@ class State:
     def __repr__(self) -> str:
         return f"State(path={self.path}, node={self.node}, variables={sorted(self.vars)})"
 
-    def _repr_html_(self) -> str:
-        from treegen.display import result_html
-
-        return result_html(self)
+    # notebook and IPython views: rendered by the "result" view registered in treegen.lang.views
+    def _repr_html_(self) -> str | None:
+        return views.html("result", self)
 
     def _repr_pretty_(self, p, cycle) -> None:
-        from treegen.display import result_text
-
-        p.text(result_text(self))
+        shown = views.text("result", self)
+        p.text(shown if shown is not None else repr(self))
 
 
 class ForkGroup:
