@@ -212,3 +212,34 @@ def test_engine_refuses_an_unknown_kv_dtype(tiny_llama):
     _, model = tiny_llama
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         Engine(model, None, kv_dtype="e5m2")
+
+
+def two_level(s, n):
+    s += "Solve each problem. " * 4
+    problems = s.fork(3, content=[f" Problem {k}: {k} plus {k} is" for k in range(3)])
+    samples = problems.fork(n)
+    samples += treegen.gen("x", max_tokens=6, temperature=0.8)
+    problems.join(samples)
+    s.join(problems)
+
+
+def test_a_kv_budget_holds_about_twice_the_branches_with_8bit_kv(tiny_llama):
+    """Under the same byte budget (half of what the workload stores with the model's fp32 KV), the model-dtype
+    run waits for memory while the 8-bit run keeps all twelve branches live at once; neither exceeds it."""
+    _, model = tiny_llama
+    tok = load_tokenizer()
+    program = treegen.program(two_level)
+    plain = Engine(model, tok)
+    budget = program.compile(4, tokenizer=tok).stats(plain.kv_shape).stored_bytes // 2
+    runs = {name: program.run(Engine(model, tok, kv_budget_bytes=budget, kv_dtype=name), 4, seed=1)
+            for name in (None, "int8")}
+    # fp32 KV of this model (2 layers x 2 KV heads x 16 dims): 512 bytes a token; int8: 2 x 2 x 2 x (16 + 4) = 160
+    assert plain.kv_shape.bytes_per_token == 512 and Engine(model, tok, kv_dtype="int8").kv_shape.bytes_per_token == 160
+    peak = {}
+    for name, root in runs.items():
+        scheduler = root._run.tree_run.scheduler
+        per_token = root._run.tree_run.kv.bytes_per_token
+        assert scheduler.peak_slots * per_token <= budget
+        peak[name] = max(root._run.tree_run.decode_phases)
+    assert runs[None]._run.tree_run.scheduler.memory_waits >= 1
+    assert runs["int8"]._run.tree_run.scheduler.memory_waits == 0 and peak["int8"] == 12 > peak[None]
