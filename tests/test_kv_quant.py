@@ -243,3 +243,25 @@ def test_a_kv_budget_holds_about_twice_the_branches_with_8bit_kv(tiny_llama):
         peak[name] = max(root._run.tree_run.decode_phases)
     assert runs[None]._run.tree_run.scheduler.memory_waits >= 1
     assert runs["int8"]._run.tree_run.scheduler.memory_waits == 0 and peak["int8"] == 12 > peak[None]
+
+
+def test_rope_store_into_an_8bit_cache_is_checked():
+    """The fused RoPE cache write into an 8-bit cache without its scales (or with mismatched ones) would
+    store the keys/values truncated to int8/e4m3 with no scale: refused, naming what is wrong."""
+    from treegen.kernels.fused_ops import rope_
+
+    heads, kv, d = 4, 2, 64
+    qkv = torch.randn(3, heads + 2 * kv, d)
+    cos, sin = torch.ones(3, d), torch.zeros(3, d)
+    slots = torch.tensor([0, 2, 4])
+    k8 = torch.zeros(8, kv, d, dtype=torch.int8)
+    ks = torch.zeros(8, kv)
+    with pytest.raises(ValueError, match=r"\(8-bit\) cache needs its scales"):
+        rope_(qkv, cos, sin, heads, kv, store=(k8, torch.zeros_like(k8), slots))
+    with pytest.raises(ValueError, match="v_cache"):
+        rope_(qkv, cos, sin, heads, kv, store=(k8, torch.zeros(8, kv, d, dtype=torch.float8_e4m3fn), slots, ks,
+                                               torch.zeros_like(ks)))
+    with pytest.raises(ValueError, match="fp32 scales"):
+        rope_(qkv, cos, sin, heads, kv, store=(k8, torch.zeros_like(k8), slots, ks, torch.zeros_like(ks).half()))
+    with pytest.raises(ValueError, match="fp32 scales"):
+        rope_(qkv, cos, sin, heads, kv, store=(k8, torch.zeros_like(k8), slots, ks, torch.zeros(4, kv)))

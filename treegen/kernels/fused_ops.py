@@ -191,14 +191,20 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads:
                 or k_cache.stride(2) != 1 or slots.shape != (qkv.shape[0],):
             raise ValueError(f"rope_: store needs k/v caches [S, {num_kv_heads}, {qkv.shape[2]}] with equal strides "
                              f"and one slot per token, got {tuple(k_cache.shape)} and slots {tuple(slots.shape)}")
+        if v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"rope_: k_cache and v_cache dtypes differ: {k_cache.dtype} and {v_cache.dtype}")
+        if len(store) == 3 and k_cache.dtype in STORAGE_QMAX:
+            raise ValueError(f"rope_: a {k_cache.dtype} (8-bit) cache needs its scales: "
+                             "store=(k_cache, v_cache, slots, k_scale, v_scale)")
         k_scale = v_scale = k_cache  # unused unless the cache is 8-bit
         if len(store) == 5:
             k_scale, v_scale = store[3:]
-            if k_cache.dtype not in STORAGE_QMAX or k_scale.shape != k_cache.shape[:2] \
-                    or k_scale.dtype != torch.float32 or v_scale.stride() != k_scale.stride() or k_scale.stride(1) != 1:
+            if k_cache.dtype not in STORAGE_QMAX or any(s.shape != k_cache.shape[:2] or s.dtype != torch.float32
+                                                        for s in (k_scale, v_scale)) \
+                    or v_scale.stride() != k_scale.stride() or k_scale.stride(1) != 1:
                 raise ValueError(f"rope_: an 8-bit store needs an int8/float8_e4m3fn cache and fp32 scales "
                                  f"[S, {num_kv_heads}] with equal strides, got cache {k_cache.dtype} and scales "
-                                 f"{k_scale.dtype} {tuple(k_scale.shape)}")
+                                 f"{k_scale.dtype} {tuple(k_scale.shape)}, {v_scale.dtype} {tuple(v_scale.shape)}")
             qmax, int8 = STORAGE_QMAX[k_cache.dtype], k_cache.dtype == torch.int8
     else:
         k_cache = v_cache = slots = k_scale = v_scale = qkv  # unused
