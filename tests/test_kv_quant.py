@@ -265,3 +265,49 @@ def test_rope_store_into_an_8bit_cache_is_checked():
         rope_(qkv, cos, sin, heads, kv, store=(k8, torch.zeros_like(k8), slots, ks, torch.zeros_like(ks).half()))
     with pytest.raises(ValueError, match="fp32 scales"):
         rope_(qkv, cos, sin, heads, kv, store=(k8, torch.zeros_like(k8), slots, ks, torch.zeros(4, kv)))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_kv_store_moves_compacts_and_grows_the_scales_with_the_values(name):
+    """A segment moved to grow, the pool compacted, the pool grown: every written token still reads back its
+    own keys/values (the scales travel with the 8-bit values; the engine tests never move a written segment)."""
+    fmt = kv_format(name, torch.float32)
+    kv = KVStore(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu", initial_slots=16,
+                 fmt=fmt)
+    torch.manual_seed(0)
+    want = {}
+
+    def write(node, n):
+        seg = kv.reserve(node, n)
+        k, v = torch.randn(2, n, 2, 16) * torch.logspace(-2, 1, n)[:, None, None]  # a scale per token
+        for layer in range(2):
+            kv.write(layer, torch.arange(seg.start, seg.start + n), k * (layer + 1), v * (layer + 1))
+        seg.computed = n
+        want[node] = [dequantize_reference(*quantize_reference(x * (layer + 1), fmt)) for layer in range(2)
+                      for x in (k, v)]
+
+    def check():
+        for node, values in want.items():
+            seg = kv.segments[node]
+            rows = slice(seg.start, seg.start + seg.computed)
+            got = [dequantize_reference(cache[layer, rows], scales[layer, rows]) for layer in range(2)
+                   for cache, scales in ((kv.k, kv.k_scale), (kv.v, kv.v_scale))]
+            for g, w in zip(got, values):
+                assert torch.equal(g, w), f"node {node} at {seg}"
+
+    write(1, 4)
+    write(2, 5)
+    write(3, 3)
+    start = kv.segments[1].start
+    kv.reserve(1, 9)  # no room after it: moves
+    assert kv.segments[1].start != start
+    check()
+    kv.free(2)
+    del want[2]
+    kv.reserve(4, kv.slots_free() - 1)  # enough room, but in pieces: compacts
+    assert kv.compactions == 1
+    check()
+    slots = kv.num_slots
+    kv.reserve(5, 40)  # grows the written pool
+    assert kv.num_slots > slots and kv.k_scale.shape[1] == kv.num_slots
+    check()
