@@ -311,3 +311,33 @@ def test_kv_store_moves_compacts_and_grows_the_scales_with_the_values(name):
     kv.reserve(5, 40)  # grows the written pool
     assert kv.num_slots > slots and kv.k_scale.shape[1] == kv.num_slots
     check()
+
+
+@pytest.mark.parametrize("heads,kv", [(9, 3), (4, 4), (6, 1)])
+def test_fused_rope_quantizes_into_an_int8_cache_on_the_cpu(heads, kv):
+    """The fused RoPE kernel's INT8 cache write (under the interpreter): each token's rotated keys and its
+    values at its slot, quantized by the reference rule, scales at [slot, KV head]; other slots untouched.
+    (FP8 is left to the GPU test: the Triton interpreter's fp32 -> e4m3 cast rounds some values wrongly,
+    e.g. 124 -> 64.)"""
+    from treegen.kernels.fused_ops import rope_
+
+    torch.manual_seed(2)
+    fmt = kv_format("int8", torch.float32)
+    t, d, total = 7, 64, 20
+    qkv = torch.randn(t, heads + 2 * kv, d) * torch.logspace(-2, 1, heads + 2 * kv)[None, :, None]
+    ang = torch.rand(t, d)
+    cos, sin = ang.cos(), ang.sin()
+    slots = torch.randperm(total)[:t]
+    k8, v8 = torch.zeros(total, kv, d, dtype=torch.int8), torch.zeros(total, kv, d, dtype=torch.int8)
+    ks, vs = torch.zeros(total, kv), torch.zeros(total, kv)
+    keys = rope_(qkv.clone(), cos, sin, heads, kv)[:, heads:heads + kv]  # the kernel's own rotated keys
+    values = qkv[:, heads + kv:].clone()
+    rope_(qkv, cos, sin, heads, kv, store=(k8, v8, slots, ks, vs))
+    untouched = torch.ones(total, dtype=torch.bool)
+    untouched[slots] = False
+    for stored, scale, x in ((k8, ks, keys), (v8, vs, values)):
+        want_q, want_s = quantize_reference(x, fmt)
+        torch.testing.assert_close(scale[slots], want_s, atol=0, rtol=1e-6)
+        assert (stored[slots].int() - want_q.int()).abs().max() <= 1  # a tie may round the other way
+        assert (stored[slots] != want_q).float().mean() < 0.01
+        assert not stored[untouched].any() and not scale[untouched].any()
