@@ -74,7 +74,7 @@ def kv_format(kv_dtype: str | None, model_dtype: torch.dtype, device: torch.devi
         return KVFormat(str(model_dtype).removeprefix("torch."), model_dtype)
     if kv_dtype not in _EIGHT_BIT:
         choices = ", ".join(repr(c) for c in KV_DTYPES)
-        raise ValueError(f"kv_dtype must be one of {choices} (None: the model's dtype), got {kv_dtype!r}")
+        raise ValueError(f"kv_dtype must be one of {choices} (None or 'auto': the model's dtype), got {kv_dtype!r}")
     device = torch.device(device)
     if kv_dtype == "fp8" and device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
