@@ -309,6 +309,13 @@ def test_fuzz_generated_programs_compile_or_raise_tgerror(tokenizer, text):
         assert re.match(r"<fuzz>:\d+:\d+: \S", str(e)), str(e)
 
 
+def test_branches_that_set_a_variable_again_are_joined_while_tracing(tokenizer):
+    """Found by the fuzz test: a gen inside the fork sets ``x`` again; tracing (compile, no model) must see
+    the branches set it (it held one shared pending marker, so the join thought they set nothing)."""
+    prog = loads("param n = 2\ngen x\nfork 2 { gen x } join { best_x = best(x, by=x) }", "<t>")
+    assert prog.compile(tokenizer=tokenizer).complete
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from treegen.runtime.loader import load_tokenizer

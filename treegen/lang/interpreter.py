@@ -36,13 +36,12 @@ class UnsetVariableError(KeyError):
 
 
 class _Pending:
-    """Marker value: produced by a queued gen/select."""
+    """Marker value: produced by a queued gen/select. One per gen/select (never shared), so a branch that
+    sets a variable again while tracing is seen to set it (a join compares values by identity)."""
 
     def __repr__(self) -> str:
         return "<pending>"
 
-
-_PENDING = _Pending()
 
 
 class _Joined:
@@ -399,7 +398,7 @@ class State:
         elif self.pending or isinstance(op, (Gen, Select)):
             self.pending.append(op)
             if isinstance(op, (Gen, Select)):
-                self.vars[op.name] = _PENDING
+                self.vars[op.name] = _Pending()
         else:
             self._apply(op)
 
@@ -449,10 +448,10 @@ class State:
             tree.extend(leaf, ids)
         elif isinstance(op, Gen):  # tracing: book the budget
             tree.graph.nodes[self._leaf()]["gen_budget"] += op.params.max_tokens
-            self.vars[op.name] = _PENDING
+            self.vars[op.name] = _Pending()
         elif isinstance(op, Select):  # tracing: show the alternatives
             self._add_choices(op)
-            self.vars[op.name] = _PENDING
+            self.vars[op.name] = _Pending()
             self._after_select = True
 
     def _add_choices(self, op: Select) -> tuple[int, ...]:
