@@ -10,7 +10,8 @@ import torch
 import treegen
 from test_end_to_end import gen_records
 from test_model import PackedCache
-from test_tree_attention import DecodeTree, ground_truth, layout, make_queries, random_tree
+from test_runtime import two_level
+from test_tree_attention import ground_truth, library_below_the_root_tree, layout, make_queries, random_tree
 from treegen.kernels.kv_quant import dequantize_reference, kv_format, quantize_reference
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.runtime.engine import Engine
@@ -100,11 +101,7 @@ def test_tree_attention_over_an_8bit_cache_matches_plain_attention_over_its_valu
 def test_library_segment_of_an_8bit_cache_is_dequantized_for_it(name, fuse):
     """The large shared middle node goes to the library kernel (its PyTorch reference on the CPU), which
     reads the 8-bit cache's keys dequantized; merged with the Triton partials as usual."""
-    rng = random.Random(5)
-    torch.manual_seed(5)
-    parent = [-1, 0, 0] + [2] * 5 + [1] * 70
-    length = [40, 1101, 30] + [rng.randint(1, 20) for _ in range(75)]
-    tree = DecodeTree(parent, length, list(range(3, 78)), rng)
+    tree = library_below_the_root_tree()
     plan = tree.plan(8, 1, library=True, fuse_merge=fuse)
     assert plan.triton.library is not None
     q = torch.randn(75, 8, 64)
@@ -214,21 +211,12 @@ def test_engine_refuses_an_unknown_kv_dtype(tiny_llama):
         Engine(model, None, kv_dtype="e5m2")
 
 
-def two_level(s, n):
-    s += "Solve each problem. " * 4
-    problems = s.fork(3, content=[f" Problem {k}: {k} plus {k} is" for k in range(3)])
-    samples = problems.fork(n)
-    samples += treegen.gen("x", max_tokens=6, temperature=0.8)
-    problems.join(samples)
-    s.join(problems)
-
-
 def test_a_kv_budget_holds_about_twice_the_branches_with_8bit_kv(tiny_llama):
     """Under the same byte budget (half of what the workload stores with the model's fp32 KV), the model-dtype
     run waits for memory while the 8-bit run keeps all twelve branches live at once; neither exceeds it."""
     _, model = tiny_llama
     tok = load_tokenizer()
-    program = treegen.program(two_level)
+    program = two_level
     plain = Engine(model, tok)
     budget = program.compile(4, tokenizer=tok).stats(plain.kv_shape).stored_bytes // 2
     runs = {name: program.run(Engine(model, tok, kv_budget_bytes=budget, kv_dtype=name), 4, seed=1)

@@ -52,11 +52,16 @@ CONFIGS = {
 def make_hf(name: str, seed: int = 0):
     """Small random HF model; every parameter (norms and biases included) gets non-trivial values."""
     torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32).eval()
+    return randomize_(AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32).eval())
+
+
+def randomize_(hf, norm_mean: float = 1.0):
+    """Give every parameter of ``hf`` non-trivial random values, in place (norm weights around
+    ``norm_mean``: 0 for Gemma's ``1 + w`` norms); returns ``hf``."""
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if "norm" in pname:
-                p.normal_(1.0, 0.2)
+                p.normal_(norm_mean, 0.2)
             elif pname.endswith("bias"):
                 p.normal_(0.0, 0.3)
             elif "embed" in pname:

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from test_end_to_end import check_against_hf, gen_records  # noqa: E402
-from test_model import PackedCache, hf_logits, random_sequences, save_tiny_tokenizer  # noqa: E402
+from test_model import PackedCache, hf_logits, random_sequences, randomize_, save_tiny_tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import treegen  # noqa: E402
@@ -73,18 +73,7 @@ def make_hf(name: str, seed: int = 0):
     torch.manual_seed(seed)
     config = CONFIGS[name]()
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gemma_norm = FAMILIES[config.model_type].norm_style == "gemma"
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if "norm" in pname:
-                p.normal_(0.0 if gemma_norm else 1.0, 0.2)
-            elif pname.endswith("bias"):
-                p.normal_(0.0, 0.3)
-            elif "embed" in pname:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 0.5 / p.shape[1] ** 0.5)
-    return hf
+    return randomize_(hf, 0.0 if FAMILIES[config.model_type].norm_style == "gemma" else 1.0)
 
 
 @pytest.fixture(scope="module")

@@ -236,17 +236,22 @@ def test_library_partials_read_by_row_match_plain_attention(fuse):
                tree.plan(8, 1, library=True, fuse_merge=fuse))
 
 
+def library_below_the_root_tree() -> DecodeTree:
+    """A 1101-key middle node read by 70 of 75 decode branches (seeded: the same tree every call)."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    parent = [-1, 0, 0] + [2] * 5 + [1] * 70
+    length = [40, 1101, 30] + [rng.randint(1, 20) for _ in range(75)]
+    return DecodeTree(parent, length, list(range(3, 78)), rng)
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_library_segment_below_the_root_matches_plain_attention(fuse, dtype):
     """The library segment is a middle node (1101 keys) read by 70 of the 75 branches, not the first
     ones: its query rows are gathered, its two 550-key chunks' partials read through the library
     output's strides and merged with the root's, its 1-key tail's and each leaf's."""
-    rng = random.Random(5)
-    torch.manual_seed(5)
-    parent = [-1, 0, 0] + [2] * 5 + [1] * 70
-    length = [40, 1101, 30] + [rng.randint(1, 20) for _ in range(75)]
-    tree = DecodeTree(parent, length, list(range(3, 78)), rng)
+    tree = library_below_the_root_tree()
     plan = tree.plan(8, 1, library=True, fuse_merge=fuse)
     lib = plan.triton.library
     assert (lib.chunks, lib.chunk_len, lib.num_rows, lib.rows.tolist()) == (2, 550, 70, list(range(5, 75)))
