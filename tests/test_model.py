@@ -41,7 +41,7 @@ CONFIGS = {
         **SMALL, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
     "mistral-gqa3": lambda: MistralConfig(**SMALL, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
-                                          sliding_window=32),
+                                          sliding_window=6),
     "qwen2-gqa2-bias": lambda: Qwen2Config(**SMALL, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                            tie_word_embeddings=False),
     "qwen2-gqa3-tied": lambda: Qwen2Config(**SMALL, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
@@ -73,7 +73,8 @@ def randomize_(hf, norm_mean: float = 1.0):
 
 class PackedCache:
     """Reference KV cache for tests: every layer keeps all keys/values with (sequence id, position);
-    a query attends to the keys of its own sequence at positions <= its own (plain causal attention)."""
+    a query attends to the keys of its own sequence at positions <= its own (plain causal attention),
+    within the layer's sliding window (``model.layer_window``), soft-capped (``model.attn_softcap``)."""
 
     def __init__(self, model: LlamaFamilyModel):
         self.model = model
@@ -97,7 +98,11 @@ class PackedCache:
         keys = self.k[layer].repeat_interleave(rep, dim=1)  # [S, H, D]
         vals = self.v[layer].repeat_interleave(rep, dim=1)
         scores = torch.einsum("thd,shd->hts", q.float(), keys.float()) * m.attn_scale
+        if m.attn_softcap is not None:
+            scores = torch.tanh(scores / m.attn_softcap) * m.attn_softcap
         allowed = (self.q_seq[:, None] == self.seq[None, :]) & (self.pos[None, :] <= self.q_pos[:, None])
+        if m.layer_window[layer] is not None:
+            allowed &= self.pos[None, :] > self.q_pos[:, None] - m.layer_window[layer]
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         return torch.einsum("hts,shd->thd", probs, vals.float()).to(q.dtype)
 
@@ -174,7 +179,8 @@ def test_attributes_and_weight_sharing():
     assert model.lm_head is model.embed  # tied: one tensor
     assert model.embed.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # no copy
     assert model.layers[0].q_b is not None and model.layers[0].o_b is None  # qwen2: qkv bias only
-    assert LlamaFamilyModel.from_hf(make_hf("mistral-gqa3")).max_context == 32  # sliding window
+    mistral = LlamaFamilyModel.from_hf(make_hf("mistral-gqa3"))
+    assert mistral.max_context == 64 and mistral.layer_window == [6] * mistral.num_layers  # windowed attention
 
 
 def test_from_hf_rejects_other_architectures():

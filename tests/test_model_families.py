@@ -2,7 +2,8 @@
 
 Each family is a tiny random model built from its real transformers config class with the family's
 features on (q/k norms, sandwich / post norms, (1 + w) norms, scaled embeddings, GeGLU, fused
-checkpoint weights, LongRoPE with partial rotary, local/global RoPE bases, final-logit soft-cap),
+checkpoint weights, LongRoPE with partial rotary, local/global RoPE bases, attention and final-logit
+soft-caps, sliding windows shorter than the prompts),
 saved with ``save_pretrained`` and loaded back through treegen's own safetensors reader."""
 
 import os
@@ -22,7 +23,7 @@ import treegen  # noqa: E402
 from treegen.runtime.engine import Engine  # noqa: E402
 from treegen.runtime.families import FAMILIES  # noqa: E402
 from treegen.runtime.loader import load_model  # noqa: E402
-from treegen.runtime.model import LlamaFamilyModel, UnsupportedModelError, max_context_of  # noqa: E402
+from treegen.runtime.model import LlamaFamilyModel, UnsupportedModelError, layer_types_of, max_context_of  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1,
@@ -39,28 +40,29 @@ def _cfg(cls_name: str, **kw):
 PHI_ROTARY = 8  # head_dim 16 x partial_rotary_factor 0.5
 CONFIGS = {
     # per-head q/k RMSNorm, head_dim 32 != hidden / heads; a sliding window on the second layer
-    "qwen3": lambda: _cfg("Qwen3Config", head_dim=32, use_sliding_window=True, sliding_window=48,
+    "qwen3": lambda: _cfg("Qwen3Config", head_dim=32, use_sliding_window=True, sliding_window=6,
                           max_window_layers=1),
     "qwen3-tied-bias": lambda: _cfg("Qwen3Config", head_dim=16, attention_bias=True, tie_word_embeddings=True),
     # fused qkv_proj / gate_up_proj in the checkpoint, LongRoPE (short factors below the original
     # context, attention factor from max / original) on half of each head, a window on every layer
     "phi3-longrope-partial": lambda: _cfg(
-        "Phi3Config", max_position_embeddings=256, original_max_position_embeddings=40, sliding_window=48,
+        "Phi3Config", max_position_embeddings=256, original_max_position_embeddings=40, sliding_window=9,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [2.0, 4.0, 8.0, 16.0]}),
     "phi3-mha": lambda: _cfg("Phi3Config", num_key_value_heads=4),
     # norms after attention and MLP only, q/k norm over the whole projection, RoPE in fp32
     "olmo2": lambda: _cfg("Olmo2Config"),
-    "olmo3": lambda: _cfg("Olmo3Config", sliding_window=48, layer_types=["sliding_attention", "full_attention"]),
+    "olmo3": lambda: _cfg("Olmo3Config", sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
     # scaled embeddings, (1 + w) norms, GeGLU (tanh); Gemma ties its embeddings, which makes a random
     # model repeat its last token: untied here so that greedy branches differ
     "gemma": lambda: _cfg("GemmaConfig", head_dim=16, tie_word_embeddings=False),
-    # + sandwich norms, query_pre_attn_scalar, final-logit soft-cap (attention soft-cap off: refused below)
-    "gemma2": lambda: _cfg("Gemma2Config", head_dim=16, query_pre_attn_scalar=24, sliding_window=48,
-                           attn_logit_softcapping=None, final_logit_softcapping=4.0, tie_word_embeddings=False),
+    # + sandwich norms, query_pre_attn_scalar, attention and final-logit soft-caps (small, so they bite),
+    # local (windowed) and global layers alternating
+    "gemma2": lambda: _cfg("Gemma2Config", head_dim=16, query_pre_attn_scalar=24, sliding_window=7,
+                           attn_logit_softcapping=1.5, final_logit_softcapping=4.0, tie_word_embeddings=False),
     # + per-head (1 + w) q/k norms, local/global layers with their own RoPE (global: linear scaling)
     "gemma3": lambda: _cfg(
-        "Gemma3TextConfig", num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=48,
+        "Gemma3TextConfig", num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=6.0,
         tie_word_embeddings=False,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -180,12 +182,14 @@ def test_family_switches_seen_by_the_model(saved):
     gemma3 = load_model(saved("gemma3")[1])[0]
     assert gemma3.attn_scale == 24**-0.5 and gemma3.final_softcap == 6.0
     assert gemma3.rope_keys == ["sliding_attention", "full_attention", "sliding_attention"]
-    assert gemma3.max_context == 48 and gemma3.lm_head is not gemma3.embed
+    assert gemma3.max_context == 64 and gemma3.layer_window == [8, None, 8] and gemma3.lm_head is not gemma3.embed
     tied = load_model(saved("qwen3-tied-bias")[1])[0]
     assert tied.lm_head is tied.embed and tied.layers[0].q_b is not None and tied.layers[0].o_b is not None
     assert "gemma3_text" in repr(gemma3) and "fused=none" in repr(gemma3)  # CPU
     qwen3 = load_model(saved("qwen3")[1])[0]
-    assert qwen3.layer_types == ["full_attention", "sliding_attention"] and qwen3.max_context == 48
+    assert qwen3.layer_types == ["full_attention", "sliding_attention"] and qwen3.layer_window == [None, 6]
+    gemma2 = load_model(saved("gemma2")[1])[0]
+    assert gemma2.attn_softcap == 1.5 and gemma2.layer_window == [7, None]
     assert qwen3.layers[0].qk_norm.shape == (4 + 2, 32)
     olmo2 = load_model(saved("olmo2")[1])[0]
     assert olmo2.layers[0].attn_norm is None and olmo2.layers[0].attn_post_norm is not None
@@ -202,13 +206,6 @@ def test_random_weights_for_every_family():
 
 
 # --------------------------------------------------------------------------- refusals
-
-
-def test_attention_softcap_is_refused_by_name(tmp_path):
-    config = _cfg("Gemma2Config", head_dim=16)  # attn_logit_softcapping=50.0 by default
-    config.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="attention logit soft-capping"):
-        load_model(tmp_path)
 
 
 def test_quantized_checkpoint_is_refused(tmp_path):
@@ -242,12 +239,12 @@ def test_unknown_architecture_lists_supported(tmp_path):
 
 
 def test_window_rule_per_family():
-    """The context is limited to the window wherever any layer has one (exact: full attention up to it)."""
-    assert max_context_of(_cfg("Phi3Config", sliding_window=20)) == 20  # phi3: every layer
-    assert max_context_of(_cfg("Phi3Config")) == 64
-    assert max_context_of(_cfg("Qwen3Config", sliding_window=20)) == 64  # use_sliding_window off
-    assert max_context_of(_cfg("Gemma3TextConfig", head_dim=16, sliding_window=20)) == 20
-    assert max_context_of(_cfg("Olmo2Config")) == 64
+    """Which layers get the window, by the family's rule; windows never limit the context."""
+    assert layer_types_of(_cfg("Phi3Config", sliding_window=20)) == ["sliding_attention"] * 2  # phi3: every layer
+    assert layer_types_of(_cfg("Phi3Config")) == ["full_attention"] * 2
+    assert layer_types_of(_cfg("Qwen3Config", sliding_window=20)) == ["full_attention"] * 2  # use_sliding_window off
+    assert layer_types_of(_cfg("Olmo2Config", sliding_window=20)) == ["full_attention"] * 2  # no windows in olmo2
+    assert max_context_of(_cfg("Gemma3TextConfig", head_dim=16, sliding_window=20)) == 64
 
 
 # --------------------------------------------------------------------------- the safetensors reader
@@ -347,7 +344,7 @@ def test_multimodal_gemma3_checkpoint_runs_its_text_model(tmp_path):
     hf.save_pretrained(tmp_path)
     save_tiny_tokenizer(tmp_path)
     engine = Engine.load(str(tmp_path))
-    assert engine.model.config.model_type == "gemma3_text" and engine.model.max_context == 48
+    assert engine.model.config.model_type == "gemma3_text" and engine.model.max_context == 64 and engine.model.layer_window[0] == 48
     assert engine.model.lm_head is not engine.model.embed
     (seq,) = random_sequences([12], vocab=120)
     out = PackedCache(engine.model).forward(torch.zeros(12, dtype=torch.long), seq, torch.arange(12))

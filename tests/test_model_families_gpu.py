@@ -15,7 +15,6 @@ import transformers  # noqa: E402
 from test_model import PackedCache  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS  # noqa: E402
 from treegen.runtime.engine import Engine, GenRequest  # noqa: E402
 from treegen.runtime.families import FAMILIES  # noqa: E402
 from treegen.runtime.loader import IdTokenizer  # noqa: E402
@@ -29,7 +28,8 @@ VOCAB = 32000
 # q/k/v and gate/up products (and the fused kernels' steps) where HF rounds its separate ones
 TOL = {torch.float32: 2e-3, torch.bfloat16: 5e-2}
 
-# real head shapes (Qwen3-1.7B, Phi-4-mini, OLMo-2-1B, Gemma-2-2B, Gemma-3-1B), 2 layers, smaller vocab
+# real head shapes (Qwen3-1.7B, Phi-4-mini, OLMo-2-1B, Gemma-2-2B, Gemma-3-1B, Mistral-7B), 2 layers, smaller
+# vocab; windows shorter than the tests' 300-token prompts so that they matter
 SHAPES = {
     "qwen3": ("Qwen3Config", dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
                                   num_key_value_heads=8, head_dim=128, rope_parameters={"rope_type": "default",
@@ -44,12 +44,15 @@ SHAPES = {
                                   num_key_value_heads=16, max_position_embeddings=4096)),
     "gemma2": ("Gemma2Config", dict(hidden_size=2304, intermediate_size=9216, num_attention_heads=8,
                                     num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
-                                    attn_logit_softcapping=None, final_logit_softcapping=30.0)),
+                                    sliding_window=128, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
     "gemma3": ("Gemma3TextConfig", dict(
         hidden_size=1152, intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-        query_pre_attn_scalar=256, sliding_window=512, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=256, sliding_window=128, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
+    # every layer windowed, head_dim 128: the Triton kernels apply the window
+    "mistral-window": ("MistralConfig", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                             num_key_value_heads=8, sliding_window=64)),
 }
 
 
@@ -111,8 +114,7 @@ def test_engine_tree_logits_match_hf(name, dtype):
     """A shared 300-token prompt, four unbalanced suffixes, three forced decode steps through the Engine
     (tree attention; the fused RoPE kernel writes the KV cache where the family rotates whole heads)."""
     hf, model = real_shape(name, dtype)
-    if model.head_dim not in SUPPORTED_HEAD_DIMS:  # Gemma's 256: the Engine attends with the PyTorch reference
-        assert Engine(model, IdTokenizer()).attention_backend == "reference"
+    assert Engine(model, IdTokenizer()).attention_backend == "auto"  # every shape here runs the Triton kernels
     g = torch.Generator().manual_seed(2)
     rand = lambda n: torch.randint(3, VOCAB, (n,), generator=g).tolist()  # noqa: E731
     prompt, suffixes = rand(300), [rand(k) for k in (1, 20, 37, 5)]
@@ -133,7 +135,7 @@ def test_engine_tree_logits_match_hf(name, dtype):
         assert_close_to(torch.cat(got[i]).float(), want, dtype)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi4-mini", "olmo2"])
+@pytest.mark.parametrize("name", ["qwen3", "phi4-mini", "olmo2", "mistral-window"])
 def test_cuda_graph_decode_equals_eager_decode(name):
     _, model = real_shape(name, torch.bfloat16)
     prompt = torch.randint(3, VOCAB, (200,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -78,7 +78,7 @@ def test_head_dims_the_kernels_lack_run_the_reference_attention_and_the_engine_s
     from treegen.runtime.model import LlamaFamilyModel
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=256)
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=96)
     engine = Engine(LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu"), None)
     assert engine.attention_backend == "reference" and "PyTorch reference attention" in repr(engine)
     run = engine.start()

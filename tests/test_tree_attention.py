@@ -37,7 +37,10 @@ def layout(parent, length, rng):
     return start, pos, cursor
 
 
-def ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, scale):
+def ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, scale, window=None,
+                 softcap=None):
+    """Plain softmax attention of each query row over its whole root-to-own-segment KV (fp64), causal,
+    within a sliding ``window`` (HF: ``key_pos > query_pos - window``) and soft-capped if asked."""
     out = []
     for row, seg in enumerate(query_segment):
         path = []
@@ -51,7 +54,12 @@ def ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment,
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         s = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
-        s = s.masked_fill(kpos.unsqueeze(0) > query_pos[row], float("-inf"))
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        hidden = kpos.unsqueeze(0) > query_pos[row]
+        if window is not None:
+            hidden |= kpos.unsqueeze(0) <= query_pos[row] - window
+        s = s.masked_fill(hidden, float("-inf"))
         out.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v))
     return torch.stack(out)
 
@@ -322,3 +330,49 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="cycle"):
         plan_tree_attention(segment_parent=[1, 0], segment_start=[0, 2], segment_len=[2, 2], segment_pos=[0, 2],
                             query_segment=[0], query_pos=[1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_sliding_window_and_soft_cap_match_plain_attention(seed, backend):
+    """Windows shorter and longer than segments (prefill and decode rows, unbalanced trees), with and
+    without soft-capping: both backends equal plain attention with HF's window rule."""
+    rng = random.Random(300 + seed)
+    torch.manual_seed(seed)
+    (num_heads, num_kv), head_dim = rng.choice([(4, 4), (9, 3), (8, 1)]), rng.choice([64, 128, 256])
+    parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 4),
+                                 max_len=rng.choice([17, 37, 150]))
+    start, pos, slots = layout(parent, length, rng)
+    query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=rng.choice([0, 5]))
+    window = rng.choice([1, 7, 40, 100])
+    softcap = rng.choice([None, 5.0])
+    dtype = torch.float32
+    q = torch.randn(len(query_pos), num_heads, head_dim, dtype=dtype) * 3  # large scores: the cap matters
+    k_cache = torch.randn(slots, num_kv, head_dim, dtype=dtype)
+    v_cache = torch.randn(slots, num_kv, head_dim, dtype=dtype)
+    plan = plan_tree_attention(
+        segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+        query_segment=query_segment, query_pos=query_pos, backend=backend, num_heads=num_heads, num_kv_heads=num_kv,
+        window=window, softcap=softcap, triton_options={"block_n": 16} if backend == "triton" else None,
+    )
+    scale = head_dim**-0.5
+    got = tree_attention(q, k_cache, v_cache, plan, scale)
+    want = ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, scale,
+                        window=window, softcap=softcap)
+    torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=2e-5)
+
+
+def test_window_plan_leaves_out_segments_no_row_can_see():
+    """A root of 100 keys under two leaves of 30: with a window of 20 no leaf query sees the root, so the
+    plan reads only the leaves (the reference has one level, the Triton plan no root work item)."""
+    parent, length, pos, start = [-1, 0, 0], [100, 30, 30], [0, 100, 100], [0, 100, 130]
+    kwargs = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=[1, 2], query_pos=[129, 129])
+    assert len(plan_tree_attention(**kwargs, window=20).levels) == 1
+    assert len(plan_tree_attention(**kwargs).levels) == 2
+    tri = plan_tree_attention(**kwargs, window=20, backend="triton", num_heads=2, num_kv_heads=1).triton
+    assert sorted(int(slot) for launch in tri.launches for slot in launch.work[:, 0]) == [100, 130]
+    with pytest.raises(ValueError, match="window"):
+        plan_tree_attention(**kwargs, window=0)
+    with pytest.raises(ValueError, match="softcap"):
+        plan_tree_attention(**kwargs, softcap=-1.0)

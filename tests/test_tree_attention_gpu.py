@@ -25,7 +25,7 @@ def plans(parent, start, length, pos, query_segment, query_pos, heads, kv, dtype
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch,prefix,suffix", [(64, 1024, 32), (256, 4096, 256), (1024, 1024, 32), (3, 16384, 1)])
-@pytest.mark.parametrize("heads,kv,head_dim", [(8, 1, 128), (32, 8, 128), (32, 32, 128), (9, 3, 64)])
+@pytest.mark.parametrize("heads,kv,head_dim", [(8, 1, 128), (32, 8, 128), (32, 32, 128), (9, 3, 64), (16, 8, 256)])
 def test_paper_grid_shapes(dtype, batch, prefix, suffix, heads, kv, head_dim):
     torch.manual_seed(0)
     parent = [-1] + [0] * batch
@@ -97,3 +97,39 @@ def test_library_segment_below_the_root(dtype, fuse):
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     with pytest.raises(ValueError, match="fp16/bf16"):
         tree_attention(q.float(), k.float(), v.float(), fast, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_sliding_window_and_soft_cap_on_random_trees(seed, dtype, kv_dtype):
+    """Windows shorter and longer than segments (decode and prefill rows), soft-capped or not, on a
+    plain and an 8-bit cache: the compiled kernels vs the fp32 reference (same window, same cap)."""
+    from treegen.kernels.kv_quant import kv_format, quantize_reference
+
+    rng = random.Random(500 + seed)
+    torch.manual_seed(seed)
+    heads, kv, head_dim = rng.choice([(8, 1, 128), (9, 3, 64), (32, 8, 128), (16, 8, 256)])
+    parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 8),
+                                 max_len=rng.choice([37, 300, 2000]))
+    start, pos, slots = layout(parent, length, rng)
+    query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=rng.choice([0, 40]))
+    window, softcap = rng.choice([16, 100, 512, 1500]), rng.choice([None, 30.0])
+    q = torch.randn(len(query_pos), heads, head_dim, device="cuda", dtype=dtype) * 2
+    k = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
+    scales = ()
+    if kv_dtype is not None:
+        fmt = kv_format(kv_dtype, dtype, "cuda")
+        (k, ks), (v, vs) = quantize_reference(k, fmt), quantize_reference(v, fmt)
+        scales = (ks, vs)
+    common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=query_segment, query_pos=query_pos, device="cuda", num_heads=heads,
+                  num_kv_heads=kv, window=window, softcap=softcap)
+    fast = plan_tree_attention(**common, dtype=dtype)
+    ref = plan_tree_attention(**common, backend="reference")
+    assert fast.backend == "triton" and fast.triton.library is None
+    got = tree_attention(q, k, v, fast, head_dim**-0.5, *scales)
+    want = tree_attention_reference(q.float(), k if scales else k.float(), v if scales else v.float(), ref,
+                                    head_dim**-0.5, *scales)
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])

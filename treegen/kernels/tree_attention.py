@@ -8,7 +8,10 @@ forest through ``segment_parent``. A query row belongs to one segment (its *own*
 * causally to its own segment (keys whose absolute position is ``<=`` the query's position).
 
 Both rules are one rule on absolute positions: key visible iff ``key_pos <= query_pos``, because every
-ancestor key precedes every descendant position. The attention is decomposed by tree level: at level
+ancestor key precedes every descendant position. A plan with a sliding ``window`` W (Mistral, the local
+layers of Gemma 2/3) adds ``key_pos > query_pos - W`` (Hugging Face's rule): segments wholly before every
+window of the rows below them are left out of the plan (their KV is not read), a segment partly inside is
+masked. A plan with a ``softcap`` c (Gemma 2) scores ``c * tanh(s / c)`` instead of ``s``. The attention is decomposed by tree level: at level
 ``d`` every segment of depth ``d`` is attended by all query rows below it, batched into one
 matrix-matrix product (and all query heads that share a KV head are folded into the query axis). The
 partial results are merged exactly with the log-sum-exp trick.
@@ -69,6 +72,8 @@ class TreeAttentionPlan:
     ``backend`` — ``"reference"`` (PyTorch, any device) or ``"triton"`` (the Triton kernels).
     ``levels`` — reference: one :class:`LevelPlan` per tree depth that has a query below it.
     ``triton`` — Triton: the kernels' work tables (None for the reference).
+    ``window`` — sliding window W (keys at ``key_pos > query_pos - W`` only; None: all earlier keys).
+    ``softcap`` — attention logit soft-capping c (scores ``c * tanh(s / c)``; None: plain scores).
     """
 
     num_queries: int
@@ -76,6 +81,8 @@ class TreeAttentionPlan:
     backend: str
     levels: tuple[LevelPlan, ...]
     triton: TritonPlan | None = None
+    window: int | None = None
+    softcap: float | None = None
 
 
 def _pad(rows: Sequence[Sequence[int]], fill: int, device) -> Tensor:
@@ -94,12 +101,14 @@ def plan_tree_attention(
     segment_len: Sequence[int],
     segment_pos: Sequence[int],
     query_segment: Sequence[int],
-    query_pos: Sequence[int],
+    query_pos: Sequence[int] | Tensor,
     device: torch.device | str = "cpu",
     backend: str = "auto",
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     dtype: torch.dtype | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
     triton_options: dict | None = None,
 ) -> TreeAttentionPlan:
     """Build the index tensors for tree attention.
@@ -112,7 +121,8 @@ def plan_tree_attention(
     query_segment: [num_queries] — the segment each query row belongs to (attends causally);
         two decode queries of the child above → ``[1, 1]`` is invalid for one sequence, but two
         prefill rows of it are ``[1, 1]`` with query_pos ``[4, 5]``.
-    query_pos: [num_queries] — absolute position of each query row.
+    query_pos: [num_queries] — absolute position of each query row (an int64 tensor on ``device`` is
+        used as the plan's own, not copied: plans of one forward pass with different windows share it).
     backend: ``"auto"`` (Triton on CUDA when available, else the reference), ``"reference"``, or
         ``"triton"`` (also on CPU under ``TRITON_INTERPRET=1``, which is how CI tests the kernels).
     num_heads, num_kv_heads: query and KV head counts; needed by the Triton backend.
@@ -138,6 +148,18 @@ def plan_tree_attention(
             raise ValueError(f"{name} has {len(seq)} entries, segment_parent has {n}")
     if len(query_segment) != len(query_pos):
         raise ValueError(f"query_segment has {len(query_segment)} entries, query_pos has {len(query_pos)}")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if isinstance(query_pos, Tensor):
+        query_pos_t = query_pos
+        if query_pos_t.dtype != torch.int64 or query_pos_t.dim() != 1 or query_pos_t.device != device:
+            raise ValueError(f"a query_pos tensor must be int64 [num_queries] on {device}, got "
+                             f"{query_pos_t.dtype} {tuple(query_pos_t.shape)} on {query_pos_t.device}")
+        query_pos = query_pos_t.tolist()
+    else:
+        query_pos_t = torch.as_tensor(list(query_pos), dtype=torch.int64).to(device)
 
     depth = [-1] * n
     for s in range(n):  # iterative depth with cycle detection
@@ -161,18 +183,22 @@ def plan_tree_attention(
             raise ValueError(f"query row {row} names segment {seg}, outside [0, {n})")
         cur, path = seg, []
         while cur != -1:
-            rows_of.setdefault(cur, []).append(row)
-            path.append(cur)
+            # an ancestor whose last key is outside this row's window is not read at all
+            if cur == seg or window is None or segment_pos[cur] + segment_len[cur] - 1 > query_pos[row] - window:
+                rows_of.setdefault(cur, []).append(row)
+                path.append(cur)
             cur = segment_parent[cur]
         paths.append(path[::-1])
-    query_pos_t = torch.as_tensor(list(query_pos), dtype=torch.int64).to(device)
     if backend == "triton":
-        options = {"library": dtype is not None and library_available(device, dtype), **(triton_options or {})}
+        plain = window is None and softcap is None  # the library kernel computes plain causal attention
+        options = {"library": plain and dtype is not None and library_available(device, dtype),
+                   **(triton_options or {})}
         return TreeAttentionPlan(
             num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),
             triton=plan_triton(segment_start=segment_start, segment_len=segment_len, segment_pos=segment_pos,
                                rows_of=rows_of, paths=paths, num_kv_heads=num_kv_heads,
                                group=num_heads // num_kv_heads, device=device, **options),
+            window=window, softcap=None if softcap is None else float(softcap),
         )
 
     levels = []
@@ -194,7 +220,8 @@ def plan_tree_attention(
                                          dtype=torch.int64, device=device),
             )
         )
-    return TreeAttentionPlan(num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=tuple(levels))
+    return TreeAttentionPlan(num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=tuple(levels),
+                             window=window, softcap=None if softcap is None else float(softcap))
 
 
 def merge_attention_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
@@ -212,8 +239,9 @@ def merge_attention_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -
     return o, m_safe + torch.log(denom)
 
 
-def _hidden(level: LevelPlan, query_pos: Tensor, group: int) -> Tensor:
-    """[n, 1, R*G, L] bool, True where a key is invisible to a query row (position rule or padding).
+def _hidden(level: LevelPlan, query_pos: Tensor, group: int, window: int | None) -> Tensor:
+    """[n, 1, R*G, L] bool, True where a key is invisible to a query row (position rule, window or
+    padding).
 
     Depends only on the plan's positions, so it is made once per forward pass and reused by every
     layer (``query_pos`` moves in place between decode steps; its version counter tells)."""
@@ -222,7 +250,10 @@ def _hidden(level: LevelPlan, query_pos: Tensor, group: int) -> Tensor:
     if cached is not None and cached[0] == key:
         return cached[1]
     n, rows = level.query_rows.shape
-    visible = (level.kv_pos.unsqueeze(1) <= query_pos[level.query_rows].unsqueeze(2)) & level.query_valid.unsqueeze(2)
+    qpos = query_pos[level.query_rows].unsqueeze(2)
+    visible = (level.kv_pos.unsqueeze(1) <= qpos) & level.query_valid.unsqueeze(2)
+    if window is not None:
+        visible &= level.kv_pos.unsqueeze(1) > qpos - window
     hidden = ~visible.unsqueeze(2).expand(n, rows, group, -1).reshape(n, 1, rows * group, -1)
     level.mask_cache["hidden"] = (key, hidden)
     return hidden
@@ -235,7 +266,8 @@ def _gather(cache: Tensor, scales: Tensor | None, slots: Tensor) -> Tensor:
 
 
 def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float,
-                  k_scale: Tensor | None = None, v_scale: Tensor | None = None):
+                  k_scale: Tensor | None = None, v_scale: Tensor | None = None, window: int | None = None,
+                  softcap: float | None = None):
     """Attention of every segment of one level against the query rows below it → (o, lse) per row."""
     n, rows = level.query_rows.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -246,7 +278,10 @@ def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor
     flat = level.kv_slots.reshape(-1)
     k = _gather(k_cache, k_scale, flat).view(n, -1, num_kv, head_dim).permute(0, 2, 3, 1)  # [n, Hkv, D, L]
     v = _gather(v_cache, v_scale, flat).view(n, -1, num_kv, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
-    scores = torch.matmul(qs, k).mul_(scale).masked_fill_(_hidden(level, query_pos, group), float("-inf"))
+    scores = torch.matmul(qs, k).mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(_hidden(level, query_pos, group, window), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [n, Hkv, R*G]
     lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)
     out = torch.matmul(torch.exp(scores - lse_safe.unsqueeze(-1)), v)  # [n, Hkv, R*G, D]
@@ -269,7 +304,8 @@ def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
     o_acc = torch.zeros(num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_acc = torch.full((num_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     for i, level in enumerate(plan.levels):
-        out, lse = _attend_level(q, k_cache, v_cache, plan.query_pos, level, scale, k_scale, v_scale)
+        out, lse = _attend_level(q, k_cache, v_cache, plan.query_pos, level, scale, k_scale, v_scale,
+                                 plan.window, plan.softcap)
         o_new = out.reshape(-1, num_heads, head_dim).index_select(0, level.valid_index)
         lse_new = lse.reshape(-1, num_heads).index_select(0, level.valid_index)
         if i:  # merge into what the rows hold from the levels above (each row appears once per level)
@@ -326,5 +362,6 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttent
         if plan.triton.group != q.shape[1] // k_cache.shape[1]:
             raise ValueError(f"the plan was made for {plan.triton.group} query heads per KV head, "
                              f"q/k_cache have {q.shape[1] // k_cache.shape[1]}")
-        return tree_attention_triton(q, k_cache, v_cache, plan.triton, plan.query_pos, scale, k_scale, v_scale)
+        return tree_attention_triton(q, k_cache, v_cache, plan.triton, plan.query_pos, scale, k_scale, v_scale,
+                                     window=plan.window, softcap=plan.softcap)
     return tree_attention_reference(q, k_cache, v_cache, plan, scale, k_scale, v_scale)

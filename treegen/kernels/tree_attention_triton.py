@@ -20,6 +20,11 @@ When every query's own segment is a single 16-row work item (decode: one leaf pe
 launch runs last and its items merge their rows' ancestor partials themselves (``fused_merge``): two
 launches per layer instead of three, and no partial written for the leaf.
 
+Sliding window and soft-capping (plan-level, :mod:`~treegen.kernels.tree_attention`): with a window W a
+key is visible iff ``query_pos - W < key_pos <= query_pos``; each work item starts at the first key block
+any of its rows can see and reads the blocks every row sees without masks. With a soft cap c the scores
+are ``c * tanh(s / c)`` before the softmax (Gemma 2).
+
 LSE convention: partial LSEs are stored as **natural log** in fp32 (the kernel works in base 2
 internally with ``exp2`` and converts on store). A work item with no visible key stores ``-inf``
 and output 0; the merge skips such partials without NaN.
@@ -53,6 +58,12 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _soft_cap(qk, cap, pre):
+        """``cap * tanh(qk * pre)`` (``pre = scale / cap``): Gemma 2's attention logit soft-capping.
+        tanh as ``1 - 2 / (exp(2x) + 1)``: saturates to +-1 without NaN, and runs in the interpreter."""
+        return cap * (1.0 - 2.0 / (tl.exp(2.0 * qk * pre) + 1.0))
+
+    @triton.jit
     def _online_softmax_step(acc, m_i, l_i, qk, v, vs, scale_log2, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr,
                              QUANT: tl.constexpr):
         """Fold one block of raw scores ``qk`` [M, N] (invisible keys -inf) and values ``v`` [N, D] into the
@@ -76,10 +87,13 @@ if triton is not None:
 
     @triton.jit
     def _attend_blocks(acc, m_i, l_i, q, qpos, K, V, KS, VS, stride_kt, stride_st, pos0, lo, hi, scale_log2,
+                       window, cap, pre,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                       PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                       PRECISION: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
         """Online-softmax over keys [lo, hi) of a segment (base-2 running max ``m_i`` and sum ``l_i``).
-        MASKED=False: every key of every block is visible to every row (no bounds or causal checks).
+        MASKED=False: every key of every block is visible to every row (no bounds, causal or window checks).
+        WINDOW: keys at ``key_pos <= qpos - window`` are invisible too. SOFTCAP: scores are soft-capped
+        (``_soft_cap``; ``scale_log2`` is then plain log2(e)).
         QUANT: K/V hold 8-bit values, ``KS``/``VS`` their per-key scales (stride ``stride_st``): the
         scores are ``(q . k) * k_scale`` and the values are scaled through the probabilities."""
         offs_d = tl.arange(0, HEAD_DIM)
@@ -108,16 +122,20 @@ if triton is not None:
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if QUANT:
                 qk = qk * ks[None, :]
+            if SOFTCAP:
+                qk = _soft_cap(qk, cap, pre)
             if MASKED:
                 visible = key_ok[None, :] & ((pos0 + offs_n)[None, :] <= qpos[:, None])
+                if WINDOW:
+                    visible = visible & ((pos0 + offs_n)[None, :] > qpos[:, None] - window)
                 qk = tl.where(visible, qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, qk, v, vs, scale_log2, True, PRECISION, QUANT)
         return m_i, l_i, acc
 
     @triton.jit
     def _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, KS, VS, stride_st, row0, col, lo, hi, scale_log2,
-                           BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
-                           QUANT: tl.constexpr):
+                           cap, pre, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
+                           QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
         """Unmasked online-softmax over keys [lo, hi) (whole blocks) with TMA tensor-descriptor loads;
         ``row0`` is the segment's first cache slot, ``col`` the KV head's first column. QUANT: as in
         :func:`_attend_blocks` (``KS``/``VS`` point at the segment's first slot's scales)."""
@@ -137,6 +155,8 @@ if triton is not None:
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if QUANT:
                 qk = qk * ks[None, :]
+            if SOFTCAP:
+                qk = _soft_cap(qk, cap, pre)
             # a fully visible block gives every row a finite score, so the max is never -inf here
             m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, qk, v, vs, scale_log2, False, PRECISION, QUANT)
         return m_i, l_i, acc
@@ -145,12 +165,12 @@ if triton is not None:
     def _segment_attention_kernel(
         Q, K, V, K_desc, V_desc, KS, VS, O_part, LSE_part, work, rows, q_pos, merge_ptr, merge_idx, Out,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_st, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
-        scale_log2,
+        scale_log2, window, cap, pre,
         O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
         MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, DIRECT_ROWS: tl.constexpr, LIB_BY_ROW: tl.constexpr,
-        LIB_P2: tl.constexpr, QUANT: tl.constexpr,
+        LIB_P2: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -184,20 +204,33 @@ if triton is not None:
         qmin = tl.min(tl.where(row_ok, qpos, 2147483647), axis=0)
         full = tl.minimum(hi, qmin - pos0 + 1)
         full = tl.maximum(kb, kb + (full - kb) // BLOCK_N * BLOCK_N)
+        if WINDOW:
+            # keys before the lowest row's window are invisible to all rows: start at the block holding
+            # its first key; keys inside the highest row's window (and before ``full``) are visible to all
+            lo = kb + tl.maximum(qmin - window + 1 - pos0 - kb, 0) // BLOCK_N * BLOCK_N
+            ulo = kb + (tl.maximum(tl.max(qpos, axis=0) - window + 1 - pos0 - kb, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            ulo = tl.maximum(lo, tl.minimum(ulo, full))
+        else:
+            lo = kb
+            ulo = kb
         kv_base = slot0.to(tl.int64) * stride_kt + kvh * stride_kh
         s_base = slot0.to(tl.int64) * stride_st + kvh  # the scales of an 8-bit cache: [slots, kv_heads]
+        if WINDOW:  # the blocks that only some rows see because of the window
+            m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
+                                           stride_kt, stride_st, pos0, lo, ulo, scale_log2, window, cap, pre,
+                                           HEAD_DIM, BLOCK_N, True, PRECISION, QUANT, WINDOW, SOFTCAP)
         if USE_TMA:
             # a fully visible block has a finite score in every row, so the running max is finite
             m_i, l_i, acc = _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, KS + s_base, VS + s_base, stride_st,
-                                               slot0, kvh * HEAD_DIM, kb, full, scale_log2, BLOCK_N, WARP_SPECIALIZE,
-                                               PRECISION, QUANT)
+                                               slot0, kvh * HEAD_DIM, ulo, full, scale_log2, cap, pre, BLOCK_N,
+                                               WARP_SPECIALIZE, PRECISION, QUANT, SOFTCAP)
         else:
             m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
-                                           stride_kt, stride_st, pos0, kb, full, scale_log2, HEAD_DIM, BLOCK_N, False,
-                                           PRECISION, QUANT)
+                                           stride_kt, stride_st, pos0, ulo, full, scale_log2, window, cap, pre,
+                                           HEAD_DIM, BLOCK_N, False, PRECISION, QUANT, WINDOW, SOFTCAP)
         m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
-                                       stride_kt, stride_st, pos0, full, hi, scale_log2, HEAD_DIM, BLOCK_N, True,
-                                       PRECISION, QUANT)
+                                       stride_kt, stride_st, pos0, tl.maximum(full, ulo), hi, scale_log2, window, cap,
+                                       pre, HEAD_DIM, BLOCK_N, True, PRECISION, QUANT, WINDOW, SOFTCAP)
 
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -315,14 +348,18 @@ if triton is not None:
                  out.to(Out.dtype.element_ty), mask=h_ok[:, None])
 
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TritonPlan, query_pos: Tensor,
-                          scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                          scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None, *,
+                          window: int | None = None, softcap: float | None = None) -> Tensor:
     """Triton tree attention. Shapes as :func:`~treegen.kernels.tree_attention.tree_attention_reference`;
     ``query_pos: [num_queries]`` int32 or int64 absolute positions; ``k_scale``/``v_scale``
-    ``[num_slots, num_kv_heads]`` fp32 (contiguous heads): the scales of an 8-bit cache (None: none)."""
+    ``[num_slots, num_kv_heads]`` fp32 (contiguous heads): the scales of an 8-bit cache (None: none).
+    ``window``: sliding window (None: none); ``softcap``: attention logit soft-capping (None: none) —
+    the plan must have been made for them (it leaves out-of-window segments out, and the library
+    segment computes neither)."""
     if triton is None:
         raise RuntimeError("the Triton tree-attention kernel needs the triton package")
     num_q, num_heads, head_dim = q.shape
@@ -334,11 +371,19 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     out = torch.empty_like(q)
     if num_q == 0:
         return out
-    # fp32 tiles are twice as large: halve the key block and the pipeline depth to fit shared memory
-    wide = q.element_size() > 2
+    # fp32 tiles (and head_dim 256's) are twice as large: halve the key block and the pipeline depth to fit
+    # shared memory; fp32 inputs also get full fp32 products
+    exact = q.element_size() > 2
+    wide = exact or head_dim > 128
     o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
     quant = k_scale is not None
+    if plan.library is not None and (window is not None or softcap is not None):
+        raise ValueError("the plan gives a segment to the library kernel, which has no window or soft cap: "
+                         "plan with window/softcap (plan_tree_attention)")
+    # soft-capping scores c * tanh(s * scale / c) in the kernel, then exp2 of score * log2(e)
+    cap, pre, scale_log2 = (float(softcap), scale / float(softcap), _LOG2E) if softcap is not None \
+        else (1.0, 1.0, scale * _LOG2E)
     if plan.library is not None:  # [chunks, heads, rows, D] / [chunks, heads, rows], read through their strides
         o_lib, lse_lib = segment_attention(q, k_cache, v_cache, plan.library, scale, k_scale, v_scale)
         lib_args = (o_lib, lse_lib, plan.library.num_rows, o_lib.stride(0), o_lib.stride(2), o_lib.stride(1),
@@ -358,16 +403,17 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             o_part, lse_part, launch.work, plan.rows, query_pos, plan.merge_ptr, plan.merge_idx, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if quant else 0,
             o_part.stride(0), o_part.stride(1),
-            lse_part.stride(0), out.stride(0), out.stride(1), scale * _LOG2E, *lib_args,
+            lse_part.stride(0), out.stride(0), out.stride(1), scale_log2, window or 0, cap, pre, *lib_args,
             GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
             USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
-            PRECISION="ieee" if wide else "tf32",  # fp32 inputs get full fp32 products (no TF32)
+            PRECISION="ieee" if exact else "tf32",  # fp32 inputs get full fp32 products (no TF32)
             FUSE_MERGE=plan.fused_merge and launch.block_m == 16,
             # a leaf below a 16K prefix split 32 ways: 64 branches 8/1 heads 32 us (J=8) vs 36 (4) vs 42 (1), H100;
-            # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1
-            MERGE_J=8 if launch.num_warps >= 4 else 1, HAS_LIB=plan.library is not None,
+            # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1, head_dim 256 J=2
+            MERGE_J=1 if launch.num_warps < 4 else 8 if head_dim <= 128 else 2, HAS_LIB=plan.library is not None,
             DIRECT_ROWS=launch.direct_rows, LIB_BY_ROW=plan.library.chunks if plan.library_by_row else 0,
             LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
+            WINDOW=window is not None, SOFTCAP=softcap is not None,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
         )
     if plan.fused_merge:

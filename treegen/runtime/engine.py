@@ -26,12 +26,13 @@ phase), that token is run again as a query and writes the identical KV into its 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import networkx as nx
 import torch
 
 from treegen.kernels.kv_quant import kv_format
-from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
+from treegen.kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
@@ -39,7 +40,7 @@ from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
 from treegen.tree.sharing_tree import KVShape, SharingTree
 
-__all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "ScoreRequest", "TreeRun"]
+__all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "PassPlan", "ScoreRequest", "TreeRun"]
 
 
 ATTENTION_MODES = ("tree", "flat", "none")
@@ -84,7 +85,7 @@ class Engine:
         # after the first tokens and at every host sync (display/progress.py adapts it to a bar)
         self.on_step = None
         self.kv_format = kv_format(kv_dtype, model.dtype, model.device)
-        # the Triton kernels take head_dim 64/128; others (Gemma's 256) run the PyTorch reference, exact but slower
+        # the Triton kernels take head_dim 64/128/256; others (e.g. 96) run the PyTorch reference, exact but slower
         self.attention_backend = "auto" if model.head_dim in SUPPORTED_HEAD_DIMS else "reference"
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 self.kv_format.bytes_per_value, self.kv_format.scale_bytes)
@@ -105,6 +106,29 @@ class Engine:
         backend = "tree kernels" if self.attention_backend == "auto" else "PyTorch reference attention"
         return (f"Engine({self.model!r}, attention={self.attention!r} ({backend}), kv={self.kv_format.name}, "
                 f"cuda_graphs={self.cuda_graphs})")
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """The tree-attention plans of one forward pass: one per kind of attention among the model's layers
+    (full, or a sliding window of some size: Mistral, Gemma 2/3's local layers), all sharing one
+    ``query_pos`` tensor, which a decode phase advances in place between steps.
+
+    ``by_window``: window (None: full attention) → plan; ``layer_window[i]``: layer i's window."""
+
+    by_window: dict[int | None, TreeAttentionPlan]
+    layer_window: tuple[int | None, ...]
+
+    @property
+    def query_pos(self) -> torch.Tensor:
+        return next(iter(self.by_window.values())).query_pos
+
+    @property
+    def backend(self) -> str:
+        return next(iter(self.by_window.values())).backend
+
+    def layer(self, i: int) -> TreeAttentionPlan:
+        return self.by_window[self.layer_window[i]]
 
 
 class TreeRun:
@@ -256,7 +280,8 @@ class TreeRun:
         Every node on a row's path must already have its KV or have all its missing rows here.
         ``grow``: node → extra keys it may gain during a decode phase; its segment is planned that
         long (keys not yet written sit at positions after every query, so attention masks them).
-        Returns ``(input_ids [T], slots [T], plan)``; ``plan.query_pos`` holds the positions [T].
+        Returns ``(input_ids [T], slots [T], plan)``: a :class:`PassPlan` (one plan per window size
+        among the layers); ``plan.query_pos`` holds the positions [T].
         """
         tree, kv, model = self.tree, self.kv, self.model
         new_len: dict[int, int] = {}
@@ -274,19 +299,23 @@ class TreeRun:
         device = model.device
         input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
         slots = torch.tensor([kv.segments[n].start + i for n, i in rows], dtype=torch.int64, device=device)
-        plan = plan_tree_attention(
+        query_pos = torch.tensor([pos[n] + i for n, i in rows], dtype=torch.int64, device=device)
+        layer_window = tuple(model.layer_window)
+        plan = PassPlan({window: plan_tree_attention(
             segment_parent=[index.get(tree.parent(s), -1) for s in segments],
             segment_start=[kv.segments[s].start for s in segments],
             segment_len=[new_len[s] + (grow or {}).get(s, 0) for s in segments],
             segment_pos=[pos[s] for s in segments],
             query_segment=[index[n] for n, _ in rows],
-            query_pos=[pos[n] + i for n, i in rows],
+            query_pos=query_pos,
             device=device,
             backend=self.engine.attention_backend,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
             dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
-        )
+            window=window,
+            softcap=model.attn_softcap,
+        ) for window in dict.fromkeys(layer_window)}, layer_window)
         for s in new_len:
             kv.segments[s].computed = max(kv.segments[s].computed, new_len[s])
         return input_ids, slots, plan
@@ -301,7 +330,7 @@ class TreeRun:
             if k is not None:  # else the model wrote them already (see cache below)
                 kv.write(layer, slots, k, v)
             k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
-            return tree_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
+            return tree_attention(q, k_cache, v_cache, plan.layer(layer), scale, k_scale, v_scale)
 
         def cache(layer: int):
             """Where this pass's keys/values go: the model's fused RoPE kernel writes (and, for an 8-bit

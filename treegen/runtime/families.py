@@ -68,7 +68,7 @@ class Family:
     # "layer_types" (layers typed "sliding_attention"), or None (no windows in this family)
     window_layers: Literal["all", "layer_types"] | None = "layer_types"
     final_softcap: bool = False  # config.final_logit_softcapping applies to the logits (Gemma 2)
-    attn_softcap: bool = False  # config.attn_logit_softcapping exists (refused while it is set)
+    attn_softcap: bool = False  # config.attn_logit_softcapping caps the attention scores (Gemma 2)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (

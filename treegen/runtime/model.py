@@ -174,11 +174,6 @@ def check_supported(config) -> None:
     """
     family = family_for(getattr(config, "model_type", None))
     model_type = config.model_type
-    if family.attn_softcap and getattr(config, "attn_logit_softcapping", None) is not None:
-        raise UnsupportedModelError(
-            f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}, "
-            f"model_type={model_type!r}) is not supported: treegen's tree-attention kernels do not cap scores"
-        )
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(f"bidirectional attention (model_type={model_type!r}) is not supported: "
                                     f"treegen decodes causally")
@@ -192,14 +187,11 @@ def check_supported(config) -> None:
 def max_context_of(config) -> int:
     """Longest sequence (in tokens) this model can run with plain causal attention.
 
-    ``max_position_embeddings``, further limited by a sliding window on any layer (which we do not
-    implement: sequences up to the window are exactly full causal attention) and, for
-    ``longrope``, by the original context (beyond it HF switches frequency sets).
+    ``max_position_embeddings``, further limited, for ``longrope``, by the original context (beyond it
+    HF switches frequency sets). Sliding windows do not limit it: tree attention applies them.
     ``dynamic`` NTK RoPE equals plain RoPE for sequences up to ``max_position_embeddings``.
     """
     limit = int(config.max_position_embeddings)
-    if "sliding_attention" in layer_types_of(config):
-        limit = min(limit, int(config.sliding_window))
     family = family_for(config.model_type)
     for key in set(_rope_layer_keys(config, family)):
         rp = _rope_parameters(config, key)
@@ -423,6 +415,11 @@ class LlamaFamilyModel:
         self.attn_scale = float(scale_base) ** -0.5
         self.max_context = max_context_of(config)
         self.layer_types = layer_types_of(config)
+        # what ``attend`` must apply per layer: the sliding window of "sliding_attention" layers (keys at
+        # key_pos > query_pos - window) and the attention logit soft cap (Gemma 2), see tree_attention
+        self.layer_window = [int(config.sliding_window) if t == "sliding_attention" else None for t in self.layer_types]
+        cap = getattr(config, "attn_logit_softcapping", None) if family.attn_softcap else None
+        self.attn_softcap = None if cap is None else float(cap)
         # embeddings times sqrt(hidden), the factor rounded to the model dtype as HF does
         self.embed_scale = (torch.tensor(self.hidden_size**0.5, dtype=self.dtype, device=self.device)
                             if family.embed_scale else None)
