@@ -89,3 +89,12 @@ def test_layouts_that_cannot_run_are_refused_before_loading(checkpoint):
             Engine.load(str(checkpoint), tensor_parallel=2, device="cuda")
     with pytest.raises(ValueError, match="launch with torchrun --nproc-per-node 2"):
         Engine.load(str(checkpoint), tensor_parallel=2)
+
+
+def test_the_command_line_refuses_a_split_the_model_cannot_take(checkpoint, tmp_path, capsys):
+    from treegen.cli import EXIT_USAGE, main
+
+    prog = tmp_path / "p.tg"
+    prog.write_text('"Hello"\ngen x(max_tokens=2)\n')
+    assert main(["run", str(prog), "--model", str(checkpoint), "--tp", "3", "--no-progress"]) == EXIT_USAGE
+    assert "tensor_parallel=3 does not divide the 4 attention heads" in capsys.readouterr().err
