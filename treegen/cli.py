@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
                         "--var values) as one workload: shared prompt prefixes are found and stored once; "
                         "a program that fails is reported and the others finish (exit status 1)")
     r.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    r.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel: split the model over N GPUs (run under torchrun, one process per GPU)")
+    r.add_argument("--dp", type=int, default=None, metavar="N",
+                   help="data parallel: N model replicas, a --batch split across them by shared prefixes "
+                        "(default: the processes torchrun started / --tp); rank 0 alone prints and writes --json")
     r.add_argument("--no-progress", action="store_true", help="no progress display")
     r.set_defaults(func=cmd_run)
     return p
@@ -162,13 +167,17 @@ def cmd_run(args) -> int:
         print(f"treegen: error: --json {args.json}: no such folder", file=sys.stderr)
         return EXIT_USAGE
     out, err = _consoles()
+    if os.environ.get("RANK", "0") != "0":  # another rank of a torchrun launch: rank 0 prints and writes
+        from rich.console import Console
+
+        out, args.json, args.no_progress = Console(file=open(os.devnull, "w")), None, True
     watch = TreeWatch()
     dtype = getattr(torch, args.dtype)
 
     def load():
         _quiet_transformers()
-        return Engine.load(args.model, dtype=dtype, device=args.device,
-                           kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
+        return Engine.load(args.model, dtype=dtype, device=args.device, tensor_parallel=args.tp,
+                           data_parallel=args.dp, kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
 
     if batch is not None:
         return _run_batch(args, prog, *batch, load, watch, out, err)
@@ -377,14 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (argparse exits with 2 on usage errors)."""
     args = _parser().parse_args(argv)
     from treegen.lang.tg import TgError
+    from treegen.runtime.distributed import DistributedError
     from treegen.runtime.model import ModelNotFoundError, UnsupportedModelError
+    from treegen.runtime.shard import TensorParallelError
 
     try:
         return args.func(args)
     except TgError as e:
         print(e, file=sys.stderr)
         return EXIT_USAGE
-    except (ModelNotFoundError, UnsupportedModelError) as e:
+    except (ModelNotFoundError, UnsupportedModelError, TensorParallelError, DistributedError) as e:
         print(f"treegen: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:  # e.g. --json into a missing folder

@@ -281,6 +281,29 @@ def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, se
     ``describe(i)``: how errors name program ``i`` (the command line adds its input line)."""
     if seeds is not None and len(seeds) != len(bodies):
         raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
+    parallel = getattr(engine, "parallel", None)
+    if parallel is not None and parallel.dp > 1:  # several replicas: each runs whole prefix subtrees
+        from treegen.lang.data_parallel import run_batch_data_parallel
+
+        return run_batch_data_parallel(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
+                                       min_shared_saving=min_shared_saving, on_programs=on_programs,
+                                       on_result=on_result, on_tokens=on_tokens,
+                                       max_program_tokens=max_program_tokens, describe=describe)
+    return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
+                          min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
+                          on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
+
+
+def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
+                   share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
+                   on_programs: Callable[[int, int], None] | None = None,
+                   on_result: Callable[[int, State], None] | None = None,
+                   on_tokens: Callable[[TokenStream], None] | None = None,
+                   max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS,
+                   describe: Callable[[int], str] = str) -> list[State]:
+    """:func:`run_batch` on this process's engine alone (one replica; data parallel runs this on each)."""
+    if seeds is not None and len(seeds) != len(bodies):
+        raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
     run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
     run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
     run.on_programs = _check_callback("run_batch", "on_programs", on_programs, "(done, total)")

@@ -64,6 +64,13 @@ class _Reduced:
         self.owner, self.name, self.children, self.spec = owner, name, children, spec
         self.done, self.value = False, None
 
+    def __getstate__(self) -> dict:
+        """Sent once computed, with the reduction's kind and source only (its functions stay here)."""
+        from types import SimpleNamespace
+
+        self.get()
+        return dict(self.__dict__, spec=SimpleNamespace(kind=self.spec.kind, source=self.spec.source))
+
     def get(self):
         """The value, computed on the first call (which may run queued generation)."""
         if not self.done:
@@ -148,6 +155,17 @@ class ProgramRun:
         self.touched: set[int] = set()  # programs whose jobs completed or failed since the driver looked
         self._error: BaseException | None = None  # a job's error, raised by flush (single runs)
         self.callback_error: Exception | None = None  # on_result/on_programs raised (a batch stops)
+
+    def __getstate__(self) -> dict:
+        """A finished run travels between processes (data-parallel replicas' results) without what
+        belongs to its process: the engine and its KV, the tokenizer (the receiver sets its own),
+        the callbacks."""
+        if not self.finished:
+            raise RuntimeError("only a finished program run can be sent to another process")
+        state = dict(self.__dict__)
+        for name in ("engine", "tree_run", "tokenizer", "scheduler", "on_programs", "on_result", "on_tokens"):
+            state[name] = None
+        return state
 
     def root(self, seed: int | None = None) -> "State":
         """A new root state (a program); ``seed`` overrides the run's seed for its branches."""

@@ -61,11 +61,17 @@ class Engine:
     cache is stored — None (the model's dtype), ``"int8"`` or ``"fp8"`` (8 bits per value plus an fp32
     scale per token and KV head, :mod:`treegen.kernels.kv_quant`: about half the memory and the
     attention's reads, so twice the branches fit).
+
+    parallel: this process's place among several (:class:`~treegen.runtime.distributed.Parallel`;
+    None: one process) — set by :meth:`load` with ``tensor_parallel`` / ``data_parallel``. The model
+    is then this rank's shard, every rank of a replica runs the same programs on the same tree (host
+    decisions that read the device, like the KV budget, are agreed on), and a batch is split across
+    replicas by :func:`treegen.lang.data_parallel.run_batch_data_parallel`.
     """
 
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
-                 max_batch: int | None = None, kv_dtype: str | None = None) -> None:
+                 max_batch: int | None = None, kv_dtype: str | None = None, parallel=None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
@@ -81,6 +87,7 @@ class Engine:
         if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         self.max_batch = max_batch
+        self.parallel = parallel
         # progress hook: on_step(live_branches, tokens_done, tokens_budget), called by the decoder
         # after the first tokens and at every host sync (display/progress.py adapts it to a bar)
         self.on_step = None
@@ -92,20 +99,40 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             **options) -> "Engine":
+             tensor_parallel: int = 1, data_parallel: int | None = None, **options) -> "Engine":
         """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id).
-        ``options``: ``attention``, ``cuda_graphs``, ``kv_dtype``, ... (see :class:`Engine`)."""
-        from treegen.runtime.loader import load_model
+        ``options``: ``attention``, ``cuda_graphs``, ``kv_dtype``, ... (see :class:`Engine`).
 
-        return cls(*load_model(model, dtype=dtype, device=device), **options)
+        Several GPUs (or CPU processes): ``tensor_parallel`` ranks per model replica, ``data_parallel``
+        replicas (None: as many as the launch has processes for). Under ``torchrun`` this process is
+        one rank: it joins the process group and loads only its shard. A layout the model cannot split
+        into is refused from its config, before any process group is made or weight is read."""
+        from treegen.runtime import distributed
+        from treegen.runtime.loader import load_config, load_model
+        from treegen.runtime.shard import check_tensor_parallel
+
+        device = torch.device(device)
+        distributed.check_layout(tensor_parallel, data_parallel, device)
+        if tensor_parallel == 1 and data_parallel in (None, 1) and not distributed.launched():
+            return cls(*load_model(model, dtype=dtype, device=device), **options)
+        check_tensor_parallel(load_config(model), tensor_parallel)
+        if not distributed.launched():
+            raise distributed.DistributedError(
+                f"tensor_parallel={tensor_parallel} / data_parallel={data_parallel} needs one process per rank: "
+                f"launch with torchrun --nproc-per-node {tensor_parallel * (data_parallel or 1)} (starting the "
+                f"workers from a plain process is not implemented yet)")
+        parallel = distributed.init_parallel(tensor_parallel=tensor_parallel, data_parallel=data_parallel, device=device)
+        return cls(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor), parallel=parallel,
+                   **options)
 
     def start(self) -> "TreeRun":
         return TreeRun(self)
 
     def __repr__(self) -> str:
         backend = "tree kernels" if self.attention_backend == "auto" else "PyTorch reference attention"
+        where = f", {self.parallel!r}" if self.parallel is not None else ""
         return (f"Engine({self.model!r}, attention={self.attention!r} ({backend}), kv={self.kv_format.name}, "
-                f"cuda_graphs={self.cuda_graphs})")
+                f"cuda_graphs={self.cuda_graphs}{where})")
 
 
 @dataclass(frozen=True)
@@ -397,4 +424,6 @@ class TreeRun:
         reachable = pool + max(0, room)
         if engine.kv_budget_bytes is not None:
             reachable = min(reachable, engine.kv_budget_bytes)
+        if engine.parallel is not None:  # every rank of a replica admits the same work: the smallest budget
+            reachable = engine.parallel.tensor.agree_min(reachable, kv.device)
         return KVBudget(reachable, kv.bytes_per_token)

@@ -42,6 +42,7 @@ from .model import (
     eos_ids_of,
     text_config_of,
 )
+from .shard import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -271,16 +272,17 @@ def _safetensors_files(folder: Path | None) -> dict[str, Path] | None:
 
 
 def _read_safetensors(source: str, files: dict[str, Path], outer, config, *, dtype: torch.dtype,
-                      device: torch.device) -> LlamaFamilyModel:
+                      device: torch.device, tp=None) -> LlamaFamilyModel:
     """Build the model straight from safetensors files: each tensor is read on the CPU, converted to
-    ``dtype`` there, then moved to ``device`` (a bf16 checkpoint loaded as bf16 is never widened)."""
+    ``dtype`` there, then moved to ``device`` (a bf16 checkpoint loaded as bf16 is never widened).
+    A tensor-parallel rank (``tp``) reads only its slices of the split weights (``get_slice``)."""
     from safetensors import safe_open
 
     stored = checkpoint_names(files)
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
-        def get(name: str, shape: tuple, optional: bool):
+        def get(name: str, shape: tuple, optional: bool, part):
             name = stored(name)
             path = files.get(name)
             if path is None:
@@ -290,16 +292,23 @@ def _read_safetensors(source: str, files: dict[str, Path], outer, config, *, dty
                                             f"(model_type={config.model_type!r})")
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            t = handles[path].get_tensor(name)
+            if part is None:
+                t = checked_weight(name, handles[path].get_tensor(name), shape)
+            else:  # check the whole tensor's shape, then read only the rank's ranges
+                view = handles[path].get_slice(name)
+                checked_weight(name, torch.empty(view.get_shape(), device="meta"), shape)
+                axis, ranges = part
+                pieces = [view[a:b] if axis == 0 else view[:, a:b] for a, b in ranges]
+                t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=axis)
             if not t.is_floating_point():
                 raise UnsupportedModelError(f"{source!r}: tensor {name!r} is {t.dtype}; quantized checkpoints "
                                             f"are not supported")
-            return checked_weight(name, t, shape).to(dtype=dtype).to(device=device)
+            return t.to(dtype=dtype).to(device=device)
 
         # HF ties by the checkpoint's (outer) flag, and then saves no lm_head
         tied = bool(getattr(outer, "tie_word_embeddings", False)) or stored("lm_head.weight") not in files
         eos = eos_ids_of(outer, config, _generation_config(source))
-        return LlamaFamilyModel.from_weights(config, get, tied=tied, eos_token_ids=eos)
+        return LlamaFamilyModel.from_weights(config, get, tied=tied, eos_token_ids=eos, tp=tp)
 
 
 def _generation_config(source: str):
@@ -314,12 +323,14 @@ def _generation_config(source: str):
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[LlamaFamilyModel, object]:
+               device: str | torch.device = "cpu", tp=None) -> tuple[LlamaFamilyModel, object]:
     """Load ``(LlamaFamilyModel, tokenizer)``.
 
     model: None (embedded SmolLM2-135M-Instruct), a local checkpoint directory, or a hub id.
-    Raises UnsupportedModelError (checked from the config, before any weights are read)
-    or ModelNotFoundError.
+    tp: this process's :class:`~treegen.runtime.distributed.TensorParallel` (None: the whole model);
+    it reads only its shard of the split weights.
+    Raises UnsupportedModelError or TensorParallelError (checked from the config, before any weights
+    are read) or ModelNotFoundError.
     """
     from transformers import AutoModelForCausalLM
 
@@ -327,6 +338,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     outer, config = _load_configs(source)
     tokenizer = _load_tokenizer(source)
     device = torch.device(device)
+    check_tensor_parallel(config, tp.shard.size if tp is not None else 1)
     quantization = getattr(outer, "quantization_config", None) or getattr(config, "quantization_config", None)
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) \
@@ -335,14 +347,14 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     folder = _checkpoint_folder(source)
     files = _safetensors_files(folder)
     if files is not None:
-        lm = _read_safetensors(str(folder), files, outer, config, dtype=dtype, device=device)
+        lm = _read_safetensors(str(folder), files, outer, config, dtype=dtype, device=device, tp=tp)
     else:
         kwargs = {} if device.type == "cpu" else {"device_map": device}
         try:
             hf = AutoModelForCausalLM.from_pretrained(source, config=outer, dtype=dtype, **kwargs)
         except OSError as err:
             raise _not_found(source, err) from err
-        lm = LlamaFamilyModel.from_hf(hf, device=device, dtype=dtype)
+        lm = LlamaFamilyModel.from_hf(hf, device=device, dtype=dtype, tp=tp)
         del hf  # our model keeps the weight tensors, not the HF module wrappers
     if getattr(tokenizer, "eos_token_id", None) is not None:
         lm.eos_token_ids.add(int(tokenizer.eos_token_id))

@@ -30,6 +30,7 @@ from treegen.kernels.fused_ops import (add_rms_norm, fused_ops_available, rms_no
                                        rope_reference, silu_mul)
 
 from .families import FAMILIES, SUPPORTED_MODEL_TYPES, TEXT_ONLY, Family
+from .shard import Part, Shard, check_tensor_parallel, part_shape, take
 
 rms_norm = rms_norm_reference
 
@@ -37,9 +38,10 @@ rms_norm = rms_norm_reference
 #        v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim]
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
-# get(name, shape, optional) -> the checkpoint tensor ``name`` on the target device and dtype, or None
-# when it is absent and ``optional``; ``shape`` is what the config implies (None entries: any size)
-WeightGetter = Callable[[str, tuple, bool], "Tensor | None"]
+# get(name, shape, optional, part) -> the checkpoint tensor ``name`` on the target device and dtype, or
+# None when it is absent and ``optional``; ``shape`` is what the config implies for the whole tensor (None
+# entries: any size); ``part`` (None: all of it) the slices a tensor-parallel rank reads (see shard.py)
+WeightGetter = Callable[[str, tuple, bool, "Part | None"], "Tensor | None"]
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -302,48 +304,67 @@ def _dims(config) -> _Dims:
                  int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers))
 
 
-def _build(config, family: Family, get: WeightGetter, *, tied: bool):
+def _build(config, family: Family, get: WeightGetter, *, tied: bool, shard: Shard = Shard()):
     """(embed, layers, final norm, lm_head) from checkpoint tensors named as HF's ``*ForCausalLM``
-    names them (``model.layers.{i}.self_attn.q_proj.weight``, ...), read through ``get``.
+    names them (``model.layers.{i}.self_attn.q_proj.weight``, ...), read through ``get``; of a
+    tensor-parallel ``shard``, only its slices (see :mod:`treegen.runtime.shard`).
 
     q/k/v and gate/up are fused here (one copy while the layer is built) unless the checkpoint
     already stores them fused (Phi-3's ``qkv_proj`` / ``gate_up_proj``: views, no copy)."""
     d = _dims(config)
-    q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    sizes = (q_rows, kv_rows, kv_rows)
+    hd = d.head_dim
+    q_rows, kv_rows = d.heads * hd, d.kv_heads * hd
+    q_heads, kv_heads = shard.heads(d.heads, d.kv_heads)
+    q_part = (q_heads.start * hd, q_heads.stop * hd)  # this rank's rows of q, of k (or v)
+    kv_part = (kv_heads.start * hd, kv_heads.stop * hd)
+    sizes = (len(q_heads) * hd, len(kv_heads) * hd, len(kv_heads) * hd)  # the rank's rows of q, k, v
+    i0, i1 = shard.channels(d.inter)
+    whole = shard.size == 1
+    rows = {"q_proj": None if whole else (0, [q_part]), "k_proj": None if whole else (0, [kv_part]),
+            "v_proj": None if whole else (0, [kv_part]), "gate_proj": None if whole else (0, [(i0, i1)]),
+            "up_proj": None if whole else (0, [(i0, i1)])}
+    fused_qkv = None if whole else (0, [q_part, (q_rows + kv_part[0], q_rows + kv_part[1]),
+                                        (q_rows + kv_rows + kv_part[0], q_rows + kv_rows + kv_part[1])])
+    fused_gate_up = None if whole else (0, [(i0, i1), (d.inter + i0, d.inter + i1)])
+    o_cols = None if whole else (1, [q_part])
+    down_cols = None if whole else (1, [(i0, i1)])
     scale_in_fp32 = family.norm_style != "llama"
 
     def norm(name: str | None, n: int) -> Tensor | None:
         if name is None:
             return None
-        w = get(name, (n,), False)
+        w = get(name, (n,), False, None)
         if not scale_in_fp32:
             return w
         return w.float() + 1.0 if family.norm_style == "gemma" else w.float()
 
-    def lin(name: str, out: int, inp: int) -> tuple[Tensor, Tensor | None]:
-        return get(f"{name}.weight", (out, inp), False), get(f"{name}.bias", (out,), True)
+    def lin(name: str, out: int, inp: int, part: Part | None = None) -> tuple[Tensor, Tensor | None]:
+        """Weight and bias; column slices (row-parallel) keep the bias on rank 0 only: the all-reduce adds it once."""
+        weight = get(f"{name}.weight", (out, inp), False, part)
+        bias = get(f"{name}.bias", (out,), True, part if part is not None and part[0] == 0 else None)
+        return weight, None if part is not None and part[0] == 1 and shard.rank != 0 else bias
 
     layers = []
     for i in range(d.layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         if family.qkv_module:
-            qkv_w, qkv_b = lin(a + family.qkv_module, sum(sizes), d.hidden)
+            qkv_w, qkv_b = lin(a + family.qkv_module, q_rows + 2 * kv_rows, d.hidden, fused_qkv)
         else:
-            parts = [lin(a + n, rows, d.hidden) for n, rows in zip(("q_proj", "k_proj", "v_proj"), sizes)]
+            parts = [lin(a + n, full, d.hidden, rows[n])
+                     for n, full in zip(("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows))]
             qkv_w, qkv_b = torch.cat([w for w, _ in parts]), _cat([b for _, b in parts], list(sizes))
             del parts
         if family.gate_up_module:
-            gate_up_w, gate_up_b = lin(m + family.gate_up_module, 2 * d.inter, d.hidden)
+            gate_up_w, gate_up_b = lin(m + family.gate_up_module, 2 * d.inter, d.hidden, fused_gate_up)
         else:
-            parts = [lin(m + n, d.inter, d.hidden) for n in ("gate_proj", "up_proj")]
-            gate_up_w, gate_up_b = torch.cat([w for w, _ in parts]), _cat([b for _, b in parts], [d.inter] * 2)
+            parts = [lin(m + n, d.inter, d.hidden, rows[n]) for n in ("gate_proj", "up_proj")]
+            gate_up_w, gate_up_b = torch.cat([w for w, _ in parts]), _cat([b for _, b in parts], [i1 - i0] * 2)
             del parts
         qn = {"head": (d.head_dim, d.head_dim), "proj": (q_rows, kv_rows), None: (None, None)}[family.qk_norm]
         layers.append(_Layer(
-            qkv_w, qkv_b, *lin(a + "o_proj", d.hidden, q_rows), gate_up_w, gate_up_b,
-            *lin(m + "down_proj", d.hidden, d.inter), sizes,
+            qkv_w, qkv_b, *lin(a + "o_proj", d.hidden, q_rows, o_cols), gate_up_w, gate_up_b,
+            *lin(m + "down_proj", d.hidden, d.inter, down_cols), sizes,
             attn_norm=norm(family.norms.pre_attn and p + family.norms.pre_attn + ".weight", d.hidden),
             attn_post_norm=norm(family.norms.post_attn and p + family.norms.post_attn + ".weight", d.hidden),
             mlp_norm=norm(family.norms.pre_mlp and p + family.norms.pre_mlp + ".weight", d.hidden),
@@ -351,9 +372,9 @@ def _build(config, family: Family, get: WeightGetter, *, tied: bool):
             q_norm=norm(family.qk_norm and a + "q_norm.weight", qn[0]),
             k_norm=norm(family.qk_norm and a + "k_norm.weight", qn[1]),
         ))
-    embed = get("model.embed_tokens.weight", (None, d.hidden), False)
-    lm_head = embed if tied else get("lm_head.weight", (None, d.hidden), False)
-    if get("lm_head.bias", (None,), True) is not None:
+    embed = get("model.embed_tokens.weight", (None, d.hidden), False, None)
+    lm_head = embed if tied else get("lm_head.weight", (None, d.hidden), False, None)
+    if get("lm_head.bias", (None,), True, None) is not None:
         raise UnsupportedModelError("lm_head with a bias is not supported")
     return embed, layers, norm("model.norm.weight", d.hidden), lm_head
 
@@ -389,11 +410,19 @@ class LlamaFamilyModel:
     ``attn_scale`` (softmax scale that ``attend`` must use: ``head_dim ** -0.5``, or
     ``query_pre_attn_scalar ** -0.5`` for Gemma 2/3), ``fused`` (fused CUDA kernels on or off) and
     ``fused_ops`` (which steps actually use them for this family).
+
+    Tensor parallel: ``tp`` (a :class:`~treegen.runtime.distributed.TensorParallel`, None: the whole
+    model) names this rank's :class:`~treegen.runtime.shard.Shard` and all-reduces the row-parallel
+    outputs; ``num_heads`` / ``num_kv_heads`` are then **this rank's** heads (so its KV store holds
+    only its KV heads) and the layers hold only its slices.
     """
 
     def __init__(self, config, embed: Tensor, layers: list[_Layer], norm: Tensor,
-                 lm_head: Tensor, eos_token_ids: set[int]):
+                 lm_head: Tensor, eos_token_ids: set[int], tp=None):
         check_supported(config)
+        self.tp = tp
+        self.shard = tp.shard if tp is not None else Shard()
+        check_tensor_parallel(config, self.shard.size)
         self.config = config
         self.family = family = family_for(config.model_type)
         self.embed = embed  # [vocab, hidden]
@@ -403,8 +432,9 @@ class LlamaFamilyModel:
         self.eos_token_ids = set(eos_token_ids)
 
         self.num_layers = len(layers)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        heads = int(config.num_attention_heads)
+        q_heads, kv_heads = self.shard.heads(heads, int(getattr(config, "num_key_value_heads", None) or heads))
+        self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)  # this rank's
         self.head_dim = _head_dim(config)
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(lm_head.shape[0])
@@ -455,17 +485,20 @@ class LlamaFamilyModel:
                         act=on and self.act_name == "silu")
 
     @classmethod
-    def from_weights(cls, config, get: WeightGetter, *, tied: bool, eos_token_ids: set[int] = frozenset()
-                     ) -> "LlamaFamilyModel":
-        """Build from checkpoint tensors read by ``get(name, shape, optional)`` (HF names; see ``_build``)."""
+    def from_weights(cls, config, get: WeightGetter, *, tied: bool, eos_token_ids: set[int] = frozenset(),
+                     tp=None) -> "LlamaFamilyModel":
+        """Build from checkpoint tensors read by ``get(name, shape, optional, part)`` (HF names; see
+        ``_build``); with ``tp``, only this rank's slices are asked for."""
         check_supported(config)
+        shard = tp.shard if tp is not None else Shard()
+        check_tensor_parallel(config, shard.size)
         family = family_for(config.model_type)
-        embed, layers, norm, lm_head = _build(config, family, get, tied=tied)
-        return cls(config, embed, layers, norm, lm_head, set(eos_token_ids) | eos_ids_of(config))
+        embed, layers, norm, lm_head = _build(config, family, get, tied=tied, shard=shard)
+        return cls(config, embed, layers, norm, lm_head, set(eos_token_ids) | eos_ids_of(config), tp=tp)
 
     @classmethod
     def from_hf(cls, hf_model, *, device: str | torch.device | None = None,
-                dtype: torch.dtype | None = None) -> "LlamaFamilyModel":
+                dtype: torch.dtype | None = None, tp=None) -> "LlamaFamilyModel":
         """Wrap the weights of an HF ``*ForCausalLM`` of a supported family.
 
         Tensors are shared with ``hf_model`` when device and dtype already match
@@ -477,13 +510,13 @@ class LlamaFamilyModel:
         state = hf_model.state_dict()
         stored = checkpoint_names(state)
 
-        def get(name: str, shape: tuple, optional: bool) -> Tensor | None:
+        def get(name: str, shape: tuple, optional: bool, part: Part | None) -> Tensor | None:
             t = state.get(stored(name))
             if t is None:
                 if optional:
                     return None
                 raise UnsupportedModelError(f"the {config.model_type} model has no weight {name!r}")
-            return checked_weight(name, t, shape).detach().to(device=device, dtype=dtype)
+            return take(checked_weight(name, t, shape).detach(), part).to(device=device, dtype=dtype)
 
         in_w = hf_model.get_input_embeddings().weight
         out = hf_model.get_output_embeddings()
@@ -491,13 +524,15 @@ class LlamaFamilyModel:
         if getattr(out, "bias", None) is not None:
             raise UnsupportedModelError("lm_head with a bias is not supported")
         eos = eos_ids_of(hf_model.config, config, getattr(hf_model, "generation_config", None))
-        return cls.from_weights(config, get, tied=tied, eos_token_ids=eos)
+        return cls.from_weights(config, get, tied=tied, eos_token_ids=eos, tp=tp)
 
     @classmethod
     def random(cls, config, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0, std: float = 0.02) -> "LlamaFamilyModel":
+               seed: int = 0, std: float = 0.02, tp=None) -> "LlamaFamilyModel":
         """Random weights of a config's real shapes, made directly on ``device`` (benchmarks: speed
-        does not depend on the weights). Norms are the identity scale; biases exist where the config asks."""
+        does not depend on the weights). Norms are the identity scale; biases exist where the config asks.
+        Each tensor is drawn whole and then sliced, so a tensor-parallel rank (``tp``) holds exactly
+        its part of the weights the whole model gets from the same seed."""
         check_supported(config)
         family = family_for(config.model_type)
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -505,7 +540,7 @@ class LlamaFamilyModel:
         qkv_bias = attn_bias or family.qkv_bias == "always"
         mlp_bias = bool(getattr(config, "mlp_bias", False))
 
-        def get(name: str, shape: tuple, optional: bool) -> Tensor | None:
+        def get(name: str, shape: tuple, optional: bool, part: Part | None) -> Tensor | None:
             if name.endswith(".bias"):
                 on = (qkv_bias and ("_proj.bias" in name and ".self_attn." in name and "o_proj" not in name)) or \
                      (attn_bias and "o_proj" in name) or (mlp_bias and ".mlp." in name)
@@ -513,12 +548,12 @@ class LlamaFamilyModel:
                     return None
             if name.endswith("norm.weight"):
                 raw = 0.0 if family.norm_style == "gemma" else 1.0
-                return torch.full(shape, raw, device=device, dtype=dtype)
+                return torch.full(part_shape(shape, part), raw, device=device, dtype=dtype)
             shape = tuple(config.vocab_size if s is None else s for s in shape)
-            return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+            return take(torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std, part).to(dtype)
 
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        return cls.from_weights(config, get, tied=tied)
+        return cls.from_weights(config, get, tied=tied, tp=tp)
 
     # ------------------------------------------------------------------ forward
 
@@ -575,12 +610,16 @@ class LlamaFamilyModel:
                     q, k = self._rope(qkv[:, :nh], cos, sin), self._rope(qkv[:, nh : nh + nkv], cos, sin)
                 o = attend(i, q, k, qkv[:, nh + nkv :])  # [T, H, D]
             y = F.linear(o.reshape(n_tok, nh * hd), L.o_w, L.o_b)
+            if self.tp is not None:  # row-parallel: each rank's heads give a partial sum
+                self.tp.all_reduce(y)
             if L.attn_post_norm is not None:
                 y = self._norm(y, L.attn_post_norm)
             h, x = self._add_norm(h, y, L.mlp_norm, fused.norm)
             gate_up = F.linear(x, L.gate_up_w, L.gate_up_b)
             gated = silu_mul(gate_up) if fused.act else self.act(gate_up[:, :inter]) * gate_up[:, inter:]
             y = F.linear(gated, L.down_w, L.down_b)
+            if self.tp is not None:
+                self.tp.all_reduce(y)
             if L.mlp_post_norm is not None:
                 y = self._norm(y, L.mlp_post_norm)
         if y is not None:
@@ -630,7 +669,8 @@ class LlamaFamilyModel:
 
     def __repr__(self) -> str:
         fused = [name for name, on in self.fused_ops._asdict().items() if on]
-        return (f"LlamaFamilyModel({self.config.model_type}, layers={self.num_layers}, "
+        split = f", tensor_parallel={self.shard.rank}/{self.shard.size}" if self.shard.size > 1 else ""
+        return (f"LlamaFamilyModel({self.config.model_type}{split}, layers={self.num_layers}, "
                 f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, hidden={self.hidden_size}, "
                 f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device}, "
                 f"max_context={self.max_context}, fused={'+'.join(fused) or 'none'})")

@@ -1,0 +1,196 @@
+"""Decode throughput on two GPUs: tensor parallel (tp=2) and data parallel (dp=2) against one GPU.
+
+Run under torchrun, one process per GPU (NVLink multicast off):
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py
+
+Workload as in bench_end_to_end.py: one shared prompt of ``--prefix`` random tokens, ``batch``
+branches of ``--new`` greedy tokens (EOS ignored), random bf16 weights of the real shape (speed does
+not depend on the weights), tree attention, CUDA graphs. Decode tok/s = batch*(new-1)/(t(new)-t(1)).
+
+* ``tp=1``: one GPU (rank 0; rank 1 waits);
+* ``tp=2``: the model split over both GPUs (every rank runs the same steps; one all-reduce after o and
+  after down in every layer);
+* ``dp=2``: each GPU a whole model and half the branches (the prefix subtree split in two, as
+  ``run_batch`` splits a batch of programs sharing one prefix); the time is the slower replica's.
+
+Llama-3-8B shape: all three over ``--batches``; Llama-3-70B shape at tp=2 over ``--batches-70b``
+with its attention-free (``none``) ceiling. JSON: benchmarks/results/multi_gpu_<device>.json (a row
+per point: shape, batch, tp, dp, tok_s, speedup_vs_1gpu / ratio_to_none) and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+from pathlib import Path
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch
+import torch.distributed as dist
+import transformers
+import triton
+from transformers import LlamaConfig
+
+from bench_end_to_end import SHAPES, timed_run  # benchmarks/bench_end_to_end.py
+from plotting import pyplot, save, throughput_axes  # benchmarks/plotting.py
+from treegen.runtime.distributed import init_parallel
+from treegen.runtime.engine import Engine
+from treegen.runtime.loader import IdTokenizer
+from treegen.runtime.model import LlamaFamilyModel
+
+SHAPES = dict(SHAPES, **{"llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                            num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                            rope_theta=500000.0, max_position_embeddings=32768)})
+
+
+def config_of(shape: str) -> LlamaConfig:
+    return LlamaConfig(**SHAPES[shape], tie_word_embeddings=False)
+
+
+def decode_time(engine: Engine, batch: int, prefix: int, new: int) -> tuple[float, float]:
+    """(t(new) - t(1), t(new)) of ``batch`` branches below one ``prefix``-token prompt."""
+    prompt = torch.randint(0, engine.model.vocab_size, (prefix,), generator=torch.Generator().manual_seed(0)).tolist()
+    timed_run(engine, batch=batch, prompt=prompt, new=8, flat=False)  # warm-up: compile kernels
+    t1, _ = timed_run(engine, batch=batch, prompt=prompt, new=1, flat=False)
+    tn, _ = timed_run(engine, batch=batch, prompt=prompt, new=new, flat=False)
+    gc.collect()
+    return tn - t1, tn
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    p.add_argument("--batches-70b", type=int, nargs="+", default=[32, 64, 128, 256, 512])
+    p.add_argument("--prefix", type=int, default=2048)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--skip-70b", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=1800)  # the two GPUs as one replica
+    dp2 = init_parallel(tensor_parallel=1, data_parallel=2, device="cuda", timeout_s=1800)  # two replicas
+    leader = tp2.rank == 0
+    rows: list[dict] = []
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"multi_gpu_{torch.cuda.get_device_name().split()[-1].lower()}.json")
+
+    def record(row: dict) -> None:
+        if leader:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            write_json(args, rows, out)
+
+    def new_tokens(batch: int, seconds: float) -> float:
+        return batch * (args.new - 1) / seconds
+
+    # ---- Llama-3-8B shape: one GPU, tp=2, dp=2
+    cfg = config_of("llama3-8b")
+    one_gpu: dict[int, float] = {}
+    if leader:
+        model = LlamaFamilyModel.random(cfg, device=tp2.device)
+        engine = Engine(model, IdTokenizer())
+        for batch in args.batches:
+            dt, total = decode_time(engine, batch, args.prefix, args.new)
+            one_gpu[batch] = new_tokens(batch, dt)
+            record({"shape": "llama3-8b", "batch": batch, "tp": 1, "dp": 1, "tok_s": one_gpu[batch],
+                    "total_s": total, "speedup_vs_1gpu": 1.0})
+        del model, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    dist.barrier()
+
+    model = LlamaFamilyModel.random(cfg, device=tp2.device, tp=tp2.tensor)
+    engine = Engine(model, IdTokenizer(), parallel=tp2)
+    for batch in args.batches:
+        dist.barrier()
+        dt, total = decode_time(engine, batch, args.prefix, args.new)
+        tok_s = new_tokens(batch, dt)
+        record({"shape": "llama3-8b", "batch": batch, "tp": 2, "dp": 1, "tok_s": tok_s, "total_s": total,
+                "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None})
+    del model, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    model = LlamaFamilyModel.random(cfg, device=dp2.device)
+    engine = Engine(model, IdTokenizer(), parallel=dp2)
+    for batch in args.batches:
+        mine = batch // 2 + (batch % 2 if dp2.dp_rank == 0 else 0)
+        dist.barrier()
+        dt, total = decode_time(engine, mine, args.prefix, args.new)
+        times = dp2.gather((dt, total))  # the batch is done when the slower replica is
+        slowest = max(t for t, _ in times)
+        tok_s = new_tokens(batch, slowest)
+        record({"shape": "llama3-8b", "batch": batch, "tp": 1, "dp": 2, "tok_s": tok_s,
+                "total_s": max(t for _, t in times), "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None})
+    del model, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    # ---- Llama-3-70B shape at tp=2, with its attention-free ceiling
+    if not args.skip_70b:
+        model = LlamaFamilyModel.random(config_of("llama3-70b"), device=tp2.device, tp=tp2.tensor)
+        for batch in args.batches_70b:
+            speeds = {}
+            for mode in ("none", "tree"):
+                engine = Engine(model, IdTokenizer(), attention=mode, parallel=tp2)
+                dist.barrier()
+                dt, total = decode_time(engine, batch, args.prefix, args.new)
+                speeds[mode] = new_tokens(batch, dt)
+                del engine
+            record({"shape": "llama3-70b", "batch": batch, "tp": 2, "dp": 1, "tok_s": speeds["tree"],
+                    "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"]})
+    if leader:
+        plot(rows, out.with_suffix(".png"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_json(args, rows: list[dict], out: Path) -> None:
+    """The results so far (written after every point: a run cut short keeps what it measured)."""
+    result = {"benchmark": "multi_gpu", "devices": [torch.cuda.get_device_name(i) for i in range(2)],
+              "gpus": 2, "dtype": "bfloat16", "prefix": args.prefix, "new": args.new,
+              "shapes": {s: SHAPES[s] for s in ("llama3-8b", "llama3-70b")},
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                           "transformers": transformers.__version__, "cuda": torch.version.cuda,
+                           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "python": platform.python_version()},
+              "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); greedy, EOS ignored, tree attention, CUDA graphs; "
+                        "one warm-up run per point; dp=2: half the branches per GPU, the slower replica's time",
+              "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """Left: 8B shape, tok/s against batch for tp=1, tp=2, dp=2. Right: 70B shape at tp=2 and its ceiling."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    small = [r for r in rows if r["shape"] == "llama3-8b"]
+    for tp, dp, label in ((1, 1, "one GPU"), (2, 1, "tp=2"), (1, 2, "dp=2")):
+        pts = sorted((r["batch"], r["tok_s"]) for r in small if r["tp"] == tp and r["dp"] == dp)
+        if pts:
+            axes[0].plot(*zip(*pts), marker="o", label=label)
+    axes[0].set_title("Llama-3-8B shape")
+    throughput_axes(axes[0], "batch")
+    big = sorted((r for r in rows if r["shape"] == "llama3-70b"), key=lambda r: r["batch"])
+    if big:
+        axes[1].plot([r["batch"] for r in big], [r["tok_s"] for r in big], marker="o", label="tp=2 tree")
+        axes[1].plot([r["batch"] for r in big], [r["none_tok_s"] for r in big], marker="x", ls="--",
+                     label="tp=2 no attention (ceiling)")
+    axes[1].set_title("Llama-3-70B shape, tp=2")
+    throughput_axes(axes[1], "batch")
+    fig.suptitle("treegen decode on 2 GPUs (prefix 2048, 128 new tokens, bf16)")
+    save(fig, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Programs and a worker for the distributed tests (tests/test_distributed.py), run by ``torchrun``:
+
+    torchrun --nproc-per-node 2 tests/distributed_programs.py CHECKPOINT OUT.json --tp 2 [--dp 1] [--fail-rank R]
+
+Each rank loads its shard of CHECKPOINT (fp32, CPU, gloo), runs :func:`workload` and writes what it
+generated to ``OUT.json.rank<R>``. ``--fail-rank R``: rank R raises in the middle of generating.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import treegen
+
+
+@treegen.program
+def self_consistency(s, n):
+    s += "Question: what is two plus two? Think step by step."
+    b = s.fork(n)
+    b += treegen.gen("answer", max_tokens=8, temperature=0.9, top_p=0.95)
+    s.join(b)
+    s += " Final:"
+    s += treegen.gen("final", max_tokens=5)
+
+
+@treegen.program
+def problem(s, k, n):
+    s += "Solve each problem carefully and show the work. " * 2
+    s += f"Problem {k}: {k} times {k + 1} is"
+    b = s.fork(n)
+    b += treegen.gen("x", max_tokens=6, temperature=0.8)
+    s.join(b)
+    s += treegen.gen("greedy", max_tokens=4)
+
+
+PROBLEMS = [{"k": k, "n": 2} for k in range(5)]
+
+
+def workload(engine, on_tokens=None) -> dict:
+    """What the tests compare: a self-consistency run (sampled and greedy) and a two-level batch."""
+    sc = self_consistency.run(engine, 3, seed=7, on_tokens=on_tokens)
+    batch = problem.run_batch(engine, PROBLEMS, seed=3, on_tokens=on_tokens)
+    return {"answer": sc["answer"], "final": sc["final"],
+            "batch": [{"x": r["x"], "greedy": r["greedy"], "tokens": r.tokens()} for r in batch]}
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    p = argparse.ArgumentParser()
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None)
+    p.add_argument("--fail-rank", type=int, default=None)
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    from treegen.runtime.engine import Engine
+
+    engine = Engine.load(args.checkpoint, tensor_parallel=args.tp, data_parallel=args.dp)
+    rank = engine.parallel.rank
+    seen = [0]
+
+    def fail_midway(stream) -> None:
+        seen[0] += 1
+        if seen[0] == 3:
+            raise RuntimeError(f"injected failure on rank {rank}")
+
+    hook = fail_midway if args.fail_rank == rank else None
+    out = workload(engine, on_tokens=hook)
+    with open(f"{args.out}.rank{rank}", "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Several processes, one engine: process groups for tensor and data parallel on ``torch.distributed``.
+
+The world of ``tp * dp`` ranks (one process per GPU; gloo on the CPU) is laid out replica-major:
+rank ``r`` is tensor-parallel rank ``r % tp`` of replica ``r // tp``. Every rank of a replica holds
+its shard of the model (:mod:`treegen.runtime.shard`) and runs the same program code on the same
+sharing tree; the model all-reduces over the replica's **tensor-parallel group**. Replicas run
+different programs of a batch (:mod:`treegen.lang.data_parallel`) and exchange only their results,
+over the **data-parallel group** of each tensor-parallel rank.
+
+Processes come from ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...;
+any number of nodes through its rendezvous) or from :mod:`treegen.runtime.workers` (a plain Python
+process starting its own). Groups are made once, with a timeout, so a collective whose peer died
+fails within ``timeout_s`` instead of hanging (NCCL's watchdog aborts the process; gloo raises).
+NVLink multicast (NVLS) is switched off in every process (``NCCL_NVLS_ENABLE=0``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from treegen.runtime.shard import Shard
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class DistributedError(ValueError):
+    """The processes cannot be set up as asked (ranks, GPUs, backend)."""
+
+
+@dataclass(eq=False)
+class TensorParallel:
+    """This rank's place in its replica's tensor-parallel group: what the model needs."""
+
+    shard: Shard
+    group: object | None  # the ProcessGroup (None when shard.size == 1)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the group, in place (every rank gets the same bits); returns ``t``."""
+        if self.shard.size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest ``value`` of any rank of the group (host decisions every rank must share)."""
+        if self.shard.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+@dataclass(eq=False)
+class Parallel:
+    """The layout of the processes: ``tp`` ranks per replica, ``dp`` replicas, this rank's place."""
+
+    tp: int
+    dp: int
+    rank: int
+    device: torch.device
+    tensor: TensorParallel
+    dp_group: object | None  # this tensor-parallel rank's ranks across the replicas
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one process that prints and writes files."""
+        return self.rank == 0
+
+    def gather(self, obj) -> list:
+        """``obj`` of every replica, in replica order (on every rank); pickled."""
+        if self.dp == 1:
+            return [obj]
+        out: list = [None] * self.dp
+        dist.all_gather_object(out, obj, group=self.dp_group)
+        return out
+
+    def __repr__(self) -> str:
+        return f"Parallel(rank {self.rank} of {self.world}: tp {self.tp_rank}/{self.tp}, dp {self.dp_rank}/{self.dp})"
+
+
+def launched() -> bool:
+    """This process is one of several started by torchrun (or by treegen's own workers)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_layout(tensor_parallel, data_parallel, device: torch.device) -> None:
+    """Clear errors for a layout that cannot run, before any process or weight is touched."""
+    for name, value in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DistributedError(f"{name} must be an integer >= 1, got {value!r}")
+    if device.type == "cuda":
+        if not dist.is_nccl_available():
+            raise DistributedError("several GPUs need torch.distributed's NCCL backend, which this torch build lacks")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", (tensor_parallel or 1) * (data_parallel or 1)))
+        have = torch.cuda.device_count()
+        if local > have:
+            raise DistributedError(f"{local} ranks on this host but only {have} GPU(s): one rank per GPU; "
+                                   f"ask for fewer (tensor_parallel x data_parallel) or use more hosts")
+    elif device.type != "cpu":
+        raise DistributedError(f"several processes run on CUDA (NCCL) or the CPU (gloo), not {device.type}")
+    if not dist.is_available():
+        raise DistributedError("this torch build has no torch.distributed")
+
+
+def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
+                  device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> Parallel:
+    """Join (or make) the process group of this launch and split it into replicas of
+    ``tensor_parallel`` ranks; ``data_parallel`` (None: the world size / ``tensor_parallel``) must
+    match. Each rank runs on its own GPU (``cuda:LOCAL_RANK``) or the CPU."""
+    device = torch.device(device)
+    check_layout(tensor_parallel, data_parallel, device)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (also inherited by what this process starts)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if not launched():
+            raise DistributedError("no process group: run under torchrun (one process per GPU), or call "
+                                   "Engine.load(..., tensor_parallel=N) from a plain process to start workers")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = data_parallel if data_parallel is not None else world // tensor_parallel
+    if tensor_parallel * dp != world:
+        raise DistributedError(f"tensor_parallel={tensor_parallel} x data_parallel={dp} needs {tensor_parallel * dp} "
+                               f"processes; this launch has {world}")
+    tp_group = dp_group = None
+    for d in range(dp):  # every rank makes every group, in the same order
+        ranks = [d * tensor_parallel + t for t in range(tensor_parallel)]
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s)) if tensor_parallel > 1 else None
+        if rank in ranks:
+            tp_group = group
+    for t in range(tensor_parallel):
+        ranks = [d * tensor_parallel + t for d in range(dp)]
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s)) if dp > 1 else None
+        if rank in ranks:
+            dp_group = group
+    shard = Shard(rank % tensor_parallel, tensor_parallel)
+    return Parallel(tensor_parallel, dp, rank, device, TensorParallel(shard, tp_group), dp_group)
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "DistributedError", "Parallel", "TensorParallel", "check_layout", "init_parallel",
+           "launched"]
