@@ -8,8 +8,8 @@ different programs of a batch (:mod:`treegen.lang.data_parallel`) and exchange o
 over the **data-parallel group** of each tensor-parallel rank.
 
 Processes come from ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...;
-any number of nodes through its rendezvous) or from :mod:`treegen.runtime.workers` (a plain Python
-process starting its own). Groups are made once, with a timeout, so a collective whose peer died
+any number of nodes through its rendezvous); starting the processes from a plain Python process or a
+notebook is not implemented yet (a clear error says to use torchrun). Groups are made once, with a timeout, so a collective whose peer died
 fails within ``timeout_s`` instead of hanging (NCCL's watchdog aborts the process; gloo raises).
 NVLink multicast (NVLS) is switched off in every process (``NCCL_NVLS_ENABLE=0``).
 """
@@ -95,7 +95,7 @@ class Parallel:
 
 
 def launched() -> bool:
-    """This process is one of several started by torchrun (or by treegen's own workers)."""
+    """This process is one of several started by torchrun."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
@@ -131,8 +131,7 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if not launched():
-            raise DistributedError("no process group: run under torchrun (one process per GPU), or call "
-                                   "Engine.load(..., tensor_parallel=N) from a plain process to start workers")
+            raise DistributedError("no process group: run under torchrun (one process per GPU)")
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
