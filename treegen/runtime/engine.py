@@ -25,6 +25,7 @@ phase), that token is run again as a query and writes the identical KV into its 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import networkx as nx
@@ -44,6 +45,8 @@ __all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "Score
 
 ATTENTION_MODES = ("tree", "flat", "none")
 
+logger = logging.getLogger(__name__)
+
 
 class Engine:
     """A loaded model + tokenizer; cheap to :meth:`start` many tree runs on.
@@ -60,6 +63,11 @@ class Engine:
     cache is stored — None (the model's dtype), ``"int8"`` or ``"fp8"`` (8 bits per value plus an fp32
     scale per token and KV head, :mod:`treegen.kernels.kv_quant`: about half the memory and the
     attention's reads, so twice the branches fit).
+
+    The model runs on one of two paths (``implementation``, see :mod:`treegen.runtime.loader`): the fast
+    path (treegen's own forward) or the generic path (transformers' own modules with tree attention
+    plugged in; exact, slower). The engine logs a one-line notice when it runs the generic path, and
+    its repr names the path; CUDA graphs stay off for a model whose modules cannot be captured.
     """
 
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
@@ -70,7 +78,14 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.attention = attention
-        self.cuda_graphs = cuda_graphs
+        self.implementation = getattr(model, "implementation", "fast")
+        # why the model's forward cannot be captured as a CUDA graph (None: it can)
+        self.graphs_off_reason = getattr(model, "graphs_off_reason", None) if cuda_graphs else None
+        self.cuda_graphs = cuda_graphs and self.graphs_off_reason is None
+        if self.implementation == "generic":
+            graphs = f"; CUDA graphs off: {self.graphs_off_reason}" if self.graphs_off_reason else ""
+            logger.warning("treegen: %s runs on the generic path (transformers' modules with tree attention; exact, "
+                           "slower than the fast path): %s%s", model.config.model_type, model.reason, graphs)
         if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens!r}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -91,20 +106,23 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             **options) -> "Engine":
-        """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id).
-        ``options``: ``attention``, ``cuda_graphs``, ``kv_dtype``, ... (see :class:`Engine`)."""
+             implementation: str = "auto", **options) -> "Engine":
+        """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id) on the
+        path ``implementation`` names: ``"auto"`` (the fast path where it runs the model, else the generic
+        path), ``"fast"`` or ``"generic"``. ``options``: ``attention``, ``cuda_graphs``, ``kv_dtype``, ...
+        (see :class:`Engine`)."""
         from treegen.runtime.loader import load_model
 
-        return cls(*load_model(model, dtype=dtype, device=device), **options)
+        return cls(*load_model(model, dtype=dtype, device=device, implementation=implementation), **options)
 
     def start(self) -> "TreeRun":
         return TreeRun(self)
 
     def __repr__(self) -> str:
         backend = "tree kernels" if self.attention_backend == "auto" else "PyTorch reference attention"
-        return (f"Engine({self.model!r}, attention={self.attention!r} ({backend}), kv={self.kv_format.name}, "
-                f"cuda_graphs={self.cuda_graphs})")
+        graphs = f" ({self.graphs_off_reason})" if self.graphs_off_reason else ""
+        return (f"Engine({self.model!r}, path={self.implementation!r}, attention={self.attention!r} ({backend}), "
+                f"kv={self.kv_format.name}, cuda_graphs={self.cuda_graphs}{graphs})")
 
 
 class TreeRun:

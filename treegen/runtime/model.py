@@ -396,8 +396,11 @@ class LlamaFamilyModel:
     ``device``, ``eos_token_ids`` (set[int]), ``max_context`` (int, see :func:`max_context_of`),
     ``attn_scale`` (softmax scale that ``attend`` must use: ``head_dim ** -0.5``, or
     ``query_pre_attn_scalar ** -0.5`` for Gemma 2/3), ``fused`` (fused CUDA kernels on or off) and
-    ``fused_ops`` (which steps actually use them for this family).
+    ``fused_ops`` (which steps actually use them for this family); ``implementation`` names the path
+    (``"fast"``; the generic path is :class:`treegen.runtime.generic.GenericModel`).
     """
+
+    implementation = "fast"
 
     def __init__(self, config, embed: Tensor, layers: list[_Layer], norm: Tensor,
                  lm_head: Tensor, eos_token_ids: set[int]):
