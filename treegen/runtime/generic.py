@@ -123,7 +123,8 @@ class GenericModel:
 
     implementation = "generic"
 
-    def __init__(self, hf_model, *, eos_token_ids=frozenset(), reason: str = "") -> None:
+    def __init__(self, hf_model, *, eos_token_ids=frozenset(),
+                 reason: str = "built from a transformers model directly") -> None:
         config = hf_model.config
         refusal = generic_refusal(config)
         if refusal is not None:
