@@ -205,8 +205,9 @@ def test_attention_features_tree_attention_lacks_are_refused_by_the_probe():
     with pytest.raises(UnsupportedModelError, match="gpt_oss.*attention sinks"):
         GenericModel(AutoModelForCausalLM.from_config(oss, dtype=torch.float32))
     gemma2 = _cfg("Gemma2Config", **{**COMMON, "head_dim": 16})  # attn_logit_softcapping=50.0 by default
-    with pytest.raises(UnsupportedModelError, match="soft-capping"):
-        choose_implementation(gemma2, gemma2, "fast")  # the fast path refuses it from the config ...
-    assert choose_implementation(gemma2, gemma2)[0] == "generic"
+    with pytest.raises(UnsupportedModelError, match="soft-capping.*neither path"):
+        choose_implementation(gemma2, gemma2)  # refused from the config, before any weights are read
+    hf = AutoModelForCausalLM.from_config(gemma2, dtype=torch.float32)
+    gemma2.attn_logit_softcapping = None  # a config that hides it: the probe reads it from the modules' calls
     with pytest.raises(UnsupportedModelError, match="soft-capping.*softcap=50.0"):
-        GenericModel(AutoModelForCausalLM.from_config(gemma2, dtype=torch.float32))  # ... the generic one from its calls
+        GenericModel(hf)

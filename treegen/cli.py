@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                         "--var values) as one workload: shared prompt prefixes are found and stored once; "
                         "a program that fails is reported and the others finish (exit status 1)")
     r.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    r.add_argument("--implementation", choices=["auto", "fast", "generic"], default="auto",
+                   help="which forward runs the model: auto (treegen's fast forward where it runs the model, else "
+                        "the generic path: transformers' own modules with tree attention), fast or generic")
     r.add_argument("--no-progress", action="store_true", help="no progress display")
     r.set_defaults(func=cmd_run)
     return p
@@ -167,7 +170,7 @@ def cmd_run(args) -> int:
 
     def load():
         _quiet_transformers()
-        return Engine.load(args.model, dtype=dtype, device=args.device,
+        return Engine.load(args.model, dtype=dtype, device=args.device, implementation=args.implementation,
                            kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
 
     if batch is not None:

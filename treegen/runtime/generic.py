@@ -90,6 +90,9 @@ def generic_refusal(config) -> str | None:
         return f"model_type={model_type!r} has no causal-LM class in transformers"
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         return f"model_type={model_type!r} attends bidirectionally (treegen decodes causally)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return (f"model_type={model_type!r} uses attention logit soft-capping (attn_logit_softcapping="
+                f"{config.attn_logit_softcapping}), which tree attention does not implement")
     if getattr(config, "attention_chunk_size", None):
         return f"model_type={model_type!r} uses chunked attention"
     return None
