@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dp", type=int, default=None, metavar="N",
                    help="data parallel: N model replicas, a --batch split across them by shared prefixes "
                         "(default: the processes torchrun started / --tp); rank 0 alone prints and writes --json")
+    r.add_argument("--implementation", choices=["auto", "fast", "generic"], default="auto",
+                   help="which forward runs the model: auto (treegen's fast forward where it runs the model, else "
+                        "the generic path: transformers' own modules with tree attention), fast or generic")
     r.add_argument("--no-progress", action="store_true", help="no progress display")
     r.set_defaults(func=cmd_run)
     return p
@@ -177,7 +180,8 @@ def cmd_run(args) -> int:
     def load():
         _quiet_transformers()
         return Engine.load(args.model, dtype=dtype, device=args.device, tensor_parallel=args.tp,
-                           data_parallel=args.dp, kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
+                           data_parallel=args.dp, implementation=args.implementation,
+                           kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
 
     if batch is not None:
         return _run_batch(args, prog, *batch, load, watch, out, err)

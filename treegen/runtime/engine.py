@@ -25,6 +25,7 @@ phase), that token is run again as a query and writes the identical KV into its 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ __all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "PassP
 
 ATTENTION_MODES = ("tree", "flat", "none")
 
+logger = logging.getLogger(__name__)
+
 
 class Engine:
     """A loaded model + tokenizer; cheap to :meth:`start` many tree runs on.
@@ -62,6 +65,10 @@ class Engine:
     scale per token and KV head, :mod:`treegen.kernels.kv_quant`: about half the memory and the
     attention's reads, so twice the branches fit).
 
+    The model runs on one of two paths (``implementation``, see :mod:`treegen.runtime.loader`): the fast
+    path (treegen's own forward) or the generic path (transformers' own modules with tree attention
+    plugged in; exact, slower). The engine logs a one-line notice when it runs the generic path, and
+    its repr names the path; CUDA graphs stay off for a model whose modules cannot be captured.
     parallel: this process's place among several (:class:`~treegen.runtime.distributed.Parallel`;
     None: one process) — set by :meth:`load` with ``tensor_parallel`` / ``data_parallel``. The model
     is then this rank's shard, every rank of a replica runs the same programs on the same tree (host
@@ -77,7 +84,14 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.attention = attention
-        self.cuda_graphs = cuda_graphs
+        self.implementation = getattr(model, "implementation", "fast")
+        # why the model's forward cannot be captured as a CUDA graph (None: it can)
+        self.graphs_off_reason = getattr(model, "graphs_off_reason", None) if cuda_graphs else None
+        self.cuda_graphs = cuda_graphs and self.graphs_off_reason is None
+        if self.implementation == "generic":
+            graphs = f"; CUDA graphs off: {self.graphs_off_reason}" if self.graphs_off_reason else ""
+            logger.warning("treegen: %s runs on the generic path (transformers' modules with tree attention; exact, "
+                           "slower than the fast path): %s%s", model.config.model_type, model.reason, graphs)
         if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens!r}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -99,9 +113,12 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             tensor_parallel: int = 1, data_parallel: int | None = None, **options) -> "Engine":
-        """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id).
-        ``options``: ``attention``, ``cuda_graphs``, ``kv_dtype``, ... (see :class:`Engine`).
+             implementation: str = "auto", tensor_parallel: int = 1, data_parallel: int | None = None,
+             **options) -> "Engine":
+        """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id) on the
+        path ``implementation`` names: ``"auto"`` (the fast path where it runs the model, else the generic
+        path), ``"fast"`` or ``"generic"``. ``options``: ``attention``, ``cuda_graphs``, ``kv_dtype``, ...
+        (see :class:`Engine`).
 
         Several GPUs (or CPU processes): ``tensor_parallel`` ranks per model replica, ``data_parallel``
         replicas (None: as many as the launch has processes for). Under ``torchrun`` this process is
@@ -114,7 +131,10 @@ class Engine:
         device = torch.device(device)
         distributed.check_layout(tensor_parallel, data_parallel, device)
         if tensor_parallel == 1 and data_parallel in (None, 1) and not distributed.launched():
-            return cls(*load_model(model, dtype=dtype, device=device), **options)
+            return cls(*load_model(model, dtype=dtype, device=device, implementation=implementation), **options)
+        if tensor_parallel > 1 and implementation == "generic":
+            raise distributed.DistributedError("tensor_parallel > 1 runs treegen's fast path only (its split "
+                                               "forward); the generic path runs on one GPU per replica")
         check_tensor_parallel(load_config(model), tensor_parallel)
         if not distributed.launched():
             raise distributed.DistributedError(
@@ -122,17 +142,20 @@ class Engine:
                 f"launch with torchrun --nproc-per-node {tensor_parallel * (data_parallel or 1)} (starting the "
                 f"workers from a plain process is not implemented yet)")
         parallel = distributed.init_parallel(tensor_parallel=tensor_parallel, data_parallel=data_parallel, device=device)
-        return cls(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor), parallel=parallel,
-                   **options)
+        return cls(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor,
+                               implementation=implementation if tensor_parallel == 1 else "fast"),
+                   parallel=parallel, **options)
 
     def start(self) -> "TreeRun":
         return TreeRun(self)
 
     def __repr__(self) -> str:
         backend = "tree kernels" if self.attention_backend == "auto" else "PyTorch reference attention"
+        graphs = f" ({self.graphs_off_reason})" if self.graphs_off_reason else ""
         where = f", {self.parallel!r}" if self.parallel is not None else ""
-        return (f"Engine({self.model!r}, attention={self.attention!r} ({backend}), kv={self.kv_format.name}, "
-                f"cuda_graphs={self.cuda_graphs}{where})")
+        return (f"Engine({self.model!r}, path={self.implementation!r}, attention={self.attention!r} ({backend}), "
+                f"kv={self.kv_format.name}, cuda_graphs={self.cuda_graphs}{graphs}{where})")
+
 
 
 @dataclass(frozen=True)

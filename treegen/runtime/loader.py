@@ -6,9 +6,15 @@ file takes ~15-20 s, so it is converted once to an fp32 safetensors checkpoint i
 the user cache (``$TREEGEN_CACHE``, else ``$XDG_CACHE_HOME/treegen``, else
 ``~/.cache/treegen``) under ``models/SmolLM2-135M-Instruct/``; later loads read that.
 
-Any other ``model`` is a local directory or a hub id of an HF checkpoint whose ``model_type`` has a
-row in ``treegen/runtime/families.py`` (Llama, Mistral, Qwen 2/3, Phi-3/4, OLMo 2/3, Gemma 1/2/3 text).
-A local directory with safetensors weights (``model.safetensors``, or shards listed in
+Any other ``model`` is a local directory or a hub id of an HF checkpoint. Two paths run it
+(``implementation``): the *fast* path, treegen's own forward, for a ``model_type`` with a row in
+``treegen/runtime/families.py`` (Llama, Mistral, Qwen 2/3, Phi-3/4, OLMo 2/3, Gemma 1/2/3 text), and
+the *generic* path (:mod:`treegen.runtime.generic`) for every other decoder-only causal LM of
+transformers, mixture-of-experts models included, run by its own modules with treegen's tree
+attention plugged in. ``"auto"`` takes the fast path where it can and falls to the generic path,
+saying why, for a model type or config feature the fast path does not implement; an architecture
+neither path runs (encoder-decoder, state-space or hybrid recurrent, multimodal) is refused by name.
+On the fast path a local directory with safetensors weights (``model.safetensors``, or shards listed in
 ``model.safetensors.index.json``) is read directly, tensor by tensor, into treegen's model: each is
 converted to the requested dtype on the CPU and only then moved to the device, so a bf16/fp16 load
 never holds an fp32 copy on the GPU (nor a second copy of the model in HF modules). A hub id is read
@@ -30,6 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .generic import GENERIC_SUPPORT, RECURRENT_MODEL_TYPES, GenericModel, generic_refusal
 from .model import (
     SUPPORTED_MODEL_TYPES,
     LlamaFamilyModel,
@@ -178,23 +185,43 @@ def _not_found(source: str, err: Exception) -> ModelNotFoundError:
     )
 
 
-def _load_config(source: str):
+IMPLEMENTATIONS = ("auto", "fast", "generic")
+
+
+def _both_paths_refuse(why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{why}; treegen runs it on neither path: the fast path supports model_type in "
+        f"{list(SUPPORTED_MODEL_TYPES)}, the generic path {GENERIC_SUPPORT}")
+
+
+def _check_implementation(implementation: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+
+
+def _load_config(source: str, implementation: str = "auto"):
     """The config of the model treegen runs (a multimodal checkpoint's text config); see _load_configs."""
-    return _load_configs(source)[1]
+    return _load_configs(source, implementation)[1]
 
 
-def _load_configs(source: str):
+def _load_configs(source: str, implementation: str = "auto"):
     """(the checkpoint's config, the config of the language model treegen runs: the same object, or a
-    multimodal checkpoint's text config); raises for what treegen cannot run."""
+    multimodal checkpoint's text config, the path that runs it, why: see choose_implementation);
+    raises for what ``implementation`` cannot run."""
     from transformers import AutoConfig
 
+    _check_implementation(implementation)
     local = Path(source).expanduser()
     if local.is_dir():
         cfg_file = local / "config.json"
         if not cfg_file.is_file():
             raise ModelNotFoundError(f"{source!r} is a directory but has no config.json (not an HF checkpoint)")
         # check before transformers parses it (it may not even know the model_type)
-        check_model_type(json.loads(cfg_file.read_text()).get("model_type"))
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+        if implementation == "fast":
+            check_model_type(model_type)
+        elif model_type in RECURRENT_MODEL_TYPES:
+            raise _both_paths_refuse(f"model_type={model_type!r} is a state-space or hybrid recurrent model")
         source = str(local)
     elif local.suffix == ".gguf":
         raise ModelNotFoundError(f"{source!r}: GGUF files are not supported as a model argument; "
@@ -204,15 +231,38 @@ def _load_configs(source: str):
     except OSError as err:
         raise _not_found(source, err) from err
     except (ValueError, KeyError) as err:  # e.g. a model_type transformers does not know
-        raise UnsupportedModelError(
-            f"cannot use {source!r}: {err}; treegen supports model_type in {list(SUPPORTED_MODEL_TYPES)}"
-        ) from err
+        raise _both_paths_refuse(f"cannot use {source!r}: {err}") from err
     text = text_config_of(config)
     if text is not config:
         logger.warning("treegen: %s is a multimodal %s checkpoint; running its text model (%s) only",
                        source, config.model_type, text.model_type)
-    check_supported(text)
-    return config, text
+    return (config, text, *choose_implementation(config, text, implementation))
+
+
+def choose_implementation(config, text, implementation: str = "auto") -> tuple[str, str]:
+    """``("fast" | "generic", why)``: the path that runs a checkpoint of ``config`` (its language
+    model's config ``text``) — the fast path where it implements every feature of the config (unless
+    ``implementation="generic"``), else the generic path; ``why`` says why the generic path was taken.
+    Raises :class:`UnsupportedModelError` naming the architecture when the path asked for (or, for
+    ``"auto"``, both paths) cannot run it."""
+    _check_implementation(implementation)
+    fast_refusal = None
+    if implementation != "generic":
+        try:
+            check_model_type(getattr(config, "model_type", None))
+            check_supported(text)
+            return "fast", ""
+        except UnsupportedModelError as err:
+            if implementation == "fast":
+                raise
+            fast_refusal = str(err)
+    refusal = generic_refusal(config)
+    if refusal is None:
+        return "generic", (f"the fast path does not run it ({fast_refusal})" if fast_refusal
+                           else "implementation='generic' was asked for")
+    if fast_refusal is None:
+        raise UnsupportedModelError(f"{refusal}: the generic path does not run it (it runs {GENERIC_SUPPORT})")
+    raise _both_paths_refuse(refusal)
 
 
 def _load_tokenizer(source: str):
@@ -224,10 +274,10 @@ def _load_tokenizer(source: str):
         raise ModelNotFoundError(f"could not load a tokenizer for {source!r}: {err}") from err
 
 
-def load_config(model: str | os.PathLike | None = None):
+def load_config(model: str | os.PathLike | None = None, implementation: str = "auto"):
     """HF config of ``model`` (no weights; the text model's for a multimodal checkpoint); raises for
-    unsupported architectures."""
-    return _load_config(_resolve(model))
+    architectures ``implementation`` cannot run."""
+    return _load_config(_resolve(model), implementation)
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):
@@ -323,19 +373,22 @@ def _generation_config(source: str):
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", tp=None) -> tuple[LlamaFamilyModel, object]:
-    """Load ``(LlamaFamilyModel, tokenizer)``.
+               device: str | torch.device = "cpu", implementation: str = "auto", tp=None
+               ) -> tuple[LlamaFamilyModel | GenericModel, object]:
+    """Load ``(model, tokenizer)``: a :class:`LlamaFamilyModel` (the fast path) or a
+    :class:`~treegen.runtime.generic.GenericModel` (the generic path), see the module doc.
 
     model: None (embedded SmolLM2-135M-Instruct), a local checkpoint directory, or a hub id.
+    implementation: ``"auto"``, ``"fast"`` or ``"generic"``.
     tp: this process's :class:`~treegen.runtime.distributed.TensorParallel` (None: the whole model);
-    it reads only its shard of the split weights.
+    it reads only its shard of the split weights (the fast path only).
     Raises UnsupportedModelError or TensorParallelError (checked from the config, before any weights
     are read) or ModelNotFoundError.
     """
     from transformers import AutoModelForCausalLM
 
     source = _resolve(model)
-    outer, config = _load_configs(source)
+    outer, config, path, reason = _load_configs(source, implementation)
     tokenizer = _load_tokenizer(source)
     device = torch.device(device)
     check_tensor_parallel(config, tp.shard.size if tp is not None else 1)
@@ -344,6 +397,16 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) \
             else type(quantization).__name__
         raise UnsupportedModelError(f"{source!r}: quantized checkpoints (quant_method={method!r}) are not supported")
+    if path == "generic":
+        if tp is not None and tp.shard.size > 1:
+            raise UnsupportedModelError(f"{source!r} runs on the generic path ({reason}), which has no tensor-parallel "
+                                        f"split: use tensor_parallel=1 (data parallel works)")
+        try:
+            lm = GenericModel.from_pretrained(source, outer, dtype=dtype, device=device, reason=reason,
+                                              eos_token_ids=eos_ids_of(outer, _generation_config(source)))
+        except OSError as err:
+            raise _not_found(source, err) from err
+        return _with_tokenizer_eos(lm, tokenizer)
     folder = _checkpoint_folder(source)
     files = _safetensors_files(folder)
     if files is not None:
@@ -356,12 +419,17 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
             raise _not_found(source, err) from err
         lm = LlamaFamilyModel.from_hf(hf, device=device, dtype=dtype, tp=tp)
         del hf  # our model keeps the weight tensors, not the HF module wrappers
+    return _with_tokenizer_eos(lm, tokenizer)
+
+
+def _with_tokenizer_eos(lm, tokenizer):
     if getattr(tokenizer, "eos_token_id", None) is not None:
         lm.eos_token_ids.add(int(tokenizer.eos_token_id))
     return lm, tokenizer
 
 
 __all__ = [
-    "DEFAULT_MODEL_NAME", "IdTokenizer", "ModelNotFoundError", "UnsupportedModelError", "cache_dir",
+    "DEFAULT_MODEL_NAME", "IMPLEMENTATIONS", "IdTokenizer", "ModelNotFoundError", "UnsupportedModelError", "cache_dir",
+    "choose_implementation",
     "default_model_path", "load_config", "load_model", "load_tokenizer",
 ]

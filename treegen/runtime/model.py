@@ -409,13 +409,16 @@ class LlamaFamilyModel:
     ``device``, ``eos_token_ids`` (set[int]), ``max_context`` (int, see :func:`max_context_of`),
     ``attn_scale`` (softmax scale that ``attend`` must use: ``head_dim ** -0.5``, or
     ``query_pre_attn_scalar ** -0.5`` for Gemma 2/3), ``fused`` (fused CUDA kernels on or off) and
-    ``fused_ops`` (which steps actually use them for this family).
+    ``fused_ops`` (which steps actually use them for this family); ``implementation`` names the path
+    (``"fast"``; the generic path is :class:`treegen.runtime.generic.GenericModel`).
 
     Tensor parallel: ``tp`` (a :class:`~treegen.runtime.distributed.TensorParallel`, None: the whole
     model) names this rank's :class:`~treegen.runtime.shard.Shard` and all-reduces the row-parallel
     outputs; ``num_heads`` / ``num_kv_heads`` are then **this rank's** heads (so its KV store holds
     only its KV heads) and the layers hold only its slices.
     """
+
+    implementation = "fast"
 
     def __init__(self, config, embed: Tensor, layers: list[_Layer], norm: Tensor,
                  lm_head: Tensor, eos_token_ids: set[int], tp=None):
