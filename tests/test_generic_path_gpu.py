@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from test_model_families_gpu import TOL, VOCAB, assert_close_to, hf_logits  # noqa: E402
+from test_model_families_gpu import TOL, VOCAB, check_tree_logits  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from treegen.runtime.engine import Engine, GenRequest  # noqa: E402
@@ -64,26 +64,9 @@ def test_generic_engine_tree_logits_match_hf(name, dtype):
     """A shared 300-token prompt, four unbalanced suffixes, three forced decode steps through the Engine
     on the generic path (tree attention over the per-node KV store)."""
     hf, model = real_shape(name, dtype)
-    g = torch.Generator().manual_seed(2)
-    rand = lambda n: torch.randint(3, VOCAB, (n,), generator=g).tolist()  # noqa: E731
-    prompt, suffixes = rand(300), [rand(k) for k in (1, 20, 37, 5)]
-    forced = [rand(3) for _ in suffixes]
     engine = Engine(model, IdTokenizer())
     assert engine.implementation == "generic" and engine.attention_backend == "auto"
-    run = engine.start()
-    root = run.tree.add_node(None, prompt)
-    leaves = [run.tree.add_node(root, s) for s in suffixes]
-    first = run.prefill(leaves)
-    got = {i: [first[leaf][-1:]] for i, leaf in enumerate(leaves)}
-    for step in range(3):
-        for i, leaf in enumerate(leaves):
-            run.tree.extend(leaf, [forced[i][step]])
-        out = run.prefill(leaves)
-        for i, leaf in enumerate(leaves):
-            got[i].append(out[leaf])
-    for i, s in enumerate(suffixes):
-        want = hf_logits(hf, prompt + s + forced[i])[-4:]
-        assert_close_to(torch.cat(got[i]).float(), want, dtype)
+    check_tree_logits(engine, hf, dtype)
 
 
 @pytest.mark.parametrize("name, experts", [("llama3-8b", None), ("qwen3-moe", "grouped_mm"), ("qwen3-moe", "eager")])

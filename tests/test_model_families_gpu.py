@@ -114,12 +114,19 @@ def test_engine_tree_logits_match_hf(name, dtype):
     """A shared 300-token prompt, four unbalanced suffixes, three forced decode steps through the Engine
     (tree attention; the fused RoPE kernel writes the KV cache where the family rotates whole heads)."""
     hf, model = real_shape(name, dtype)
-    assert Engine(model, IdTokenizer()).attention_backend == "auto"  # every shape here runs the Triton kernels
+    engine = Engine(model, IdTokenizer())
+    assert engine.attention_backend == "auto"  # every shape here runs the Triton kernels
+    check_tree_logits(engine, hf, dtype)
+
+
+def check_tree_logits(engine: Engine, hf, dtype: torch.dtype) -> None:
+    """A shared 300-token prompt, four unbalanced suffixes, three forced decode steps through ``engine``:
+    each step's logits close to HF's on that branch's whole sequence."""
     g = torch.Generator().manual_seed(2)
     rand = lambda n: torch.randint(3, VOCAB, (n,), generator=g).tolist()  # noqa: E731
     prompt, suffixes = rand(300), [rand(k) for k in (1, 20, 37, 5)]
     forced = [rand(3) for _ in suffixes]
-    run = Engine(model, IdTokenizer()).start()
+    run = engine.start()
     root = run.tree.add_node(None, prompt)
     leaves = [run.tree.add_node(root, s) for s in suffixes]
     first = run.prefill(leaves)
