@@ -60,3 +60,28 @@ def test_a_killed_worker_fails_the_next_call_with_its_exit(checkpoint):  # noqa:
 def test_data_parallel_from_a_plain_process_is_refused(checkpoint):  # noqa: F811
     with pytest.raises(ValueError, match="data_parallel=2 from a plain process is not supported"):
         Engine.load(str(checkpoint), tensor_parallel=1, data_parallel=2)
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_two_gpus_from_a_plain_process(checkpoint, monkeypatch):  # noqa: F811
+    """NCCL, cuda:0 and cuda:1, CUDA-graph decode phases: the tokens of one GPU (fp32); then a worker
+    that raises mid-run ends the call with its error (the NCCL groups aborted) within 30 s."""
+    one_gpu = workload(Engine.load(str(checkpoint), device="cuda"))
+    engine = Engine.load(str(checkpoint), tensor_parallel=2, device="cuda")
+    try:
+        assert workload(engine) == one_gpu
+    finally:
+        engine.close()
+    monkeypatch.setenv(FAULT_ENV, "1:3")
+    engine = Engine.load(str(checkpoint), tensor_parallel=2, device="cuda")
+    try:
+        started = time.perf_counter()
+        with pytest.raises(WorkerError, match="(?s)worker rank 1 failed.*injected failure on rank 1"):
+            workload(engine)
+        assert time.perf_counter() - started < 30
+    finally:
+        engine.close()

@@ -27,7 +27,6 @@ import traceback
 
 import torch
 
-from treegen.runtime.distributed import DistributedError
 
 WATCHDOG_S = 0.2  # how often rank 0 looks at its workers
 JOIN_S = 10.0  # how long a worker may take to exit when told to
