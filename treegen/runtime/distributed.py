@@ -8,8 +8,9 @@ different programs of a batch (:mod:`treegen.lang.data_parallel`) and exchange o
 over the **data-parallel group** of each tensor-parallel rank.
 
 Processes come from ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...;
-any number of nodes through its rendezvous); starting the processes from a plain Python process or a
-notebook is not implemented yet (a clear error says to use torchrun). Groups are made once, with a timeout, so a collective whose peer died
+any number of nodes through its rendezvous), or, for tensor parallel on one host, from a plain Python
+process or a notebook, which becomes rank 0 and starts the others itself (:func:`join_local_group`,
+:mod:`treegen.runtime.workers`). Groups are made once, with a timeout, so a collective whose peer died
 fails within ``timeout_s`` instead of hanging (NCCL's watchdog aborts the process; gloo raises).
 NVLink multicast (NVLS) is switched off in every process (``NCCL_NVLS_ENABLE=0``).
 """
@@ -118,16 +119,36 @@ def check_layout(tensor_parallel, data_parallel, device: torch.device) -> None:
         raise DistributedError("this torch build has no torch.distributed")
 
 
+def join_local_group(rank: int, world: int, port: int, device: str | torch.device,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Make the process group of ``world`` processes of this host that meet at ``127.0.0.1:port``
+    (a process started by :mod:`treegen.runtime.workers`, or the user's process as rank 0); rank ``r``
+    runs on ``cuda:r`` (NCCL) or the CPU (gloo)."""
+    device = torch.device(device)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    if dist.is_initialized():
+        raise DistributedError("this process already belongs to a process group (one tensor-parallel engine at a "
+                               "time per process: close the other with engine.close())")
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = torch.device("cuda", rank)
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
 def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
                   device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> Parallel:
     """Join (or make) the process group of this launch and split it into replicas of
     ``tensor_parallel`` ranks; ``data_parallel`` (None: the world size / ``tensor_parallel``) must
-    match. Each rank runs on its own GPU (``cuda:LOCAL_RANK``) or the CPU."""
+    match. Each rank runs on its own GPU (``cuda:LOCAL_RANK``, or ``cuda:RANK`` in a group made by
+    :func:`join_local_group`) or the CPU."""
     device = torch.device(device)
     check_layout(tensor_parallel, data_parallel, device)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (also inherited by what this process starts)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local = os.environ.get("LOCAL_RANK") if launched() else None
+        device = torch.device("cuda", int(local) if local is not None else (dist.get_rank() if dist.is_initialized() else 0))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if not launched():
@@ -156,4 +177,4 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DistributedError", "Parallel", "TensorParallel", "check_layout", "init_parallel",
-           "launched"]
+           "join_local_group", "launched"]

@@ -78,7 +78,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
-                 max_batch: int | None = None, kv_dtype: str | None = None, parallel=None) -> None:
+                 max_batch: int | None = None, kv_dtype: str | None = None, parallel=None, workers=None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
@@ -102,6 +102,11 @@ class Engine:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         self.max_batch = max_batch
         self.parallel = parallel
+        self.workers = workers  # the tensor-parallel workers this process started (treegen.runtime.workers.Team)
+        if workers is not None:
+            import weakref
+
+            weakref.finalize(self, workers.close)
         # progress hook: on_step(live_branches, tokens_done, tokens_budget), called by the decoder
         # after the first tokens and at every host sync (display/progress.py adapts it to a bar)
         self.on_step = None
@@ -121,9 +126,19 @@ class Engine:
         (see :class:`Engine`).
 
         Several GPUs (or CPU processes): ``tensor_parallel`` ranks per model replica, ``data_parallel``
-        replicas (None: as many as the launch has processes for). Under ``torchrun`` this process is
-        one rank: it joins the process group and loads only its shard. A layout the model cannot split
-        into is refused from its config, before any process group is made or weight is read."""
+        replicas (None: as many as the launch has processes for). Two ways in:
+
+        * under ``torchrun`` this process is one rank: it joins the process group and loads only its
+          shard; every rank runs the same program code;
+        * from a plain Python process or a notebook (tensor parallel only), this process becomes rank 0
+          and starts ranks 1..``tensor_parallel``-1 itself (one per GPU, ``cuda:0``.. of this host; gloo
+          processes on the CPU), which load their shards and mirror every tree run of this process
+          (:mod:`treegen.runtime.workers`, :mod:`treegen.runtime.mirror`). A worker that fails makes the
+          next (or the waiting) call raise :class:`~treegen.runtime.workers.WorkerError` with its error.
+          :meth:`close` (or dropping the engine, or exit) ends the workers.
+
+        A layout the model cannot split into is refused from its config, before any process group is
+        made or weight is read."""
         from treegen.runtime import distributed
         from treegen.runtime.loader import load_config, load_model
         from treegen.runtime.shard import check_tensor_parallel
@@ -137,17 +152,37 @@ class Engine:
                                                "forward); the generic path runs on one GPU per replica")
         check_tensor_parallel(load_config(model), tensor_parallel)
         if not distributed.launched():
-            raise distributed.DistributedError(
-                f"tensor_parallel={tensor_parallel} / data_parallel={data_parallel} needs one process per rank: "
-                f"launch with torchrun --nproc-per-node {tensor_parallel * (data_parallel or 1)} (starting the "
-                f"workers from a plain process is not implemented yet)")
+            if data_parallel not in (None, 1):
+                raise distributed.DistributedError(
+                    f"data_parallel={data_parallel} from a plain process is not supported: launch with torchrun "
+                    f"--nproc-per-node {tensor_parallel * data_parallel} (tensor parallel alone starts its own workers)")
+            from treegen.runtime.workers import start_team
+
+            parallel, team = start_team(model, dtype=dtype, device=device, tensor_parallel=tensor_parallel,
+                                        options=options)
+            try:
+                return cls(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor),
+                           parallel=parallel, workers=team, **options)
+            except BaseException:
+                team.close()
+                raise
         parallel = distributed.init_parallel(tensor_parallel=tensor_parallel, data_parallel=data_parallel, device=device)
         return cls(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor,
                                implementation=implementation if tensor_parallel == 1 else "fast"),
                    parallel=parallel, **options)
 
     def start(self) -> "TreeRun":
+        if self.workers is not None:
+            from treegen.runtime.mirror import LeaderRun
+
+            return LeaderRun(self, self.workers)
         return TreeRun(self)
+
+    def close(self) -> None:
+        """End the tensor-parallel workers this process started (nothing to do otherwise); the engine
+        cannot run afterwards."""
+        if self.workers is not None:
+            self.workers.close()
 
     def __repr__(self) -> str:
         backend = "tree kernels" if self.attention_backend == "auto" else "PyTorch reference attention"

@@ -1,0 +1,87 @@
+"""Tensor parallel from a plain process (this pytest process is rank 0 and starts rank 1 itself, gloo on
+the CPU): the tokens of one process; a worker that raises or is killed makes the user's call fail
+promptly with its error, and no process is left behind."""
+
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from distributed_programs import workload
+from test_distributed import checkpoint, one_process  # noqa: F401 - the shared fixtures
+from treegen.runtime.engine import Engine
+from treegen.runtime.workers import FAULT_ENV, WorkerError
+
+
+def test_a_plain_process_drives_two_ranks_to_the_tokens_of_one(checkpoint, one_process):  # noqa: F811
+    engine = Engine.load(str(checkpoint), tensor_parallel=2)
+    try:
+        assert engine.parallel.tensor.shard.size == 2 and engine.workers is not None
+        assert workload(engine) == one_process
+        assert workload(engine) == one_process  # runs after runs: the mirrors stay in step
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in engine.workers.processes)
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_worker_that_raises_fails_the_users_call_promptly(checkpoint, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 raises at its third call
+    engine = Engine.load(str(checkpoint), tensor_parallel=2)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(WorkerError, match="(?s)worker rank 1 failed.*injected failure on rank 1"):
+            workload(engine)
+        assert time.perf_counter() - started < 30
+        assert not any(p.is_alive() for p in engine.workers.processes)
+        with pytest.raises(WorkerError, match="injected failure on rank 1"):  # and every later call
+            workload(engine)
+    finally:
+        engine.close()
+
+
+def test_a_killed_worker_fails_the_next_call_with_its_exit(checkpoint):  # noqa: F811
+    engine = Engine.load(str(checkpoint), tensor_parallel=2)
+    try:
+        worker = engine.workers.processes[0]
+        worker.kill()
+        worker.join(10)
+        started = time.perf_counter()
+        with pytest.raises(WorkerError, match="rank 1 failed: exited with code -9"):
+            workload(engine)
+        assert time.perf_counter() - started < 30
+    finally:
+        engine.close()
+
+
+def test_data_parallel_from_a_plain_process_is_refused(checkpoint):  # noqa: F811
+    with pytest.raises(ValueError, match="data_parallel=2 from a plain process is not supported"):
+        Engine.load(str(checkpoint), tensor_parallel=1, data_parallel=2)
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_two_gpus_from_a_plain_process(checkpoint, monkeypatch):  # noqa: F811
+    """NCCL, cuda:0 and cuda:1, CUDA-graph decode phases: the tokens of one GPU (fp32); then a worker
+    that raises mid-run ends the call with its error (the NCCL groups aborted) within 30 s."""
+    one_gpu = workload(Engine.load(str(checkpoint), device="cuda"))
+    engine = Engine.load(str(checkpoint), tensor_parallel=2, device="cuda")
+    try:
+        assert workload(engine) == one_gpu
+    finally:
+        engine.close()
+    monkeypatch.setenv(FAULT_ENV, "1:3")
+    engine = Engine.load(str(checkpoint), tensor_parallel=2, device="cuda")
+    try:
+        started = time.perf_counter()
+        with pytest.raises(WorkerError, match="(?s)worker rank 1 failed.*injected failure on rank 1"):
+            workload(engine)
+        assert time.perf_counter() - started < 30
+    finally:
+        engine.close()
