@@ -50,14 +50,13 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
 import transformers
 import triton
-from transformers import LlamaConfig
 
 import treegen
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
-from bench_end_to_end import SHAPES  # benchmarks/
+from bench_end_to_end import SHAPES, config_of  # benchmarks/
 from plotting import pyplot, save
 
 PREFIX, QUESTION, FOLLOW_UP, ROUNDS = 512, 32, 8, 3
@@ -238,7 +237,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    model = LlamaFamilyModel.random(LlamaConfig(**SHAPES[args.shape]), dtype=torch.bfloat16, device="cuda")
+    model = LlamaFamilyModel.random(config_of(args.shape), dtype=torch.bfloat16, device="cuda")
     rows = []
     for kind in args.workloads:
         for branches in args.branches:

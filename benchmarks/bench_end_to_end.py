@@ -34,7 +34,6 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch
 import transformers
 import triton
-from transformers import LlamaConfig
 
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
@@ -49,7 +48,34 @@ SHAPES = {
                          num_key_value_heads=32, vocab_size=32016, rope_theta=1000000.0, max_position_embeddings=32768),
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=32768),
+    # other families (issue 16): "config_class" names the transformers config the shape is built with
+    "qwen3-8b": dict(config_class="Qwen3Config", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     rope_theta=1000000.0, max_position_embeddings=40960),
+    "phi-4-mini": dict(config_class="Phi3Config", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                       num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, tie_word_embeddings=True,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                        "short_factor": [1.0 + 0.05 * i for i in range(48)],
+                                        "long_factor": [2.0 + 0.5 * i for i in range(48)]}),
+    # 5 local (window 1024) : 1 global layers, head_dim 256
+    "gemma-3-12b": dict(config_class="Gemma3TextConfig", hidden_size=3840, intermediate_size=15360,
+                        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                        query_pre_attn_scalar=256, vocab_size=262208, sliding_window=1024,
+                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+                        max_position_embeddings=131072,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1000000.0}}),
 }
+
+
+def config_of(shape: str):
+    """The transformers config of a named shape (a Llama config unless the shape names its class)."""
+    import transformers
+
+    kw = dict(SHAPES[shape])
+    return getattr(transformers, kw.pop("config_class", "LlamaConfig"))(**kw)
 
 
 def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: bool) -> float:
@@ -177,7 +203,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    config = LlamaConfig(**SHAPES[args.shape])
+    config = config_of(args.shape)
     rows = []
     for b in args.hf_batches:  # HF first, on its own, then freed
         rows += measure_hf(config, b, args.prefix, args.new)
@@ -248,7 +274,9 @@ def write_json(args, rows: list[dict], fits: list[dict]) -> Path:
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                            "cuda": torch.version.cuda, "python": platform.python_version()},
               "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); greedy, EOS ignored; one warm-up run per point",
-              "rows": rows}
+              # each row names the model and the path that ran it (treegen's fast forward; HF rows say hf)
+              "rows": [{"model": args.shape, "path": r["mode"] if r["mode"].startswith("hf") else "fast", **r}
+                       for r in rows]}
     if fits:
         result["largest_batch"] = fits
     out = Path(args.out or Path(__file__).parent / "results" / f"end_to_end_{args.shape}.json")

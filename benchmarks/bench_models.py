@@ -29,7 +29,6 @@ import gc
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -46,7 +45,8 @@ from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 
 SHAPES = {  # name -> (config class, its arguments)
-    **{name: ("LlamaConfig", shape) for name, shape in DENSE_SHAPES.items()},
+    **{name: (shape.get("config_class", "LlamaConfig"), {k: v for k, v in shape.items() if k != "config_class"})
+       for name, shape in DENSE_SHAPES.items()},
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
