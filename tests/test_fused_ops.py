@@ -59,6 +59,19 @@ def test_rope_in_place_on_the_query_and_key_heads_of_a_fused_qkv(dtype, head_dim
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_partial_rotary_rotates_the_first_dims_and_passes_the_rest(dtype):
+    """Phi-3/4: RoPE over the first 48 of 64 dims of each head (HF: rotate the slice, concatenate the rest)."""
+    nh, nkv, rot = 6, 2, 48
+    qkv, _, _ = _qkv_and_rope(dtype, 64, nh=nh, nkv=nkv)
+    _, cos, sin = _qkv_and_rope(dtype, rot, nh=nh, nkv=nkv, seed=2)
+    want = [torch.cat((rope_reference(x[..., :rot], cos, sin), x[..., rot:]), -1)
+            for x in (qkv[:, :nh], qkv[:, nh : nh + nkv])]
+    rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv)
+    torch.testing.assert_close(qkv[:, :nh], want[0], rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(qkv[:, nh : nh + nkv], want[1], rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nkv", [1, 3])
 def test_rope_writes_keys_and_values_into_the_cache_slots(dtype, nkv):
     nh, tokens = 6, 5
@@ -91,7 +104,9 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="qkv must be"):
         rope_(x, torch.zeros(2, 8), torch.zeros(2, 8), 2, 1)
     with pytest.raises(ValueError, match="cos/sin must be"):
-        rope_(x, torch.zeros(2, 4), torch.zeros(2, 4), 1, 1)
+        rope_(x, torch.zeros(2, 16), torch.zeros(2, 16), 1, 1)
+    with pytest.raises(ValueError, match="cos/sin must be"):
+        rope_(x, torch.zeros(2, 3), torch.zeros(2, 3), 1, 1)
     with pytest.raises(ValueError, match="store needs"):
         rope_(x, torch.zeros(2, 8), torch.zeros(2, 8), 1, 1, store=(torch.zeros(4, 2, 8), torch.zeros(4, 2, 8),
                                                                      torch.zeros(2, dtype=torch.long)))

@@ -178,7 +178,6 @@ def test_family_switches_seen_by_the_model(saved):
     assert phi.rotary_dim == PHI_ROTARY and phi.head_dim == 16
     assert phi.max_context == 40  # the LongRoPE original context (the window, 48, is longer)
     assert phi.layers[0].q_w.data_ptr() == phi.layers[0].qkv_w.data_ptr()  # views of the fused checkpoint weight
-    assert not phi.fused_ops.rope  # partial rotary: the fused RoPE kernel rotates whole heads
     gemma3 = load_model(saved("gemma3")[1])[0]
     assert gemma3.attn_scale == 24**-0.5 and gemma3.final_softcap == 6.0
     assert gemma3.rope_keys == ["sliding_attention", "full_attention", "sliding_attention"]

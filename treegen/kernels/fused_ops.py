@@ -92,24 +92,27 @@ if triton is not None:
     @triton.jit
     def _rope_kernel(QKV, COS, SIN, KC, VC, SLOTS, KS, VS, n_q, n_kv, stride_t, stride_h, stride_c, stride_ct,
                      stride_ch, stride_st,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, STORE: tl.constexpr,
-                     QMAX: tl.constexpr, INT8: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+                     STORE: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HEAD_DIM)
-        half: tl.constexpr = HEAD_DIM // 2
-        rot_d = (offs_d + half) % HEAD_DIM
+        # the first ROT_DIM dims of each head rotate (rotate_half within them); the rest pass through
+        # (partial rotary, Phi-3/4)
+        half: tl.constexpr = ROT_DIM // 2
+        rotated = offs_d < ROT_DIM
+        rot_d = tl.where(rotated, (offs_d + half) % ROT_DIM, offs_d)
         sign = tl.where(offs_d < half, -1.0, 1.0)
         ok = (offs_h < n_q + n_kv)[:, None]  # the query and key heads are rotated
         base = QKV + t * stride_t + offs_h[:, None] * stride_h
         x = tl.load(base + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
         x_rot = tl.load(base + rot_d[None, :], mask=ok, other=0.0).to(tl.float32) * sign[None, :]
         dt = QKV.dtype.element_ty
-        c = tl.load(COS + t * stride_c + offs_d).to(tl.float32)
-        s = tl.load(SIN + t * stride_c + offs_d).to(tl.float32)
+        c = tl.load(COS + t * stride_c + offs_d, mask=rotated, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t * stride_c + offs_d, mask=rotated, other=0.0).to(tl.float32)
         a = (x * c[None, :]).to(dt).to(tl.float32)  # x * cos, rounded as in HF
         b = (x_rot * s[None, :]).to(dt).to(tl.float32)  # rotate_half(x) * sin, rounded
-        out = (a + b).to(dt)
+        out = tl.where(rotated[None, :], a + b, x).to(dt)
         tl.debug_barrier()  # every lane has read its rotated partner before any lane writes
         if STORE:  # queries in place; keys (rotated) and values straight into the KV cache at this token's slot
             slot = tl.load(SLOTS + t).to(tl.int64)
@@ -170,8 +173,9 @@ def add_rms_norm(h: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Ten
 def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads: int,
           store: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """Rotary embedding of a fused QKV projection ``qkv [T, num_q_heads + 2 * num_kv_heads, D]``
-    (any row stride): the query and key heads are rotated in place; cos/sin ``[T, D]`` in the model
-    dtype. ``store=(k_cache, v_cache, slots)``: instead of rotating the keys in place, write the
+    (any row stride): the query and key heads are rotated in place; cos/sin ``[T, R]`` in the model
+    dtype, ``R <= D`` the rotary dims (``R < D``: partial rotary, the first R dims of each head rotate
+    and the rest pass through, as HF's Phi-3). ``store=(k_cache, v_cache, slots)``: instead of rotating the keys in place, write the
     rotated keys and the values to ``k_cache[slots]`` / ``v_cache[slots]`` (``[S, num_kv_heads, D]``),
     the KV cache write in the same launch. ``store=(k_cache, v_cache, slots, k_scale, v_scale)``: an
     8-bit cache (int8 or float8_e4m3fn, :mod:`treegen.kernels.kv_quant`) with its fp32 scales
@@ -180,8 +184,10 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads:
     if qkv.dim() != 3 or qkv.shape[1] != heads or qkv.stride(2) != 1 or qkv.stride(1) != qkv.shape[2]:
         raise ValueError(f"rope_: qkv must be [T, {heads} heads, D] with heads packed in each row, got shape "
                          f"{tuple(qkv.shape)} strides {qkv.stride()}")
-    if cos.shape != (qkv.shape[0], qkv.shape[2]) or sin.shape != cos.shape or cos.stride(1) != 1:
-        raise ValueError(f"rope_: cos/sin must be [T, D] = {(qkv.shape[0], qkv.shape[2])}, got {tuple(cos.shape)}")
+    if cos.dim() != 2 or cos.shape[0] != qkv.shape[0] or not 0 < cos.shape[1] <= qkv.shape[2] or cos.shape[1] % 2 \
+            or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"rope_: cos/sin must be [T, R] with T = {qkv.shape[0]} and an even R <= D = {qkv.shape[2]}, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     qmax, int8 = 0.0, False
     if store is not None:
         if len(store) not in (3, 5):
@@ -212,7 +218,7 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads:
         _rope_kernel[(qkv.shape[0],)](
             qkv, cos, sin, k_cache, v_cache, slots, k_scale, v_scale, num_q_heads, num_kv_heads, qkv.stride(0),
             qkv.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0),
-            HEAD_DIM=qkv.shape[2], BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
+            HEAD_DIM=qkv.shape[2], ROT_DIM=cos.shape[1], BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
             BLOCK_KV=triton.next_power_of_2(num_kv_heads), STORE=store is not None, QMAX=qmax, INT8=int8,
             num_warps=4)
     return qkv

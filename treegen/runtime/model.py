@@ -481,10 +481,10 @@ class LlamaFamilyModel:
     @property
     def fused_ops(self) -> FusedOps:
         """Which steps run fused now (all False unless ``self.fused``): the kernels compute Llama-style
-        RMSNorm, full-head RoPE and SiLU gating; other variants run as PyTorch ops."""
+        RMSNorm, RoPE (whole or partial heads) and SiLU gating; other variants run as PyTorch ops."""
         on = bool(self.fused)
         return FusedOps(norm=on and self.family.norm_style == "llama",
-                        rope=on and self.rotary_dim == self.head_dim,
+                        rope=on,
                         act=on and self.act_name == "silu")
 
     @classmethod
