@@ -218,14 +218,17 @@ def test_load_local_checkpoint(tmp_path):
     assert load_tokenizer(tmp_path).eos_token == "</s>"
 
 
-def test_unsupported_architecture(tmp_path):
+def test_architecture_without_a_fast_path_goes_generic_and_missing_weights_are_named(tmp_path):
+    """GPT-2 has no fast path: the fast path refuses it by name (listing what it runs); auto takes the
+    generic path, where a checkpoint directory without weights is named as such."""
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)  # config only: no weights to load
     with pytest.raises(UnsupportedModelError, match="gpt2") as err:
-        load_model(str(tmp_path))
+        load_model(str(tmp_path), implementation="fast")
     assert "llama" in str(err.value) and "qwen2" in str(err.value) and "mistral" in str(err.value)
     assert isinstance(err.value, ValueError)
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
-        load_config(tmp_path)
+    with pytest.raises(ModelNotFoundError, match="config but no weights"):
+        load_model(str(tmp_path))
+    assert load_config(tmp_path).model_type == "gpt2"  # a config the generic path may run
 
 
 def test_unknown_model_type(tmp_path):

@@ -176,6 +176,9 @@ def _resolve(model: str | os.PathLike | None) -> str:
 
 
 def _not_found(source: str, err: Exception) -> ModelNotFoundError:
+    if os.path.isdir(source):  # a checkpoint directory whose weights are missing or unreadable
+        return ModelNotFoundError(f"model {source!r}: the directory has a config but no weights that load "
+                                  f"({type(err).__name__}: {str(err).splitlines()[0]})")
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     hub = "the Hugging Face hub is offline (HF_HUB_OFFLINE=1)" if offline else \
         "the Hugging Face hub could not be reached or has no such repository"
