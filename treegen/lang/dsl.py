@@ -27,6 +27,7 @@ from treegen.lang import views
 from treegen.lang.batch import BatchInterrupted, Cooperative, ProgramError
 from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
+from treegen.runtime.constraint import Constraint
 from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
@@ -36,12 +37,22 @@ DEFAULT_MAX_PROGRAM_TOKENS = 1_000_000
 
 
 def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-        stop: str | list[str] | tuple[str, ...] = (), seed: int | None = None, ignore_eos: bool = False) -> Gen:
-    """Generate text into variable ``name``. Greedy unless ``temperature > 0``; see :class:`SamplingParams`."""
+        stop: str | list[str] | tuple[str, ...] = (), seed: int | None = None, ignore_eos: bool = False,
+        regex: str | None = None, choices: list[str] | tuple[str, ...] | None = None,
+        json_schema: dict | str | None = None, grammar: str | None = None) -> Gen:
+    """Generate text into variable ``name``. Greedy unless ``temperature > 0``; see :class:`SamplingParams`.
+
+    At most one constraint on the text, enforced token by token (:mod:`treegen.runtime.constraint`):
+    ``regex`` (the whole text matches it), ``choices`` (the text is one of them), ``json_schema`` (a
+    dict or JSON text: the text is JSON valid under it) or ``grammar`` (EBNF, rule ``root``). The gen
+    ends where its constraint is complete; one that ``max_tokens`` cuts short ends with
+    ``finish_reason="length"`` and ``state.info[name]["constraint_met"] = False``. An invalid regex,
+    schema or grammar raises ``ValueError`` here, when the program is written."""
     _check_name("gen", name)
     try:
+        constraint = Constraint.of(regex=regex, choices=choices, json_schema=json_schema, grammar=grammar)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed, ignore_eos=ignore_eos)
+                                stop=stop, seed=seed, ignore_eos=ignore_eos, constraint=constraint)
     except ValueError as e:
         raise ValueError(f"gen({name!r}): {e}") from None
     return Gen(name, params)

@@ -501,6 +501,8 @@ class State:
             self.info[op.name] = {"finish_reason": result.finish_reason, "tokens": len(result.tokens), "start": start,
                                   "logprob": sum(result.logprobs) / len(result.logprobs) if result.logprobs else None,
                                   "max_tokens": op.params.max_tokens, "stop": op.params.stop}
+            if op.params.constraint is not None:  # False: max_tokens cut the text short of its constraint
+                self.info[op.name].update(constraint=str(op.params.constraint), constraint_met=result.constraint_met)
             return
         request_choices = tree.children(self.node)[-len(op.choices):]
         best = max(range(len(op.choices)), key=lambda i: (result[i], -i))
@@ -746,6 +748,9 @@ def _compute_reduction(name: str, spec: Reduce, children: list[State]) -> tuple[
             result = spec.sep.join(str(v) for v in values)
         elif spec.kind == "vote":
             answers = [reduce.extract(v, spec.extract) for v in values]  # once: extract may be a function
+            # a constrained gen cut short by max_tokens has no answer (its text is an incomplete prefix)
+            answers = [None if child.info.get(spec.source, {}).get("constraint_met") is False else a
+                       for child, a in zip(children, answers)]
             result = reduce.vote(answers)
             info["votes"] = reduce.tally(answers)
             info["winners"] = [i for i, a in enumerate(answers) if a is not None and a == result]

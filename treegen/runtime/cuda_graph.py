@@ -5,15 +5,17 @@ from __future__ import annotations
 import torch
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
+def capture(fn, pool=None) -> torch.cuda.CUDAGraph:
     """Run ``fn`` once for real on a side stream (compiles kernels, warms the allocator), then capture
-    it. The capture records ``fn``'s kernels without running them; ``graph.replay()`` runs them."""
+    it. The capture records ``fn``'s kernels without running them; ``graph.replay()`` runs them.
+    ``pool``: another graph's ``pool()`` to allocate from (graphs always replayed one after the
+    other, in capture order, may share their temporaries' memory)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         fn()
     return graph

@@ -35,6 +35,7 @@ from treegen.runtime.cuda_graph import capture
 from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams, sample
 from treegen.runtime.scheduler import REPLAN_FRACTION
+from treegen.runtime.token_masks import TokenMasks, apply_bitmask
 
 # a phase expected to end sooner than this many steps runs without a CUDA graph (capture costs more)
 MIN_CAPTURED_STEPS = 8
@@ -56,6 +57,9 @@ class Decoder:
         self.logprobs: list[list[float]] = []
         self.live: list[int] = []
         self.tokens_done = 0
+        self.masks: TokenMasks | None = None  # the constrained branches' matchers (made at the first one)
+        self.constrained_steps = 0  # decode steps of phases with a constrained branch (host sync per step)
+        self.captured_phases = 0  # phases run as CUDA graphs
 
     # ---------------------------------------------------------------------------------------------
     def decode_rows(self) -> list[tuple[int, int]]:
@@ -71,15 +75,26 @@ class Decoder:
             self.jobs.append(job)
             self.out.append([])
             self.logprobs.append([])
+            if job.request.params.constraint is not None:
+                if self.masks is None:
+                    self.masks = TokenMasks(self.run.engine.grammars)
+                self.masks.add(len(self.jobs) - 1, job.request.params.constraint)
         rows = self.live + list(range(first, len(self.jobs)))
         if not rows:
             return
         device = logits.device
         steps = torch.tensor([len(self.out[b]) for b in rows], dtype=torch.int64, device=device)
         params = _Params([self.jobs[b] for b in rows], device)
+        lse = logits.logsumexp(-1)  # the model's distribution, before a constraint's mask
+        if self.masks is not None:
+            bitmask = self.masks.new_bitmask(len(rows))
+            if self.masks.fill(bitmask, rows):
+                apply_bitmask(logits, bitmask.to(device))
         nxt = params.sample(logits, torch.arange(len(rows), device=device), steps)
-        lp = logits.log_softmax(-1).gather(1, nxt.unsqueeze(1)).squeeze(1)
-        for b, t, p in zip(rows, nxt.tolist(), lp.tolist()):
+        lp = logits.gather(1, nxt.unsqueeze(1)).squeeze(1) - lse
+        tokens = nxt.tolist()
+        self._advance_matchers(rows, [[t] for t in tokens])
+        for b, t, p in zip(rows, tokens, lp.tolist()):
             # (a job may be done already: cancelled by an earlier callback, its program having failed)
             if not self.jobs[b].done and self._accept(b, [t], [p]) and self.jobs[b].request.final:
                 self.kv.free(self.jobs[b].request.node)
@@ -89,6 +104,10 @@ class Decoder:
     def cancel(self, job: Job) -> None:
         """A live branch's job was cancelled: it leaves the live set (see ``TreeRun.cancel``)."""
         self.live = [b for b in self.live if self.jobs[b] is not job]
+        if self.masks is not None:
+            for b, j in enumerate(self.jobs):
+                if j is job:
+                    self.masks.drop(b)
 
     # ---------------------------------------------------------------------------------------------
     def phase(self):
@@ -116,25 +135,59 @@ class Decoder:
         lp_buf = torch.zeros(len(live), width, dtype=torch.float32, device=device)
         column = torch.zeros(len(live), 1, dtype=torch.int64, device=device)
         attend = run.attend_fn(plan, slots)
+        constrained = self.masks is not None and any(b in self.masks for b in live)
+        # a constraint's token masks: a device buffer the step reads (captured with it), filled from the host
+        bitmask = self.masks.new_bitmask(len(live), device=device) if constrained else None
+        logits_of = {}
 
-        def step() -> None:
-            logits = model.forward(input_ids, plan.query_pos, attend)
-            nxt = params.sample(logits, idx, steps)
+        def forward() -> None:
+            logits_of["step"] = model.forward(input_ids, plan.query_pos, attend)
+
+        def pick() -> None:
+            logits = logits_of["step"]
+            if bitmask is not None:
+                lse = logits.logsumexp(-1, keepdim=True)  # logprobs under the model, before the mask
+                apply_bitmask(logits, bitmask)
+                nxt = params.sample(logits, idx, steps)
+                lp = logits.gather(1, nxt.unsqueeze(1)) - lse
+            else:
+                nxt = params.sample(logits, idx, steps)
+                lp = logits.log_softmax(-1).gather(1, nxt.unsqueeze(1))
             buf.scatter_(1, column, nxt.unsqueeze(1))
-            lp_buf.scatter_(1, column, logits.log_softmax(-1).gather(1, nxt.unsqueeze(1)))
+            lp_buf.scatter_(1, column, lp)
             input_ids.copy_(nxt)
             plan.query_pos.add_(1)
             torch.minimum(slots + 1, slot_limit, out=slots)
             steps.add_(1)
             column.add_(1)
 
+        def step() -> None:
+            forward()
+            pick()
+
         planned = time.perf_counter()
         run.host_seconds["plan"] += planned - started
-        replay = None
-        if self.graphs and plan.backend == "triton" and self._worth_capturing(remaining):
-            replay = self._capture(step)
-        run.host_seconds["capture"] += time.perf_counter() - planned
-        pipelined = device.type == "cuda"
+        capturing = self.graphs and plan.backend == "triton" and self._worth_capturing(remaining)
+        self.captured_phases += capturing
+        if constrained:
+            yield from self._constrained_steps(live, width, forward, pick, bitmask, input_ids, buf, lp_buf, capturing)
+        else:
+            yield from self._steps(live, width, step, buf, lp_buf, capturing)
+        alive = set(self.live)
+        for b, n, held in zip(live, nodes, prompt_len):
+            if b not in alive and self.jobs[b].request.final:
+                kv.free(n)  # a finished branch that takes nothing more gives its KV back at once
+            elif n in kv.segments:  # (its program may have ended and freed it meanwhile)
+                kv.segments[n].computed = held + len(self.out[b]) - 1  # KV for all its tokens but the last
+
+    def _steps(self, live: list[int], width: int, step, buf, lp_buf, capturing: bool):
+        """The steps of a phase without constraints: the host reads the tokens every ``sync_every``
+        steps, pipelined on CUDA (see the module doc)."""
+        run = self.run
+        started = time.perf_counter()
+        replay = self._capture(step) if capturing else None
+        run.host_seconds["capture"] += time.perf_counter() - started
+        pipelined = self.model.device.type == "cuda"
         done_steps, pending = 0, None
         for t in range(width):
             (replay or step)()
@@ -156,17 +209,80 @@ class Decoder:
                 yield  # jobs completed: their programs may resume (and queue work) while the GPU runs
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
             self._settle(live, pending)
-        alive = set(self.live)
-        for b, n, held in zip(live, nodes, prompt_len):
-            if b not in alive and self.jobs[b].request.final:
-                kv.free(n)  # a finished branch that takes nothing more gives its KV back at once
-            elif n in kv.segments:  # (its program may have ended and freed it meanwhile)
-                kv.segments[n].computed = held + len(self.out[b]) - 1  # KV for all its tokens but the last
 
-    def _settle(self, live: list[int], block: "_Block") -> None:
-        """Accept a block of sampled tokens of the phase's branches ``live`` (those still live)."""
+    def _constrained_steps(self, live: list[int], width: int, forward, pick, bitmask, last, buf, lp_buf,
+                           capturing: bool):
+        """The steps of a phase with a constrained branch. Its matcher must see every token before the
+        next mask, so each step's tokens come to the host; the step is split in two — the model's
+        ``forward`` and ``pick`` (mask, sample, advance), each a CUDA graph — and while step ``t``'s
+        forward runs the host reads step ``t - 1``'s tokens, advances the matchers (one batched call)
+        and uploads step ``t``'s masks: the GPU waits only for host work longer than a forward. The
+        rest of the host's work (appending tokens, finishing branches) runs every ``sync_every``
+        steps, as in unconstrained phases. A matcher stops at its branch's EOS or ``max_tokens``; its
+        row is then all ones, and the tokens the branch draws after it are dropped when settled.
+        ``last``: the device tensor the step's tokens are left in (the next step's input ids)."""
+        run, masks, eos = self.run, self.masks, self.eos
+        pipelined = self.model.device.type == "cuda"
+        row_of = {b: j for j, b in enumerate(live)}
+        budget = {b: self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in live if b in masks}
+        active = [b for b in budget if not self.jobs[b].done]  # matchers still advancing, in row order
+        host = masks.new_bitmask(len(live), pinned=pipelined)
+
+        def upload() -> None:  # ordered after the step that read the previous masks (same stream)
+            on = set(active)
+            masks.fill(host, [b if b in on else None for b in live])
+            bitmask.copy_(host, non_blocking=pipelined)
+
+        def advance(t: int, tokens: list[int]) -> None:
+            """Step ``t``'s tokens (one per row) into the active matchers; those that end leave."""
+            nonlocal active
+            taking = [b for b in active if not self.jobs[b].done]
+            picked = [tokens[row_of[b]] for b in taking]
+            masks.accept(taking, picked)
+            active = [b for b, tok in zip(taking, picked) if tok not in eos and t + 1 < budget[b]]
+
+        started = time.perf_counter()
+        if capturing:
+            graph = capture(forward)  # ran step 0's forward; its logits now live in the graph's output
+            graph.replay()  # so run it again into that output (rewriting the same KV)
+            upload()
+            forward, pick = graph.replay, self._capture(pick, pool=graph.pool())
+        else:
+            forward()
+            upload()
+        run.host_seconds["capture"] += time.perf_counter() - started
+        done_steps, block = 0, None
+        for t in range(width):
+            if t:
+                forward()  # the GPU computes step t while the host works on step t - 1
+            run.forward_passes += 1
+            if t:
+                advance(t - 1, step_tokens.read())
+                if block is not None:
+                    before = len(self.live)
+                    self._settle(live, block, advance=False)
+                    block = None
+                    if run.scheduler.phase_should_end(len(live), len(self.live)):
+                        return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
+                    if len(self.live) < before:
+                        yield  # jobs completed: their programs may resume while the GPU runs
+                upload()
+            pick()
+            self.constrained_steps += 1
+            run.scheduler.tick(1)
+            step_tokens = _Column(last, pipelined)
+            if (t + 1) % self.sync_every == 0 or t + 1 == width:
+                block, done_steps = _Block(buf, lp_buf, done_steps, t + 1, pipelined), t + 1
+        advance(width - 1, step_tokens.read())
+        self._settle(live, block, advance=False)
+
+    def _settle(self, live: list[int], block: "_Block", advance: bool = True) -> None:
+        """Accept a block of sampled tokens of the phase's branches ``live`` (those still live).
+        ``advance``: the constrained branches' matchers take the tokens (False: they have already)."""
         tokens, lps = block.read()
         started = time.perf_counter()
+        if advance:
+            self._advance_matchers(live, tokens)
         for j, b in enumerate(live):
             if not self.jobs[b].done:  # (finished, or cancelled by a callback of an earlier branch)
                 self._accept(b, tokens[j], lps[j])
@@ -175,17 +291,31 @@ class Decoder:
         self.run.host_seconds["accept"] += time.perf_counter() - started
 
     # ---------------------------------------------------------------------------------------------
+    def _advance_matchers(self, branches: list[int], tokens: list[list[int]]) -> None:
+        """Advance the matchers of the live constrained ``branches`` by their new tokens (one each:
+        a phase with a constrained branch reads its tokens every step), in one batch."""
+        if self.masks is None:
+            return
+        taking = [(b, new) for b, new in zip(branches, tokens) if b in self.masks and not self.jobs[b].done]
+        if any(len(new) != 1 for _, new in taking):
+            raise RuntimeError("a constrained branch was given several tokens at once")
+        self.masks.accept([b for b, _ in taking], [new[0] for _, new in taking])
+
     def _accept(self, b: int, new: list[int], logprobs: list[float]) -> bool:
         """Append branch ``b``'s new tokens up to where it finishes; True when it finished (its job
-        is then complete)."""
+        is then complete). A constrained branch's matcher has taken them already (``_advance_matchers``)."""
         job = self.jobs[b]
         out, before = self.out[b], len(self.out[b])
         result = None
+        masks = self.masks if self.masks is not None and b in self.masks else None
         for t, lp in zip(new, logprobs):
             out.append(t)
             self.logprobs[b].append(lp)
             result = finished(out, job.request.params, self.eos, self.tokenizer)
             if result is not None:
+                if masks is not None:
+                    result = dataclasses.replace(result, constraint_met=masks.matched(b))
+                    masks.drop(b)
                 break
         self.tree.extend(job.request.node, out[before:])  # one extend per branch per sync
         self.tokens_done += len(out) - before
@@ -211,10 +341,10 @@ class Decoder:
         return sorted(remaining)[at] >= MIN_CAPTURED_STEPS
 
     @staticmethod
-    def _capture(step):
+    def _capture(step, pool=None):
         """Capture ``step`` as a CUDA graph; returns a replay function for the phase's steps. Capturing
         runs the step once for real, which is the phase's first step, so the first call does nothing."""
-        graph = capture(step)
+        graph = capture(step, pool)
         first = [True]
 
         def replay():
@@ -241,6 +371,24 @@ class _Params:
     def sample(self, logits, idx, steps):
         return sample(logits, temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
                       keys=self.keys[idx], steps=steps, all_greedy=self.all_greedy, filter_needed=self.filter_needed)
+
+
+class _Column:
+    """One step's tokens (``[rows]`` int64 on the device) on their way to the host, like :class:`_Block`."""
+
+    def __init__(self, tokens: torch.Tensor, pipelined: bool) -> None:
+        self.tokens, self.event = tokens, None
+        if pipelined:
+            self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tokens = tokens.clone()
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.tolist()
 
 
 class _Block:

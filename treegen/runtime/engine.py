@@ -35,6 +35,7 @@ import torch
 from treegen.kernels.kv_quant import kv_format
 from treegen.kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
+from treegen.runtime.constraint import Grammars
 from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
@@ -115,6 +116,15 @@ class Engine:
         self.attention_backend = "auto" if model.head_dim in SUPPORTED_HEAD_DIMS else "reference"
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 self.kv_format.bytes_per_value, self.kv_format.scale_bytes)
+        self._grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """Constrained gens' grammars compiled for this tokenizer and vocabulary, each once, shared by
+        every run (the first constrained gen builds the tokenizer's tables; see :mod:`~treegen.runtime.constraint`)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids)
+        return self._grammars
 
     @classmethod
     def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -251,6 +261,11 @@ class TreeRun:
             if total > self.model.max_context:
                 raise ValueError(f"a branch would reach {total} tokens (prompt + max_tokens={request.params.max_tokens}), "
                                  f"past the model's context of {self.model.max_context}")
+            if request.params.constraint is not None:
+                if not self.model.eos_token_ids:
+                    raise ValueError(f"a constrained gen ({request.params.constraint}) ends on an EOS token, "
+                                     "and this model has none")
+                self.engine.grammars.compile(request.params.constraint)  # once per constraint, before it runs
         elif not isinstance(request, ScoreRequest):
             raise TypeError(f"submit expects a GenRequest or ScoreRequest, got {type(request).__name__}")
         job = Job(request, on_done=on_done, on_tokens=on_tokens)

@@ -29,13 +29,16 @@ class GenRequest:
 @dataclass(frozen=True)
 class GenResult:
     """A branch's generation: its tokens, the text (stop string excluded), why it ended, and the
-    natural-log probability of each token under the distribution it was drawn from (before
-    temperature and filtering)."""
+    natural-log probability of each token under the model's distribution (before temperature,
+    filtering and a constraint's token mask). ``constraint_met``: None for an unconstrained gen; for
+    a constrained one True when the text is a complete match of its constraint, False when it ended
+    (``finish_reason="length"``) before it could be — the text is then an incomplete prefix."""
 
     tokens: tuple[int, ...]
     text: str
     finish_reason: str  # "eos" | "stop" | "length"
     logprobs: tuple[float, ...] = ()
+    constraint_met: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treegen.runtime.constraint import Constraint
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -28,6 +30,9 @@ class SamplingParams:
     stop: strings that end generation (the value excludes the stop string). seed: overrides the
     program seed for this ``gen``; None = derive from the program seed and the branch path.
     ignore_eos: keep generating past end-of-sequence tokens (benchmarks: exactly max_tokens).
+    constraint: what the text must be (a regex, choices, a JSON schema or a grammar, see
+    :mod:`treegen.runtime.constraint`); the gen then ends where its constraint is complete (the model
+    draws EOS, which the constraint allows only there), so it takes no stop strings and no ignore_eos.
     """
 
     max_tokens: int = 128
@@ -37,6 +42,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +62,15 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise ValueError(f"constraint must be a Constraint or None, got {type(self.constraint).__name__}")
+            if self.stop:
+                raise ValueError(f"a constrained gen ({self.constraint}) ends where its constraint is complete: "
+                                 f"it takes no stop strings, got stop={self.stop!r}")
+            if self.ignore_eos:
+                raise ValueError(f"a constrained gen ({self.constraint}) ends on EOS where its constraint is "
+                                 "complete: ignore_eos=True is not allowed with it")
 
 
 def _is_int(x) -> bool:
@@ -82,8 +97,14 @@ def uniform_noise(keys: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     x = _hash32((keys.unsqueeze(1) * 0x9E3779B1 + steps.unsqueeze(1)) & _MASK32)
     x = _hash32((x ^ ids.unsqueeze(0)) & _MASK32)
-    x = _hash32((x + 0x632BE5AB) & _MASK32)
-    return ((x >> 8).float() + 0.5) / float(1 << 24)
+    return unit_interval(_hash32((x + 0x632BE5AB) & _MASK32))
+
+
+def unit_interval(x: Tensor) -> Tensor:
+    """32-bit hashes (int64) → float32 uniforms strictly inside (0, 1): the top 24 bits, centred in
+    their cell. The largest, (2^24 - 0.5) / 2^24, rounds to 1.0 in float32, whose Gumbel noise is +inf
+    (a token drawn whatever its logit, a forbidden one included), so it is clamped below 1."""
+    return (((x >> 8).float() + 0.5) / float(1 << 24)).clamp_max(1.0 - 2.0 ** -24)
 
 
 def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, steps: Tensor,

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 
 from treegen.lang.tg import ast
 from treegen.lang.tg.errors import Pos, TgError
+from treegen.runtime.constraint import Constraint
 from treegen.runtime.sampler import SamplingParams
 
 MAX_BRANCHES = 4096
 PARAM_TYPES = ("str", "int", "float", "list")
 GEN_ARGS = {"max_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int", "stop": "text",
-            "seed": "int"}
+            "seed": "int", "regex": "str", "choices": "list", "json_schema": "str", "grammar": "str"}
+CONSTRAINTS = ("regex", "choices", "json_schema", "grammar")  # at most one per gen
 # reduction -> (argument names in order, required ones)
 REDUCTIONS = {"collect": (("values",), ("values",)), "vote": (("values", "extract"), ("values",)),
               "best": (("values", "by"), ("values", "by")), "top_k": (("values", "by", "k"), ("values", "by", "k"))}
@@ -199,19 +201,28 @@ def _gen(st: ast.Gen, scope: _Scope) -> None:
             raise TgError(f"unknown parameter {kw.name!r} for gen ({hint}gen takes {', '.join(GEN_ARGS)})", kw.pos)
         if kw.name in seen:
             raise TgError(f"gen {st.name}: {kw.name} is given twice", kw.pos)
+        if kw.name in CONSTRAINTS and seen & set(CONSTRAINTS):
+            other = next(c for c in CONSTRAINTS if c in seen)
+            raise TgError(f"gen {st.name}: a gen takes at most one constraint, got {other} and {kw.name}", kw.pos)
+        if kw.name in CONSTRAINTS and seen & {"stop"} or kw.name == "stop" and seen & set(CONSTRAINTS):
+            raise TgError(f"gen {st.name}: a constrained gen ends where its constraint is complete, "
+                          "it takes no stop strings", kw.pos)
         seen.add(kw.name)
         want = GEN_ARGS[kw.name]
         if isinstance(kw.value, ast.Var):
             t = _read(kw.value, scope)
-            ok = {"int": t == Type("int"), "number": t in (Type("int"), Type("float")),
-                  "text": t == Type("str") or (t.depth == 1 and t.base == "str")}[want]
+            ok = {"int": t == Type("int"), "number": t in (Type("int"), Type("float")), "str": t == Type("str"),
+                  "list": t == Type("str", 1), "text": t == Type("str") or (t.depth == 1 and t.base == "str")}[want]
             if not ok:
-                raise TgError(f"wrong type: {kw.name} needs {'text' if want == 'text' else 'a ' + want}, "
-                              f"but {kw.value.name!r} is a {t}", kw.value.pos)
+                needs = {"text": "text", "str": "a string", "list": "a list of strings"}.get(want, "a " + want)
+                raise TgError(f"wrong type: {kw.name} needs {needs}, but {kw.value.name!r} is a {t}", kw.value.pos)
             continue
         value = literal_value(kw.value, f"gen {kw.name}")
         try:
-            SamplingParams(**{kw.name: value})
+            if kw.name in CONSTRAINTS:  # parsed now: a bad regex, schema or grammar is an error at its place
+                Constraint.of(**{kw.name: value})
+            else:
+                SamplingParams(**{kw.name: value})
         except (ValueError, TypeError) as e:
             raise TgError(f"gen {st.name}: {e}", kw.value.pos) from None
 

@@ -1,0 +1,226 @@
+"""Constrained gens (regex, choices, JSON schema, grammar) on the embedded SmolLM2 (CPU), against
+Hugging Face ``generate`` with xgrammar's logits processor, and their errors."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+import treegen
+from treegen.lang.tg import loads
+from treegen.lang.tg.errors import TgError
+from treegen.runtime.constraint import Constraint, ConstraintError
+from treegen.runtime.requests import GenRequest
+from treegen.runtime.sampler import SamplingParams
+
+QUESTION = "Q: A farmer has 12 cows and buys 7 more. How many cows does he have?\n"
+REGEX = r"The answer is (0|[1-9][0-9]{0,3})\."
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "unit": {"enum": ["cows", "dollars", "apples"]},
+                                           "sure": {"type": "boolean"}},
+          "required": ["answer", "unit", "sure"], "additionalProperties": False}
+CHOICES = ["19", "17", "twenty", "Ünïcode \"quoted\""]
+GRAMMAR = 'root ::= "A" digit digit? | "B" ("+" | "-") digit\ndigit ::= [0-9]'
+N = 64
+
+
+@pytest.fixture(scope="module")
+def sampled(smol, tiny_llama):
+    """64 samples at temperature 1.0 under each kind of constraint, all in one run: a tiny random Llama
+    with SmolLM2's vocabulary and tokenizer (what is allowed does not depend on the weights; 256
+    branches of SmolLM2 itself would take minutes on CI's CPU)."""
+    engine = treegen.Engine(tiny_llama[1], smol.tokenizer)
+    gens = [treegen.gen("out", max_tokens=24, temperature=1.0, regex=REGEX),
+            treegen.gen("out", max_tokens=48, temperature=1.0, json_schema=SCHEMA),
+            treegen.gen("out", max_tokens=40, temperature=1.0, choices=CHOICES),  # (random weights: byte by byte)
+            treegen.gen("out", max_tokens=8, temperature=1.0, grammar=GRAMMAR)]
+
+    @treegen.program
+    def prog(s):
+        s += QUESTION
+        kinds = s.fork(4, content=["A: ", "A (JSON): ", "A (pick one): ", "A (code): "])
+        samples = kinds.fork(N)
+        samples += [gens[k] for k in range(4) for _ in range(N)]
+        kinds.join(samples)
+        s.join(kinds)
+
+    root = prog.run(engine, seed=1)
+    infos = [st.info["out"] for st in root._run.states if "out" in st.info and "finish_reason" in st.info["out"]]
+    return root["out"], infos
+
+
+def test_every_sample_matches_its_constraint(sampled):
+    outs, infos = sampled
+    regex_out, json_out, choice_out, grammar_out = outs
+    assert len(infos) == 4 * N and all(len(o) == N for o in outs)
+    # each constraint here can always be completed within its max_tokens: every sample is complete
+    assert all(i["constraint_met"] is True for i in infos), [i for i in infos if not i["constraint_met"]]
+    assert all(re.fullmatch(REGEX, t) for t in regex_out), regex_out
+    for text in json_out:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert set(choice_out) <= set(CHOICES)
+    assert all(re.fullmatch(r"A[0-9][0-9]?|B[+-][0-9]", t) for t in grammar_out), grammar_out
+    # sampled at temperature 1: not one answer repeated
+    assert len(set(regex_out)) > 1 and len(set(json_out)) > 1 and len(set(grammar_out)) > 1
+
+
+def _hf_constrained(hf, tokenizer, compiled, eos, prompt, max_new):
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=sorted(eos), pad_token_id=tokenizer.eos_token_id,
+                          logits_processor=[LogitsProcessor(compiled)])
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("constraint", [
+    Constraint.of(regex=r"[0-9]+ (cows|dollars)"),
+    Constraint.of(json_schema={"type": "object", "properties": {"cows": {"type": "integer"}}, "required": ["cows"]}),
+    Constraint.of(choices=["nineteen", "19", "17 cows"]),
+], ids=["regex", "json_schema", "choices"])
+def test_greedy_matches_hf_generate_with_xgrammar(smol, hf_smol, constraint):
+    """Greedy under a constraint, in a batch with an unconstrained branch, equals HF generate with
+    xgrammar's logits processor token for token (and the unconstrained branch equals plain generate)."""
+    tok = smol.tokenizer
+    prompt = tok.encode(QUESTION + "A:", add_special_tokens=False)
+    run = smol.start()
+    root = run.tree.add_node(None, prompt)
+    free, bound = run.tree.add_node(root, ()), run.tree.add_node(root, ())
+    results, _ = run.execute([GenRequest(free, SamplingParams(max_tokens=12), key=1),
+                              GenRequest(bound, SamplingParams(max_tokens=24, constraint=constraint), key=2)], [])
+    eos = smol.model.eos_token_ids
+    # xgrammar's processor for HF, on the grammar compiled for our run (the same tokenizer tables)
+    ref = _hf_constrained(hf_smol, tok, smol.grammars.compile(constraint), eos, prompt, 24)
+    assert list(results[1].tokens) == ref
+    assert results[1].finish_reason == "eos" and results[1].constraint_met is True
+    with torch.no_grad():
+        plain = hf_smol.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=sorted(eos),
+                                 pad_token_id=tok.eos_token_id)[0, len(prompt):].tolist()
+    assert list(results[0].tokens) == plain[: len(results[0].tokens)] and results[0].constraint_met is None
+
+
+def test_unconstrained_branches_sample_the_same_beside_constrained_ones(smol):
+    """Counter-based sampling: a branch's tokens do not depend on a constrained neighbour (nor on the
+    per-step host syncs its phase then runs with)."""
+    def prog(with_constraint):
+        @treegen.program
+        def p(s):
+            s += QUESTION + "A:"
+            b = s.fork(3)
+            b += [treegen.gen("x", max_tokens=10, temperature=1.0),
+                  treegen.gen("x", max_tokens=10, temperature=1.0, regex="[0-9]+") if with_constraint
+                  else treegen.gen("x", max_tokens=3, temperature=1.0),
+                  treegen.gen("x", max_tokens=10, temperature=0.8)]
+            s.join(b)
+        return p
+
+    alone = prog(False).run(smol, seed=3)["x"]
+    mixed = prog(True).run(smol, seed=3)["x"]
+    assert [alone[0], alone[2]] == [mixed[0], mixed[2]]
+    assert re.fullmatch("[0-9]+", mixed[1])
+
+
+def test_cut_short_is_incomplete_and_does_not_vote(smol):
+    @treegen.program
+    def prog(s):
+        s += QUESTION
+        b = s.fork(4)
+        b += [treegen.gen("ans", max_tokens=3, temperature=1.0, json_schema=SCHEMA) for _ in range(3)] + \
+             [treegen.gen("ans", max_tokens=12, choices=["19 cows", "17 cows"])]
+        s.join(b, answer=treegen.vote("ans"))
+
+    root = prog.run(smol)
+    states = [st for st in root._run.states if "finish_reason" in st.info.get("ans", {})]
+    short = [st.info["ans"] for st in states if st.info["ans"]["max_tokens"] == 3]
+    assert all(i["finish_reason"] == "length" and i["constraint_met"] is False for i in short)
+    partial = [st["ans"] for st in states if st.info["ans"]["max_tokens"] == 3]
+    assert all(p.startswith('{"') for p in partial)  # the partial text is kept
+    assert root["answer"] in ("19 cows", "17 cows")
+    assert root.info["answer"]["votes"] == {root["answer"]: 1}  # the three partial JSON texts do not vote
+
+
+def test_constrained_with_select_and_run_batch(smol):
+    @treegen.program
+    def prog(s, q):
+        s += f"Q: {q}\nA:"
+        s += treegen.select("kind", [" number", " word"])
+        s += " "
+        s += treegen.gen("ans", max_tokens=6, regex="[0-9]{1,3}" if s["kind"] == " number" else "[a-z]{1,8}")
+
+    roots = prog.run_batch(smol, [{"q": "2 + 2?"}, {"q": "Name a colour."}, {"q": "10 - 3?"}])
+    for r in roots:
+        pattern = "[0-9]{1,3}" if r["kind"] == " number" else "[a-z]{1,8}"
+        assert re.fullmatch(pattern, r["ans"]) and r.info["ans"]["constraint_met"] is True
+
+
+def test_bad_constraints_are_refused_where_written():
+    with pytest.raises(ValueError, match=r"gen\('x'\): invalid regex: .*Unclosed '\['"):
+        treegen.gen("x", regex="[0-9")
+    with pytest.raises(ValueError, match=r"invalid json_schema: .*objec"):
+        treegen.gen("x", json_schema={"type": "objec"})
+    with pytest.raises(ValueError, match="json_schema is not valid JSON"):
+        treegen.gen("x", json_schema="{bad")
+    with pytest.raises(ValueError, match=r"invalid grammar: .*Rule \"foo\" is not defined"):
+        treegen.gen("x", grammar="root ::= foo")
+    with pytest.raises(ValueError, match="at most one constraint, got regex and choices"):
+        treegen.gen("x", regex="a", choices=["a"])
+    with pytest.raises(ValueError, match="choices must be a non-empty list"):
+        treegen.gen("x", choices=["a", ""])
+    with pytest.raises(ValueError, match="takes no stop strings"):
+        treegen.gen("x", regex="a+", stop="\n")
+    with pytest.raises(ValueError, match="ignore_eos"):
+        treegen.gen("x", regex="a+", ignore_eos=True)
+    with pytest.raises(ConstraintError, match="unknown constraint kind"):
+        Constraint("regexp", "a")
+
+
+@pytest.mark.parametrize("source, col, message", [
+    ('"Q"\ngen a(max_tokens=4, regex="[0-9+")\n', 27, "invalid regex: Regex parsing error at position 6"),
+    ('"Q"\ngen a(json_schema="{\\"type\\": 3}")\n', 19, "invalid json_schema"),
+    ('"Q"\ngen a(grammar="root ::= x")\n', 15, "invalid grammar"),
+    ('"Q"\ngen a(choices=["x"], regex="x")\n', 22, "at most one constraint, got choices and regex"),
+    ('"Q"\ngen a(regex=3)\n', 13, "regex must be a non-empty string"),
+])
+def test_tg_bad_constraint_points_at_it(source, col, message):
+    with pytest.raises(TgError) as err:
+        loads(source, "prog.tg")
+    text = str(err.value)
+    assert text.startswith(f"prog.tg:2:{col}: ") and message in text, text
+    assert text.splitlines()[-1].index("^") == col - 1 + 4  # the caret under the value (source indented 4)
+
+
+def test_tg_constrained_vote_needs_no_extract(smol):
+    prog = loads('"' + QUESTION.replace("\n", "\\n") + 'A: "\nfork 6 {\n  gen ans(choices=["19", "17", "21"], temperature=1.0)\n}\n'
+                 'join { best = vote(ans) }\n', "vote.tg")
+    root = prog.run(smol, seed=0).state
+    assert set(root["ans"]) <= {"19", "17", "21"} and root["best"] in root["ans"]
+    assert sum(root.info["best"]["votes"].values()) == 6
+
+
+def test_noise_stays_inside_the_unit_interval():
+    """The largest hash gave u = 1.0 in float32, so Gumbel noise +inf: that token was drawn whatever its
+    logit (about 0.15% of rows per step over a 49k vocabulary), a masked one included."""
+    from treegen.runtime.sampler import unit_interval
+
+    u = unit_interval(torch.tensor([0, 0xFFFFFF00, 0xFFFFFFFF], dtype=torch.int64))
+    assert (u > 0).all() and (u < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_choices_with_non_ascii_text_are_exact():
+    """xgrammar 0.2.8 reads "\\xef" + "c" back as U+0EFC: each non-ASCII character is its own literal."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + [""], vocab_size=96, stop_token_ids=[95])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(Constraint.of(choices=CHOICES + ["naïve", "ïa"]).grammar())
+    for text, ok in [('Ünïcode "quoted"', True), ('Ün\u0efcode "quoted"', False), ("naïve", True), ("ïa", True),
+                     ("twenty", True), ("twent", False)]:
+        m = xgr.GrammarMatcher(compiled)
+        assert (m.accept_string(text) and m.is_completed()) is ok, text

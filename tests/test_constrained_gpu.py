@@ -1,0 +1,113 @@
+"""Constrained gens on the GPU with CUDA graphs, at 256 branches and more (CUDA only; skipped elsewhere).
+
+A random Llama of the TinyLlama shape (2 layers) with :class:`~treegen.runtime.piece_tokenizer.PieceTokenizer`'s
+synthetic vocabulary of its size (a grammar needs token texts; nothing is downloaded). Run on the
+device machine with TRITON_INTERPRET=0.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from treegen.runtime.constraint import Constraint
+from treegen.runtime.engine import Engine, GenRequest
+from treegen.runtime.model import LlamaFamilyModel
+from treegen.runtime.piece_tokenizer import PieceTokenizer
+from treegen.runtime.sampler import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+REGEX = r"The answer is (0|[1-9][0-9]{0,3})\."
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "unit": {"enum": ["cows", "dollars", "apples"]},
+                                           "sure": {"type": "boolean"}},
+          "required": ["answer", "unit", "sure"], "additionalProperties": False}
+CHOICES = ["19", "17", "twenty", 'a "quoted" one']
+GRAMMAR = 'root ::= "A" digit digit? | "B" ("+" | "-") digit\ndigit ::= [0-9]'
+KINDS = [Constraint.of(regex=REGEX), Constraint.of(json_schema=SCHEMA), Constraint.of(choices=CHOICES),
+         Constraint.of(grammar=GRAMMAR)]
+
+
+def model_of(dtype):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=32,
+                      num_key_value_heads=4, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=4096)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    return hf, LlamaFamilyModel.from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return model_of(torch.bfloat16)[1]
+
+
+def branches(run, tok, n: int, text: str = "Q: How many cows?\nA: "):
+    root = run.tree.add_node(None, tok.encode(text))
+    return [run.tree.add_node(root, tok.encode(f"#{i} ")) for i in range(n)]
+
+
+def test_every_sample_matches_with_cuda_graphs(bf16):
+    tok = PieceTokenizer(bf16.vocab_size)
+    engine = Engine(bf16, tok)
+    run = engine.start()
+    leaves = branches(run, tok, 4 * 64)
+    requests = [GenRequest(leaf, SamplingParams(max_tokens=64, temperature=1.0, constraint=KINDS[i // 64]), key=i)
+                for i, leaf in enumerate(leaves)]
+    results, _ = run.execute(requests, [])
+    assert run.decoder.constrained_steps > 10 and run.decoder.captured_phases >= 1  # graphs, not the eager step
+    assert all(r.finish_reason == "eos" and r.constraint_met is True for r in results)
+    texts = [r.text for r in results]
+    assert all(re.fullmatch(REGEX, t) for t in texts[:64]), texts[:64]
+    for t in texts[64:128]:  # (the schema checked by hand: the device image need not have jsonschema)
+        value = json.loads(t)
+        assert list(value) == ["answer", "unit", "sure"], t
+        assert type(value["answer"]) is int and 0 <= value["answer"] <= 999, t
+        assert value["unit"] in ("cows", "dollars", "apples") and type(value["sure"]) is bool, t
+    assert set(texts[128:192]) <= set(CHOICES)
+    assert all(re.fullmatch(r"A[0-9][0-9]?|B[+-][0-9]", t) for t in texts[192:])
+
+
+def test_unconstrained_rows_unchanged_beside_constrained_ones(bf16):
+    """At 512 branches with graphs: half constrained; the other half samples exactly what it samples alone."""
+    tok = PieceTokenizer(bf16.vocab_size)
+    engine = Engine(bf16, tok)
+    got = {}
+    for mixed in (False, True):
+        run = engine.start()
+        leaves = branches(run, tok, 512)
+        reqs = [GenRequest(leaf, SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True), key=i)
+                if i % 2 == 0 or not mixed else
+                GenRequest(leaf, SamplingParams(max_tokens=24, temperature=1.0, constraint=KINDS[0]), key=i)
+                for i, leaf in enumerate(leaves)]
+        results, _ = run.execute(reqs, [])
+        got[mixed] = results
+    assert [r.tokens for r in got[True][::2]] == [r.tokens for r in got[False][::2]]
+    assert all(re.fullmatch(REGEX, r.text) for r in got[True][1::2])
+
+
+def test_greedy_matches_hf_generate_with_xgrammar():
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    hf, model = model_of(torch.float32)
+    tok = PieceTokenizer(model.vocab_size)
+    engine = Engine(model, tok)
+    run = engine.start()
+    leaves = branches(run, tok, 256)
+    reqs = [GenRequest(leaf, SamplingParams(max_tokens=40, constraint=KINDS[i % 2]), key=i)
+            for i, leaf in enumerate(leaves)]
+    results, _ = run.execute(reqs, [])
+    assert run.decoder.captured_phases >= 1
+    for i in (0, 1, 2, 3, 254, 255):
+        prompt = run.tree.path_tokens(leaves[i])[: -len(results[i].tokens)]
+        compiled = engine.grammars.compile(KINDS[i % 2])  # the same tokenizer tables and grammar
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False,
+                              eos_token_id=[tok.eos_token_id], pad_token_id=tok.eos_token_id,
+                              logits_processor=[LogitsProcessor(compiled)])
+        assert list(results[i].tokens) == out[0, len(prompt):].tolist(), i
+        assert isinstance(compiled, xgr.CompiledGrammar)
