@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -160,7 +161,7 @@ def write_json(args, rows: list[dict], compile_s: dict) -> Path:
               "device": torch.cuda.get_device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                           "transformers": transformers.__version__, "xgrammar": xgrammar.__version__,
+                           "transformers": transformers.__version__, "xgrammar": importlib.metadata.version("xgrammar"),
                            "cuda": torch.version.cuda, "python": platform.python_version()},
               "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); temperature 1; every branch makes exactly new "
                         "tokens (unconstrained: EOS ignored; constrained: the constraint needs more text than new "

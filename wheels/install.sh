@@ -11,4 +11,4 @@ PY=${PYTHON:-python}
 $PY -c "import pydantic, sys; sys.exit(not pydantic.VERSION.startswith('2'))" 2>/dev/null ||
     $PY -m pip install -q --no-deps pydantic-*.whl pydantic_core-*.whl annotated_types-*.whl typing_inspection-*.whl
 $PY -c "import xgrammar" 2>/dev/null || $PY -m pip install -q --no-deps xgrammar-*.whl apache_tvm_ffi-*.whl
-$PY -c "import xgrammar; print('xgrammar', xgrammar.__version__)"
+$PY -c "import importlib.metadata, xgrammar; print('xgrammar', importlib.metadata.version('xgrammar'))"
