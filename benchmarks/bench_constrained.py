@@ -41,7 +41,6 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
 import transformers
 import triton
-import xgrammar
 from transformers import LlamaConfig
 
 from treegen.runtime.constraint import Constraint
