@@ -376,3 +376,7 @@ def test_window_plan_leaves_out_segments_no_row_can_see():
         plan_tree_attention(**kwargs, window=0)
     with pytest.raises(ValueError, match="softcap"):
         plan_tree_attention(**kwargs, softcap=-1.0)
+    shared = torch.tensor([129, 129])
+    assert plan_tree_attention(**kwargs, query_pos_buffer=shared).query_pos is shared  # not copied
+    with pytest.raises(ValueError, match="query_pos_buffer"):
+        plan_tree_attention(**kwargs, query_pos_buffer=torch.tensor([129]))

@@ -11,8 +11,9 @@ Both rules are one rule on absolute positions: key visible iff ``key_pos <= quer
 ancestor key precedes every descendant position. A plan with a sliding ``window`` W (Mistral, the local
 layers of Gemma 2/3) adds ``key_pos > query_pos - W`` (Hugging Face's rule): segments wholly before every
 window of the rows below them are left out of the plan (their KV is not read), a segment partly inside is
-masked. A plan with a ``softcap`` c (Gemma 2) scores ``c * tanh(s / c)`` instead of ``s``. The attention is decomposed by tree level: at level
-``d`` every segment of depth ``d`` is attended by all query rows below it, batched into one
+masked. A plan with a ``softcap`` c (Gemma 2) scores ``c * tanh(s / c)`` instead of ``s``.
+
+The attention is decomposed by tree level: at level ``d`` every segment of depth ``d`` is attended by all query rows below it, batched into one
 matrix-matrix product (and all query heads that share a KV head are folded into the query axis). The
 partial results are merged exactly with the log-sum-exp trick.
 
@@ -101,7 +102,7 @@ def plan_tree_attention(
     segment_len: Sequence[int],
     segment_pos: Sequence[int],
     query_segment: Sequence[int],
-    query_pos: Sequence[int] | Tensor,
+    query_pos: Sequence[int],
     device: torch.device | str = "cpu",
     backend: str = "auto",
     num_heads: int | None = None,
@@ -109,6 +110,7 @@ def plan_tree_attention(
     dtype: torch.dtype | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    query_pos_buffer: Tensor | None = None,
     triton_options: dict | None = None,
 ) -> TreeAttentionPlan:
     """Build the index tensors for tree attention.
@@ -121,8 +123,7 @@ def plan_tree_attention(
     query_segment: [num_queries] — the segment each query row belongs to (attends causally);
         two decode queries of the child above → ``[1, 1]`` is invalid for one sequence, but two
         prefill rows of it are ``[1, 1]`` with query_pos ``[4, 5]``.
-    query_pos: [num_queries] — absolute position of each query row (an int64 tensor on ``device`` is
-        used as the plan's own, not copied: plans of one forward pass with different windows share it).
+    query_pos: [num_queries] — absolute position of each query row.
     backend: ``"auto"`` (Triton on CUDA when available, else the reference), ``"reference"``, or
         ``"triton"`` (also on CPU under ``TRITON_INTERPRET=1``, which is how CI tests the kernels).
     num_heads, num_kv_heads: query and KV head counts; needed by the Triton backend.
@@ -131,6 +132,13 @@ def plan_tree_attention(
         goes to cuDNN's fused attention (:mod:`~treegen.kernels.library_attention`; an 8-bit cache's
         segment is dequantized for it); the plan then runs with that dtype only. None: every segment
         goes to the Triton kernels.
+    window: sliding window (None: full causal attention). Rows skip ancestors whose last key is outside
+        their window at planning time (positions only grow while a plan is reused, so it stays so).
+    softcap: attention logit soft-capping (None: none). Either one keeps the library segment off.
+    query_pos_buffer: an int64 ``[num_queries]`` tensor on ``device`` already holding ``query_pos``, used
+        as the plan's own instead of a new copy (plans of one forward pass with different windows share
+        it, and a decode phase advances it in place); planning reads positions from ``query_pos`` only,
+        never from the device.
     triton_options: tuning knobs passed to :func:`~treegen.kernels.triton_plan.plan_triton`
         (``target_programs``, ``block_n``, ``num_stages``, ``library`` to force the library segment
         on or off); the defaults were measured on an H100.
@@ -152,12 +160,11 @@ def plan_tree_attention(
         raise ValueError(f"window must be a positive integer or None, got {window!r}")
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    if isinstance(query_pos, Tensor):
-        query_pos_t = query_pos
-        if query_pos_t.dtype != torch.int64 or query_pos_t.dim() != 1 or query_pos_t.device != device:
-            raise ValueError(f"a query_pos tensor must be int64 [num_queries] on {device}, got "
+    if query_pos_buffer is not None:
+        query_pos_t = query_pos_buffer
+        if query_pos_t.dtype != torch.int64 or query_pos_t.shape != (len(query_pos),) or query_pos_t.device != device:
+            raise ValueError(f"query_pos_buffer must be int64 [{len(query_pos)}] on {device}, got "
                              f"{query_pos_t.dtype} {tuple(query_pos_t.shape)} on {query_pos_t.device}")
-        query_pos = query_pos_t.tolist()
     else:
         query_pos_t = torch.as_tensor(list(query_pos), dtype=torch.int64).to(device)
 

@@ -399,7 +399,8 @@ class TreeRun:
         device = model.device
         input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
         slots = torch.tensor([kv.segments[n].start + i for n, i in rows], dtype=torch.int64, device=device)
-        query_pos = torch.tensor([pos[n] + i for n, i in rows], dtype=torch.int64, device=device)
+        query_pos = [pos[n] + i for n, i in rows]
+        query_pos_buffer = torch.tensor(query_pos, dtype=torch.int64, device=device)  # shared by every window's plan
         layer_window = tuple(model.layer_window)
         plan = PassPlan({window: plan_tree_attention(
             segment_parent=[index.get(tree.parent(s), -1) for s in segments],
@@ -408,6 +409,7 @@ class TreeRun:
             segment_pos=[pos[s] for s in segments],
             query_segment=[index[n] for n, _ in rows],
             query_pos=query_pos,
+            query_pos_buffer=query_pos_buffer,
             device=device,
             backend=self.engine.attention_backend,
             num_heads=model.num_heads,
