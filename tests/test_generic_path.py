@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from test_end_to_end import check_against_hf, gen_records  # noqa: E402
 from test_model import PackedCache, hf_logits, random_sequences, randomize_, save_tiny_tokenizer  # noqa: E402
-from test_model_families import COMMON, CONFIGS, nested_forks  # noqa: E402
+from test_model_families import COMMON, CONFIGS, checkpoints, nested_forks  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import treegen  # noqa: E402
@@ -49,22 +49,15 @@ GENERIC_CONFIGS = {
 FORCED = {"llama", "qwen3", "gemma2"}  # families the fast path runs too: loaded with implementation="generic"
 
 
+def make_generic_hf(name: str):
+    torch.manual_seed(0)
+    return randomize_(AutoModelForCausalLM.from_config(GENERIC_CONFIGS[name](), dtype=torch.float32).eval())
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name -> (HF model, checkpoint directory with a tiny tokenizer)."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            torch.manual_seed(0)
-            hf = randomize_(AutoModelForCausalLM.from_config(GENERIC_CONFIGS[name](), dtype=torch.float32).eval())
-            path = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(path)
-            save_tiny_tokenizer(path)
-            cache[name] = hf, path
-        return cache[name]
-
-    return get
+    return checkpoints(tmp_path_factory, make_generic_hf)
 
 
 @pytest.mark.parametrize("name", sorted(GENERIC_CONFIGS))

@@ -13,13 +13,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from test_model_families_gpu import TOL, VOCAB, check_tree_logits  # noqa: E402
+from test_model_families_gpu import TOL, VOCAB, check_tree_logits, decode_with_and_without_graphs  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from treegen.runtime.engine import Engine, GenRequest  # noqa: E402
+from treegen.runtime.engine import Engine  # noqa: E402
 from treegen.runtime.generic import GenericModel  # noqa: E402
 from treegen.runtime.loader import IdTokenizer  # noqa: E402
-from treegen.runtime.sampler import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA and compiled kernels (tests/conftest.py)
 DEVICE = "cuda"
@@ -82,14 +81,5 @@ def test_generic_decode_with_and_without_cuda_graphs(name, experts):
         assert not engine.cuda_graphs and "cannot be captured" in repr(engine)
     else:
         assert model.graphs_off_reason is None, model.graphs_off_reason
-    prompt = torch.randint(3, VOCAB, (200,), generator=torch.Generator().manual_seed(3)).tolist()
-    outputs = {}
-    for graphs in (False, True):
-        run = Engine(model, IdTokenizer(), cuda_graphs=graphs).start()
-        root = run.tree.add_node(None, prompt)
-        leaves = [run.tree.add_node(root) for _ in range(8)]
-        gens = [GenRequest(leaf, SamplingParams(max_tokens=10 + 2 * (i % 3), temperature=0.8 if i % 2 else 0.0,
-                                                top_p=0.9, ignore_eos=True), key=i) for i, leaf in enumerate(leaves)]
-        results, _ = run.execute(gens, [])
-        outputs[graphs] = [r.tokens for r in results]
+    outputs = decode_with_and_without_graphs(model, shortest=10)
     assert outputs[True] == outputs[False]

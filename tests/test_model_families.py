@@ -78,14 +78,14 @@ def make_hf(name: str, seed: int = 0):
     return randomize_(hf, 0.0 if FAMILIES[config.model_type].norm_style == "gemma" else 1.0)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """name -> (HF model, checkpoint directory written by save_pretrained, with a tiny tokenizer)."""
+def checkpoints(tmp_path_factory, make):
+    """name -> (HF model ``make(name)``, checkpoint directory written by save_pretrained, with a tiny
+    tokenizer), each made once."""
     cache = {}
 
     def get(name):
         if name not in cache:
-            hf = make_hf(name)
+            hf = make(name)
             path = tmp_path_factory.mktemp(name)
             hf.save_pretrained(path)
             save_tiny_tokenizer(path)
@@ -93,6 +93,11 @@ def saved(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return checkpoints(tmp_path_factory, make_hf)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

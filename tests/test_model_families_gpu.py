@@ -145,17 +145,24 @@ def check_tree_logits(engine: Engine, hf, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", ["qwen3", "phi4-mini", "olmo2", "mistral-window"])
 def test_cuda_graph_decode_equals_eager_decode(name):
     _, model = real_shape(name, torch.bfloat16)
+    outputs = decode_with_and_without_graphs(model, shortest=4)
+    assert outputs[True] == outputs[False]
+
+
+def decode_with_and_without_graphs(model, shortest: int) -> dict[bool, list[list[int]]]:
+    """Eight branches below a 200-token prompt (greedy and sampled, ``shortest`` to ``shortest + 4``
+    tokens) decoded without and with CUDA graphs: their tokens by ``cuda_graphs``."""
     prompt = torch.randint(3, VOCAB, (200,), generator=torch.Generator().manual_seed(3)).tolist()
     outputs = {}
     for graphs in (False, True):
         run = Engine(model, IdTokenizer(), cuda_graphs=graphs).start()
         root = run.tree.add_node(None, prompt)
         leaves = [run.tree.add_node(root) for _ in range(8)]
-        gens = [GenRequest(leaf, SamplingParams(max_tokens=4 + 2 * (i % 3), temperature=0.8 if i % 2 else 0.0,
+        gens = [GenRequest(leaf, SamplingParams(max_tokens=shortest + 2 * (i % 3), temperature=0.8 if i % 2 else 0.0,
                                                 top_p=0.9, ignore_eos=True), key=i) for i, leaf in enumerate(leaves)]
         results, _ = run.execute(gens, [])
         outputs[graphs] = [r.tokens for r in results]
-    assert outputs[True] == outputs[False]
+    return outputs
 
 
 def test_fused_ops_chosen_per_family():
