@@ -153,3 +153,18 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone():
     assert run.mixed_steps > 3 and len(run.decode_phases) > 3
     for x, root in zip(inputs, roots):
         assert root.ret_value == grows.run(engine, **x).ret_value
+
+
+def test_random_ops_work_after_a_capture_that_failed():
+    """A capture that raises part way (here: a host read inside it) must not leave the default CUDA
+    generator in capture mode; random ops after it run (the generic path probes capture this way)."""
+    from treegen.runtime.cuda_graph import capture
+
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(Exception):
+        capture(lambda: (x * 2).sum().item())
+    torch.cuda.synchronize()
+    torch.manual_seed(3)
+    a = torch.randn(8, device="cuda")
+    torch.manual_seed(3)
+    assert torch.equal(a, torch.randn(8, device="cuda"))

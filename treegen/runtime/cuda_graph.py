@@ -16,6 +16,18 @@ def capture(fn, pool=None) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    except BaseException:
+        _end_generator_capture()
+        raise
     return graph
+
+
+def _end_generator_capture() -> None:
+    """A capture that fails part way never ends the default CUDA generator's capture mode, and every
+    random op after it raises ("Offset increment outside graph capture encountered unexpectedly").
+    Give the generator a fresh copy of its state: same seed and offset, not capturing."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    gen.graphsafe_set_state(gen.clone_state())
