@@ -34,13 +34,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _reparent(tree: SharingTree, node: int, parent: int) -> None:
-    old = tree.parent(node)
-    if old is not None:
-        tree.graph.remove_edge(old, node)
-    tree.graph.add_edge(parent, node)
-
-
 def share_prefixes(tree: SharingTree, nodes: list[int]) -> list[int]:
     """Merge the sibling (or root) ``nodes`` by longest common token prefix; returns the new nodes.
 
@@ -82,7 +75,7 @@ def share_prefixes(tree: SharingTree, nodes: list[int]) -> list[int]:
             for m in rest:
                 toks = tree.graph.nodes[m]["tokens"]
                 tree.graph.nodes[m]["tokens"] = toks[length:]
-                _reparent(tree, m, shared)
+                tree.set_parent(m, shared)
             stack.append((shared, rest))
     return created
 
@@ -134,13 +127,10 @@ def simplify(tree: SharingTree, *, min_saving: int = DEFAULT_MIN_SHARED_SAVING, 
         toks = list(tree.tokens(n))
         for c in children:
             graph.nodes[c]["tokens"] = toks + graph.nodes[c]["tokens"]
-            graph.remove_edge(n, c)
-            if parent is not None:
-                graph.add_edge(parent, c)
+            tree.set_parent(c, parent)
         copied += t * (len(children) - 1)
         graph.nodes[n]["tokens"] = []
-        if parent is not None:
-            graph.remove_edge(parent, n)
+        tree.set_parent(n, None)
         graph.nodes[n]["pruned"] = True
         dissolved.append(n)
     return Simplified(tuple(dissolved), copied)

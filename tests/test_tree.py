@@ -1,0 +1,60 @@
+"""SharingTree's structure reads (parent, path, position) stay right through every way edges change."""
+
+import pickle
+import re
+from pathlib import Path
+
+import treegen
+from treegen.tree.passes import share_prefixes
+from treegen.tree.sharing_tree import SharingTree
+
+
+def networkx_path(tree: SharingTree, node: int) -> list[int]:
+    out, cur = [], node
+    while cur is not None:
+        out.append(cur)
+        cur = next(iter(tree.graph.pred[cur]), None)
+    return out[::-1]
+
+
+def check(tree: SharingTree) -> None:
+    for n in tree.graph:
+        assert tree.path(n) == networkx_path(tree, n)
+        assert tree.position(n) == sum(len(tree.tokens(p)) for p in networkx_path(tree, n)[:-1])
+
+
+def test_parent_path_and_position_follow_every_edge_change():
+    tree = SharingTree()
+    a = tree.add_node(None, [1, 2, 3])
+    b = tree.add_node(a, [4])
+    c = tree.add_node(a, [4, 5])
+    d = tree.add_node(c, [6])
+    check(tree)
+    assert tree.path(d) == [a, c, d] and tree.position(d) == 5
+    tree.set_parent(d, b)
+    assert tree.path(d) == [a, b, d] and tree.position(d) == 4
+    tree.set_parent(b, None)
+    assert tree.parent(b) is None and tree.path(d) == [b, d]
+    check(tree)
+    # prefix sharing moves nodes below a new shared one
+    t2 = SharingTree()
+    root = t2.add_node(None, [9])
+    kids = [t2.add_node(root, [1, 2, 3, k]) for k in range(3)]
+    share_prefixes(t2, kids)
+    check(t2)
+    assert all(len(t2.path(k)) == 3 for k in kids)
+    # a graph replaced whole (what a mirrored worker receives) and a pickled tree
+    t3 = SharingTree()
+    t3.graph = pickle.loads(pickle.dumps(t2.graph))
+    check(t3)
+    assert [t3.path(k) for k in kids] == [t2.path(k) for k in kids]
+    check(pickle.loads(pickle.dumps(t2)))
+
+
+def test_edges_change_only_through_the_sharing_tree():
+    """A direct ``graph.add_edge``/``remove_edge`` elsewhere would leave SharingTree's parent table stale."""
+    root = Path(treegen.__file__).resolve().parent
+    offenders = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "sharing_tree.py"
+                 for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+                 if re.search(r"tree\.graph\.(add_edge|remove_edge|add_edges_from|remove_node)|graph\.remove_edge", line)]
+    assert not offenders, offenders
