@@ -97,14 +97,16 @@ def default_host_bytes() -> int:
         return 0
 
 
-def measure_rates(engine, *, copy_bytes: int = 64 * 2**20, prefill_tokens: int = 2048) -> OffloadRates:
+def measure_rates(engine, *, copy_bytes: int | None = None, prefill_tokens: int | None = None) -> OffloadRates:
     """Measure host↔device copy bandwidth (pinned host memory on CUDA) and the model's prefill
     tokens/s (a throwaway run prefilling one node of ``prefill_tokens`` tokens, after a warm-up);
-    best of a few trials each."""
+    best of a few trials each. Defaults: 64 MiB and 2,048 tokens on CUDA, 8 MiB and 256 on the CPU."""
     from treegen.runtime.engine import TreeRun
 
     device = engine.model.device
     cuda = device.type == "cuda"
+    copy_bytes = copy_bytes or (64 if cuda else 8) * 2**20
+    prefill_tokens = prefill_tokens or (2048 if cuda else 256)
 
     def sync() -> None:
         if cuda:

@@ -120,6 +120,7 @@ class Scheduler:
         self._work_since: int | None = None  # clock when the oldest waiting work arrived
         self.memory_waits = 0  # steps at which a job waited for memory (a workload over the budget)
         self.peak_slots = 0  # the most KV slots reserved at once
+        self.memory_blocked = False  # the last admission stopped at a job that did not fit the memory
 
     # ------------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -145,6 +146,11 @@ class Scheduler:
         """A decode phase of ``size`` branches, ``live`` of them still generating: stop it now?"""
         if live == 0 or 2 * live <= size:
             return True
+        done = size - live
+        if self.memory_blocked and self.waiting and not self.admitted:
+            # what waits needs memory that only finished branches give back (or make idle): counting it
+            # as new work would end every phase at once while it cannot join
+            return done > 0 and (done >= REPLAN_FRACTION * size or self.clock - (self._work_since or 0) >= MAX_WAIT_STEPS)
         new = len(self.waiting) + len(self.admitted)
         if self.max_batch is not None:
             new = min(new, self.max_batch - live)  # only what could join now
@@ -171,12 +177,15 @@ class Scheduler:
         return step
 
     def need(self, job: Job, counted: set[int] | frozenset = frozenset()) -> dict[int, int]:
-        """Slots ``job`` adds: every path node without KV (and not in ``counted``) at its length, and
+        """Slots ``job`` adds: every path node without KV or grown past its range (and not in
+        ``counted``) at its length, and
         a generating node at its tokens plus ``max_tokens`` (all of it when it must grow: it may move,
         and the old range is held until it has)."""
         tree, kv = self.tree, self.kv
         req = job.request
-        need = {n: len(tree.tokens(n)) for n in self.nodes(job) if n not in kv.segments and n not in counted}
+        # (a node extended past its range since it was reserved moves too: its new range is needed whole)
+        need = {n: max(len(tree.tokens(n)), 1) for n in self.nodes(job)  # (an empty node is given one slot)
+                if n not in counted and (n not in kv.segments or kv.segments[n].capacity < len(tree.tokens(n)))}
         if isinstance(req, GenRequest):
             want = len(tree.tokens(req.node)) + req.params.max_tokens
             have = kv.segments[req.node].capacity if req.node in kv.segments else 0
@@ -199,6 +208,7 @@ class Scheduler:
         busy = live > 0 or bool(self.admitted)
         generating = live + sum(1 for j in self.admitted if j.is_gen)
         evictable = None  # (protected nodes, first waiting reader of each node), made at the first eviction
+        self.memory_blocked = False
         while self.waiting:
             job = self.waiting[0]
             if self.max_batch is not None and job.is_gen and generating >= self.max_batch:
@@ -227,6 +237,7 @@ class Scheduler:
                             continue
                     if busy or taken:
                         self.memory_waits += 1
+                        self.memory_blocked = True
                         break
                     job.error = self._never_fits(job, slots, total, budget)
                 self.waiting.popleft()
