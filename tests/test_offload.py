@@ -190,6 +190,25 @@ def test_refusals_name_the_sizes():
     assert "offload capacity" in str(job.error) and "raise offload_bytes" in str(job.error)
 
 
+def test_a_phase_is_not_ended_for_work_that_waits_for_memory_until_some_is_freed():
+    tree, kv, sched = setup(budget_slots=12, policy=OffloadPolicy())
+    root = tree.add_node(None, [1, 2, 3, 4])
+    running = gen(tree.add_node(root), 5)
+    sched.submit(running)
+    compute(kv, sched.next_step(live=0).rows)
+    other = tree.add_node(None, [9])
+    kv.reserve(other, 1)
+    for _ in range(3):
+        sched.submit(gen(tree.add_node(root), 5))
+    sched.next_step(live=1, reading=[running.request.node])
+    assert sched.memory_blocked and sched.memory_waits == 1
+    sched.tick(100)
+    assert not sched.phase_should_end(8, 8)  # nothing finished or freed: the waiting work could not join
+    assert sched.phase_should_end(8, 7)  # a branch finished (its KV can go) and the work waited long enough
+    kv.free(other)
+    assert sched.phase_should_end(8, 8)  # memory was freed meanwhile
+
+
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 @pytest.mark.parametrize("mode", ["host", "recompute"])
 def test_a_random_stream_never_exceeds_the_budget_and_loses_no_kv(mode, kv_dtype):

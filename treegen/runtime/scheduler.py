@@ -121,6 +121,7 @@ class Scheduler:
         self.memory_waits = 0  # steps at which a job waited for memory (a workload over the budget)
         self.peak_slots = 0  # the most KV slots reserved at once
         self.memory_blocked = False  # the last admission stopped at a job that did not fit the memory
+        self._blocked_at = 0  # KV slots reserved then
 
     # ------------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -147,9 +148,9 @@ class Scheduler:
         if live == 0 or 2 * live <= size:
             return True
         done = size - live
-        if self.memory_blocked and self.waiting and not self.admitted:
-            # what waits needs memory that only finished branches give back (or make idle): counting it
-            # as new work would end every phase at once while it cannot join
+        if self.memory_blocked and self.waiting and not self.admitted and self.kv.slots_reserved() >= self._blocked_at:
+            # what waits needs memory that only finished branches give back (or make idle), and nothing
+            # was freed since: counting it as new work would end every phase at once while it cannot join
             return done > 0 and (done >= REPLAN_FRACTION * size or self.clock - (self._work_since or 0) >= MAX_WAIT_STEPS)
         new = len(self.waiting) + len(self.admitted)
         if self.max_batch is not None:
@@ -238,6 +239,7 @@ class Scheduler:
                     if busy or taken:
                         self.memory_waits += 1
                         self.memory_blocked = True
+                        self._blocked_at = self.kv.slots_reserved()
                         break
                     job.error = self._never_fits(job, slots, total, budget)
                 self.waiting.popleft()
