@@ -147,7 +147,9 @@ def test_kv_pool_grows_only_by_the_shortfall_reusing_freed_spans():
     assert len(kv.segments) == 11
 
 
-def test_over_budget_branches_that_continue_are_refused_not_waited_for_forever(tiny_model, tokenizer):
+def test_over_budget_branches_that_continue_are_offloaded_or_refused_with_offload_off(tiny_model, tokenizer):
+    """Branches that may continue keep their KV: over the budget, offload moves the idle ones out and the
+    run gives the unlimited run's tokens; with offload off it is refused rather than waited for forever."""
     @treegen.program
     def continues(s):
         s += "Count: one two"
@@ -156,11 +158,16 @@ def test_over_budget_branches_that_continue_are_refused_not_waited_for_forever(t
         for branch in b:
             branch["x"]  # read mid-program: the branches may continue, so their KV stays
         b += " and then"
+        b += treegen.gen("y", max_tokens=4)
+        s.join(b)
 
     _, model = tiny_model
-    tiny_budget = Engine(model, tokenizer).kv_shape.bytes_per_token * 20
+    tiny_budget = Engine(model, tokenizer).kv_shape.bytes_per_token * 24
     with pytest.raises(MemoryError, match="needs .* tokens .* held by branches that continue afterwards"):
-        continues.run(Engine(model, tokenizer, kv_budget_bytes=tiny_budget))
+        continues.run(Engine(model, tokenizer, kv_budget_bytes=tiny_budget, offload="off"))
+    got = continues.run(Engine(model, tokenizer, kv_budget_bytes=tiny_budget))
+    assert (got["x"], got["y"]) == (lambda r: (r["x"], r["y"]))(continues.run(Engine(model, tokenizer)))
+    assert got._run.tree_run.offload_stats["nodes_offloaded"] > 0
 
 
 def test_finished_final_branches_free_their_kv_when_their_phase_ends(tiny_model, tokenizer):

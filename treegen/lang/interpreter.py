@@ -371,8 +371,9 @@ class ProgramRun:
         _settle_reductions([st for st in self.states if self.roots[st.program].error is None])
         for root in self.roots:
             self._check_done(root.program)
-        for node in sorted(self.tree_run.kv.segments):
-            self.tree_run.kv.free(node)
+        kv = self.tree_run.kv
+        for node in sorted({*kv.segments, *kv.offloaded}):
+            kv.free(node)
         self.finished = True
 
 

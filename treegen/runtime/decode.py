@@ -116,6 +116,7 @@ class Decoder:
         run, tree, kv, model = self.run, self.tree, self.kv, self.model
         device = model.device
         started = time.perf_counter()
+        kv.wait_restores()  # (a captured step cannot wait on copies made outside it)
         live = list(self.live)
         run.decode_phases.append(len(live))
         nodes = [self.jobs[b].request.node for b in live]

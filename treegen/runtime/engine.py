@@ -38,6 +38,7 @@ from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 from treegen.runtime.constraint import Grammars
 from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
+from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
 from treegen.tree.sharing_tree import KVShape, SharingTree
@@ -66,6 +67,17 @@ class Engine:
     scale per token and KV head, :mod:`treegen.kernels.kv_quant`: about half the memory and the
     attention's reads, so twice the branches fit).
 
+    offload: what happens to the KV of idle nodes (no running job reads them: branches that continue
+    later, nodes of waiting subtrees) when work does not fit the KV budget (:mod:`treegen.runtime.offload`):
+    ``"auto"`` (default) moves it to the host (pinned memory on CUDA) and back, or drops it and
+    prefills its tokens again, whichever the rates measured on this machine (once per engine,
+    :attr:`offload_rates`) say is cheaper; ``"host"`` always moves it; ``"recompute"`` always drops
+    it; ``"off"`` keeps it (work waits, or is refused when it could never fit). Lossless: results are
+    those of a run with all KV in memory. offload_bytes: the most KV bytes kept on the host (default
+    a quarter of the machine's physical memory); past it, ``"auto"`` recomputes and ``"host"`` refuses
+    what cannot fit, naming the sizes. With tensor parallelism ``"auto"`` acts as ``"host"`` (every
+    rank must decide the same, without measuring).
+
     The model runs on one of two paths (``implementation``, see :mod:`treegen.runtime.loader`): the fast
     path (treegen's own forward) or the generic path (transformers' own modules with tree attention
     plugged in; exact, slower). The engine logs a one-line notice when it runs the generic path, and
@@ -79,7 +91,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
-                 max_batch: int | None = None, kv_dtype: str | None = None, parallel=None, workers=None) -> None:
+                 max_batch: int | None = None, kv_dtype: str | None = None, offload: str = "auto",
+                 offload_bytes: int | None = None, parallel=None, workers=None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
@@ -102,6 +115,10 @@ class Engine:
         if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         self.max_batch = max_batch
+        self.offload = "host" if offload == "auto" and parallel is not None else offload
+        self.offload_bytes = default_host_bytes() if offload_bytes is None else offload_bytes
+        OffloadPolicy(self.offload, self.offload_bytes, rates=lambda: None)  # checks both
+        self._offload_rates: OffloadRates | None = None
         self.parallel = parallel
         self.workers = workers  # the tensor-parallel workers this process started (treegen.runtime.workers.Team)
         if workers is not None:
@@ -117,6 +134,23 @@ class Engine:
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 self.kv_format.bytes_per_value, self.kv_format.scale_bytes)
         self._grammars: Grammars | None = None
+
+    @property
+    def offload_rates(self) -> OffloadRates:
+        """Host↔device copy bandwidth and the model's prefill tokens/s on this machine, measured at the
+        first use (:func:`~treegen.runtime.offload.measure_rates`) and kept; settable (e.g. to force a
+        choice in a test)."""
+        if self._offload_rates is None:
+            self._offload_rates = measure_rates(self)
+            logger.info("treegen: measured offload rates: %s", self._offload_rates)
+        return self._offload_rates
+
+    @offload_rates.setter
+    def offload_rates(self, rates: OffloadRates) -> None:
+        self._offload_rates = rates
+
+    def offload_policy(self) -> OffloadPolicy:
+        return OffloadPolicy(self.offload, self.offload_bytes, rates=lambda: self.offload_rates)
 
     @property
     def grammars(self) -> Grammars:
@@ -236,7 +270,8 @@ class TreeRun:
         m = self.model
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                           dtype=m.dtype, device=m.device, fmt=engine.kv_format)
-        self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens, engine.max_batch)
+        self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens, engine.max_batch,
+                                   offload=engine.offload_policy())
         self.decoder = Decoder(self)
         self.forward_passes = 0
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
@@ -294,7 +329,7 @@ class TreeRun:
                 self._phase = self.decoder.phase()
                 continue
             t0 = time.perf_counter()
-            step = self.scheduler.next_step(live)
+            step = self.scheduler.next_step(live, [self.decoder.jobs[b].request.node for b in self.decoder.live])
             self.host_seconds["schedule"] += time.perf_counter() - t0
             for job in step.refused:
                 self.complete(job, None)
@@ -309,6 +344,12 @@ class TreeRun:
                 break
         done, self._completed = self._completed, []
         return done
+
+    @property
+    def offload_stats(self) -> dict:
+        """KV moved to the host and back, dropped and recomputed during this run, and the time it took
+        (:class:`~treegen.runtime.kv_store.OffloadCounters`)."""
+        return self.kv.counters.as_dict()
 
     def cancel(self, job: Job) -> None:
         """Drop a job that is not done: a waiting or admitted one leaves the queue, a decoding
@@ -389,6 +430,8 @@ class TreeRun:
             new_len[n] = max(new_len.get(n, kv.computed(n)), i + 1)
         segments = sorted({p for n in new_len for p in tree.path(n)})
         for s in segments:
+            if s in kv.offloaded:
+                raise RuntimeError(f"node {s} is read while its KV is on the host (a scheduling bug)")
             length = new_len.get(s, kv.computed(s))
             if s not in new_len and length != len(tree.tokens(s)):
                 raise RuntimeError(f"node {s} is missing KV for {len(tree.tokens(s)) - length} tokens")
@@ -429,6 +472,7 @@ class TreeRun:
             return lambda layer, q, k, v: q  # benchmark ceiling: no KV traffic, no attention
 
         def attend(layer: int, q, k, v):
+            kv.wait_layer(layer)  # KV copied back from the host for this step: this layer's copies first
             if k is not None:  # else the model wrote them already (see cache below)
                 kv.write(layer, slots, k, v)
             k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
@@ -437,6 +481,7 @@ class TreeRun:
         def cache(layer: int):
             """Where this pass's keys/values go: the model's fused RoPE kernel writes (and, for an 8-bit
             cache, quantizes) them there directly — ``(k_cache, v_cache, slots[, k_scale, v_scale])``."""
+            kv.wait_layer(layer)  # (before the write: the slots may have held offloaded KV still being copied)
             k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
             return (k_cache, v_cache, slots) + ((k_scale, v_scale) if k_scale is not None else ())
 
@@ -455,6 +500,7 @@ class TreeRun:
             mine = [i for i, r in enumerate(logits_rows) if begin <= r < begin + chunk]
             wanted = torch.tensor([logits_rows[i] - begin for i in mine], dtype=torch.int64, device=self.model.device)
             parts.append(self.model.forward(input_ids, plan.query_pos, self.attend_fn(plan, slots), wanted))
+            self.kv.wait_restores()  # (every layer waited already; nothing is pending afterwards)
             taken += mine
             self.forward_passes += 1
         if len(taken) != len(logits_rows):

@@ -5,12 +5,20 @@ dtype; an 8-bit format (:mod:`treegen.kernels.kv_quant`) adds ``k_scale[layer]``
 ``[num_slots, num_kv_heads]`` fp32. Each tree node owns one contiguous slot range (its *segment*), so
 attention reads a node's keys as one block for every branch below it. A node's range is reserved with room to grow (a branch generating into it); when it must
 grow past its range it moves, once, to a larger one. Nothing is ever copied per branch.
+
+A node's KV can also leave the pool while no job reads it (see :mod:`treegen.runtime.offload`):
+:meth:`KVStore.offload` copies its written KV (every pool, the 8-bit formats' scales included) to the
+host — pinned memory on CUDA — and frees its slots; :meth:`KVStore.restore` gives it a segment again
+and copies it back, on a side stream on CUDA, one event per layer, so a forward pass's layer ``l``
+waits only for layer ``l``'s copies (:meth:`KVStore.wait_layer`) and the rest overlaps its compute.
+:meth:`KVStore.drop` frees a node's slots keeping nothing: its tokens are prefilled again when read.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +32,41 @@ class Segment:
     start: int
     capacity: int
     computed: int = 0
+
+
+@dataclass
+class HostCopy:
+    """The written KV of an offloaded node: pool name → ``[num_layers, computed, ...]`` on the host."""
+
+    computed: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class OffloadCounters:
+    """What left the pool and came back during one run (see :mod:`treegen.runtime.offload`).
+    ``host_seconds``: host time spent issuing the copies; ``copy_seconds``: their device time (CUDA
+    events; the host copies' own time on the CPU)."""
+
+    bytes_offloaded: int = 0
+    bytes_restored: int = 0
+    nodes_offloaded: int = 0
+    nodes_restored: int = 0
+    nodes_dropped: int = 0
+    tokens_dropped: int = 0
+    nodes_recomputed: int = 0
+    tokens_recomputed: int = 0
+    host_bytes_peak: int = 0
+    host_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    _events: list = field(default_factory=list, repr=False)  # (start, end) CUDA events of copies not yet summed
+
+    def as_dict(self) -> dict:
+        for start, end in self._events:
+            end.synchronize()
+            self.copy_seconds += start.elapsed_time(end) / 1e3
+        self._events.clear()
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 class KVStore:
@@ -40,6 +83,12 @@ class KVStore:
         self.segments: dict[int, Segment] = {}
         self._free: list[tuple[int, int]] = [(0, initial_slots)]  # (start, length), sorted by start
         self.allocations = self.compactions = 0  # counters: segments placed, pool compactions
+        self.offloaded: dict[int, HostCopy] = {}  # nodes whose KV is on the host
+        self.dropped: dict[int, int] = {}  # nodes whose KV was dropped → its tokens (prefilled again when read)
+        self.host_bytes = 0  # KV bytes held on the host
+        self.counters = OffloadCounters()
+        self._copy_stream = None  # CUDA: the side stream restores run on
+        self._layer_ready: list | None = None  # CUDA: per layer, the event after the pending restores' copies
 
     _POOLS = ("k", "v", "k_scale", "v_scale")  # the tensors indexed [layer, slot, ...] (scales: 8-bit only)
 
@@ -110,6 +159,12 @@ class KVStore:
         seg = self.segments.get(node)
         if seg is not None and seg.capacity >= length:
             return seg
+        if seg is None and node in self.offloaded:
+            raise RuntimeError(f"node {node}'s KV is on the host: restore() it before reading it (a scheduling bug)")
+        if seg is None and node in self.dropped:  # its tokens will be prefilled again
+            self.counters.nodes_recomputed += 1
+            self.counters.tokens_recomputed += self.dropped.pop(node)
+        self.wait_restores()  # a move or compaction below must come after pending restore copies
         if seg is not None:  # the free span right after it, when long enough, lets it grow in place
             end = seg.start + seg.capacity
             i = bisect.bisect_left(self._free, (end, 0))
@@ -167,6 +222,124 @@ class KVStore:
         seg = self.segments.pop(node, None)
         if seg is not None:
             self._release(seg.start, seg.capacity)
+        host = self.offloaded.pop(node, None)
+        if host is not None:
+            self.host_bytes -= host.computed * self.bytes_per_token
+        self.dropped.pop(node, None)
+
+    # offload / restore / drop ---------------------------------------------------------------------
+    def offload(self, node: int) -> int:
+        """Copy ``node``'s written KV to the host (pinned memory on CUDA; ordered on the current stream
+        after the steps that wrote it) and free its slots. Returns the bytes moved."""
+        seg = self.segments[node]
+        started = time.perf_counter()
+        c = seg.computed
+        nbytes = c * self.bytes_per_token
+        cuda = self.device.type == "cuda"
+        tensors = {}
+        try:
+            for name in self._pools():
+                pool = getattr(self, name)
+                tensors[name] = torch.empty((pool.shape[0], c, *pool.shape[2:]), dtype=pool.dtype, pin_memory=cuda)
+        except RuntimeError as e:
+            raise RuntimeError(f"offloading node {node}'s KV ({nbytes / 2**20:.1f} MiB) needs pinned host memory, "
+                               f"which could not be allocated ({e}); run with Engine(offload='recompute') or "
+                               "offload='off', or lower offload_bytes") from e
+        events = self._events() if cuda else None
+        for name, host in tensors.items():
+            pool = getattr(self, name)
+            for layer in range(pool.shape[0]):  # (one contiguous range per layer: no device-side staging copy)
+                host[layer].copy_(pool[layer, seg.start : seg.start + c], non_blocking=cuda)
+        self._end_copy(events, started)
+        self.segments.pop(node)
+        self._release(seg.start, seg.capacity)
+        self.offloaded[node] = HostCopy(c, tensors)
+        self.host_bytes += nbytes
+        n = self.counters
+        n.bytes_offloaded += nbytes
+        n.nodes_offloaded += 1
+        n.host_bytes_peak = max(n.host_bytes_peak, self.host_bytes)
+        n.host_seconds += time.perf_counter() - started
+        return nbytes
+
+    def drop(self, node: int) -> int:
+        """Free ``node``'s slots keeping nothing; its tokens are prefilled again when a job reads it.
+        Returns the tokens of KV dropped."""
+        seg = self.segments.pop(node)
+        self._release(seg.start, seg.capacity)
+        self.dropped[node] = seg.computed
+        self.counters.nodes_dropped += 1
+        self.counters.tokens_dropped += seg.computed
+        return seg.computed
+
+    def restore(self, lengths: dict[int, int]) -> int:
+        """Give each offloaded node (``node → slots``, at least its written tokens) a segment again
+        and copy its KV back. On CUDA the copies run on a side stream after everything already queued
+        on the current one, and a forward pass waits per layer (:meth:`wait_layer`); call this after
+        the step's other reservations (a later move or compaction first waits for these copies).
+        Returns the bytes copied."""
+        started = time.perf_counter()
+        placed = []
+        for node, length in lengths.items():
+            host = self.offloaded[node]
+            start = self._allocate(max(length, host.computed, 1))  # (may compact: moves placed segments too)
+            del self.offloaded[node]
+            self.segments[node] = Segment(start, max(length, host.computed, 1), host.computed)
+            placed.append((self.segments[node], host))
+        if not placed:
+            return 0
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self.wait_restores()
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            side = self._copy_stream
+            side.wait_stream(torch.cuda.current_stream(self.device))  # after the offloads and moves queued there
+            ready = []
+            with torch.cuda.stream(side):
+                events = self._events()
+                for layer in range(self.num_layers):
+                    for seg, host in placed:
+                        for name, t in host.tensors.items():
+                            getattr(self, name)[layer, seg.start : seg.start + host.computed].copy_(t[layer], non_blocking=True)
+                    ready.append(torch.cuda.Event())
+                    ready[-1].record(side)
+                self._end_copy(events, started)
+            self._layer_ready = ready
+        else:
+            for seg, host in placed:
+                for name, t in host.tensors.items():
+                    getattr(self, name)[:, seg.start : seg.start + host.computed] = t
+            self._end_copy(None, started)
+        nbytes = sum(host.computed for _, host in placed) * self.bytes_per_token
+        self.host_bytes -= nbytes
+        self.counters.bytes_restored += nbytes
+        self.counters.nodes_restored += len(placed)
+        self.counters.host_seconds += time.perf_counter() - started
+        return nbytes
+
+    def wait_layer(self, layer: int) -> None:
+        """The current stream waits for the pending restores' copies of ``layer`` (CUDA; else nothing)."""
+        if self._layer_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_ready[layer])
+
+    def wait_restores(self) -> None:
+        """The current stream waits for every pending restore copy; none is pending afterwards."""
+        if self._layer_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_ready[-1])
+            self._layer_ready = None
+
+    def _events(self):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    def _end_copy(self, events, started: float) -> None:
+        if events is None:
+            self.counters.copy_seconds += time.perf_counter() - started
+        else:
+            events[1].record()
+            self.counters._events.append(events)
 
     def _allocate(self, length: int) -> int:
         fits = [i for i, (_, free_len) in enumerate(self._free) if free_len >= length]
@@ -188,6 +361,7 @@ class KVStore:
         """Move every segment down to close the free holes between them, in place (a copy of at most
         ``chunk`` slots at a time, never a second pool). Segment starts change: only call this while
         no attention plan built on the old starts is still in use (plans are made after reserving)."""
+        self.wait_restores()
         self.compactions += 1
         pos = 0
         for seg in sorted(self.segments.values(), key=lambda seg: seg.start):
@@ -202,6 +376,7 @@ class KVStore:
         self._free = [(pos, self.num_slots - pos)] if pos < self.num_slots else []
 
     def _grow(self, length: int) -> None:
+        self.wait_restores()
         old = self.num_slots
         new = old + length if self.device.type == "cuda" else max(2 * old, old + length)
         if not self.written():

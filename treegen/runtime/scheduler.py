@@ -14,6 +14,13 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
   ``token_budget`` tokens, a whole job at a time (at least one job per step, so a large prompt still
   moves). A job whose rows are all in the step is *ready*: a gen draws its first token from the
   step's logits and joins decoding, a score is computed.
+* **offload / recompute** (:mod:`~treegen.runtime.offload`) — when a job does not fit, the KV of
+  *idle* nodes (no admitted or decoding job reads them: a branch that will continue later, the
+  nodes of a waiting subtree) leaves the budget, least recently used first and nodes no waiting job
+  reads before those one does: copied to the host, or dropped to be prefilled again, as the
+  :class:`~treegen.runtime.offload.OffloadPolicy` decides per node. A job whose nodes are on the
+  host has them copied back when it is admitted (their slots are part of its need); a dropped
+  node's tokens are rows of the step again. The :class:`Step` lists what moved.
 * **phases** — between steps that prefill, live branches decode in phases planned once (see
   :mod:`~treegen.runtime.decode`); :meth:`Scheduler.phase_should_end` says when a phase should stop
   so that finished branches leave and new work joins.
@@ -26,8 +33,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
+from treegen.runtime.offload import OffloadPolicy
 from treegen.runtime.requests import GenRequest, Job
 
 # A decode phase stops for new work once the new jobs plus the branches finished since it began reach
@@ -56,12 +64,19 @@ class Step:
     """One engine step. ``rows``: the (node, index) tokens to run besides the live branches' decode
     rows — new tokens of admitted jobs' paths (parents first) and conditioning tokens run again;
     ``ready``: jobs whose rows are all in ``rows`` (complete after this step); ``admitted`` /
-    ``refused``: jobs that entered or were turned away (``job.error`` says why) at this step."""
+    ``refused``: jobs that entered or were turned away (``job.error`` says why) at this step;
+    ``offloaded`` / ``dropped``: idle nodes whose KV went to the host / was dropped to make room;
+    ``restored``: nodes copied back from the host for admitted jobs; ``recomputed``: dropped nodes
+    whose tokens admitted jobs prefill again."""
 
     rows: list[tuple[int, int]] = field(default_factory=list)
     ready: list[Job] = field(default_factory=list)
     admitted: list[Job] = field(default_factory=list)
     refused: list[Job] = field(default_factory=list)
+    offloaded: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    restored: list[int] = field(default_factory=list)
+    recomputed: list[int] = field(default_factory=list)
 
     @property
     def runs_model(self) -> bool:
@@ -87,17 +102,26 @@ class Scheduler:
 
     ``budget()``: the current :class:`KVBudget` (asked only when jobs wait); ``token_budget``: rows a
     step aims for, decode rows included; ``max_batch``: generating branches at most (None: as many
-    as memory holds)."""
+    as memory holds); ``offload``: what may happen to idle KV when a job does not fit (default: it
+    stays)."""
 
-    def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None) -> None:
+    def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None,
+                 offload: OffloadPolicy | None = None) -> None:
         self.tree, self.kv, self.budget, self.token_budget = tree, kv, budget, token_budget
         self.max_batch = max_batch
+        self.offload = offload or OffloadPolicy()
+        self.last_used: dict[int, int] = {}  # node → the step count when a job last started on it or read it
+        self._steps = 0  # next_step calls (the clock of last_used)
+        self._reading: list[int] = []  # the live branches' leaves (their paths are not idle)
+        self._rates = None  # the policy's rates, once asked
         self.waiting: deque[Job] = deque()
         self.admitted: list[Job] = []  # admitted, rows not run yet
         self.clock = 0  # decode steps run so far (advanced by the engine)
         self._work_since: int | None = None  # clock when the oldest waiting work arrived
         self.memory_waits = 0  # steps at which a job waited for memory (a workload over the budget)
         self.peak_slots = 0  # the most KV slots reserved at once
+        self.memory_blocked = False  # the last admission stopped at a job that did not fit the memory
+        self._blocked_at = 0  # KV slots reserved then
 
     # ------------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -123,6 +147,11 @@ class Scheduler:
         """A decode phase of ``size`` branches, ``live`` of them still generating: stop it now?"""
         if live == 0 or 2 * live <= size:
             return True
+        done = size - live
+        if self.memory_blocked and self.waiting and not self.admitted and self.kv.slots_reserved() >= self._blocked_at:
+            # what waits needs memory that only finished branches give back (or make idle), and nothing
+            # was freed since: counting it as new work would end every phase at once while it cannot join
+            return done > 0 and (done >= REPLAN_FRACTION * size or self.clock - (self._work_since or 0) >= MAX_WAIT_STEPS)
         new = len(self.waiting) + len(self.admitted)
         if self.max_batch is not None:
             new = min(new, self.max_batch - live)  # only what could join now
@@ -131,9 +160,14 @@ class Scheduler:
         return (size - live) + new >= REPLAN_FRACTION * size or self.clock - (self._work_since or 0) >= MAX_WAIT_STEPS
 
     # ------------------------------------------------------------------------------------------------
-    def next_step(self, live: int) -> Step:
-        """The next step, given ``live`` decoding branches (each one decode row in the step)."""
+    def next_step(self, live: int, reading: Iterable[int] = ()) -> Step:
+        """The next step, given ``live`` decoding branches (each one decode row in the step) and the
+        nodes they generate into (``reading``: their paths' KV is not idle)."""
         step = Step()
+        self._steps += 1
+        self._reading = list(reading)
+        for n in self._reading:
+            self.last_used[n] = self._steps
         if self.waiting:
             self._admit(step, live)
         self._take_rows(step, room=self.token_budget - live)
@@ -144,20 +178,27 @@ class Scheduler:
         return step
 
     def need(self, job: Job, counted: set[int] | frozenset = frozenset()) -> dict[int, int]:
-        """Slots ``job`` adds: every path node without KV (and not in ``counted``) at its length, and
+        """Slots ``job`` adds: every path node without KV or grown past its range (and not in
+        ``counted``) at its length, and
         a generating node at its tokens plus ``max_tokens`` (all of it when it must grow: it may move,
         and the old range is held until it has)."""
         tree, kv = self.tree, self.kv
         req = job.request
-        ends = [req.node] if isinstance(req, GenRequest) else [req.parent, *req.choices]
-        need = {n: len(tree.tokens(n)) for end in ends for n in tree.path(end)
-                if n not in kv.segments and n not in counted}
+        # (a node extended past its range since it was reserved moves too: its new range is needed whole)
+        need = {n: max(len(tree.tokens(n)), 1) for n in self.nodes(job)  # (an empty node is given one slot)
+                if n not in counted and (n not in kv.segments or kv.segments[n].capacity < len(tree.tokens(n)))}
         if isinstance(req, GenRequest):
             want = len(tree.tokens(req.node)) + req.params.max_tokens
             have = kv.segments[req.node].capacity if req.node in kv.segments else 0
             # a node that must grow may move: its new range is needed whole while the old one is held
             need[req.node] = 0 if have >= want else want
         return need
+
+    def nodes(self, job: Job) -> list[int]:
+        """Every node whose KV ``job`` reads (its paths), in path order."""
+        req = job.request
+        ends = [req.node] if isinstance(req, GenRequest) else [req.parent, *req.choices]
+        return list(dict.fromkeys(n for end in ends for n in self.tree.path(end)))
 
     def _admit(self, step: Step, live: int) -> None:
         budget = self.budget()
@@ -167,6 +208,8 @@ class Scheduler:
         taken: list[tuple[Job, dict[int, int]]] = []
         busy = live > 0 or bool(self.admitted)
         generating = live + sum(1 for j in self.admitted if j.is_gen)
+        evictable = None  # (protected nodes, first waiting reader of each node), made at the first eviction
+        self.memory_blocked = False
         while self.waiting:
             job = self.waiting[0]
             if self.max_batch is not None and job.is_gen and generating >= self.max_batch:
@@ -178,22 +221,33 @@ class Scheduler:
                 if alone > total:
                     job.error = MemoryError(
                         f"this {_what(job)} needs {_size(alone, budget)} of KV, more than the whole KV budget "
-                        f"of {_size(total, budget)}")
-                elif not busy and not taken:
-                    free = total - self.kv.slots_reserved()
-                    job.error = MemoryError(
-                        f"this {_what(job)} needs {_size(slots, budget)} of KV and only {_size(free, budget)} of the "
-                        f"{_size(total, budget)} budget is free; the rest is held by branches that continue "
-                        f"afterwards (not final), so waiting would never free it")
+                        f"of {_size(total, budget)}" + (" (offload cannot help: the KV a job reads is on the GPU "
+                                                        "while it runs)" if self.offload.on else ""))
                 else:
-                    self.memory_waits += 1
-                    break
+                    if self.offload.on:
+                        if evictable is None:
+                            evictable = self._evictable(taken)
+                        protected = evictable[0] | set(self.nodes(job))
+                        evicted = self._evict(reserved + slots - total, protected, evictable[1], step)
+                        if evicted is not None:
+                            reserved -= evicted
+                            evictable[0].update(self.nodes(job))
+                            self._take(job, need, taken, counted)
+                            reserved += slots
+                            generating += job.is_gen
+                            continue
+                    if busy or taken:
+                        self.memory_waits += 1
+                        self.memory_blocked = True
+                        self._blocked_at = self.kv.slots_reserved()
+                        break
+                    job.error = self._never_fits(job, slots, total, budget)
                 self.waiting.popleft()
                 step.refused.append(job)
                 continue
-            self.waiting.popleft()
-            taken.append((job, need))
-            counted |= set(need)
+            self._take(job, need, taken, counted)
+            if evictable is not None:
+                evictable[0].update(self.nodes(job))
             reserved += slots
             generating += job.is_gen
         if not taken:
@@ -203,14 +257,92 @@ class Scheduler:
         if self.kv.slots_free() < slots and not self.kv.written():  # growing copies nothing yet: size the
             want = slots + sum(sum(self.need(j, counted).values()) for j in self.waiting)  # pool for all known
         self.kv.ensure_free(slots, limit=total, want=want)
+        restore: dict[int, int] = {}
         for job, need in taken:
             for node in need:
                 req = job.request
                 grow = req.params.max_tokens if isinstance(req, GenRequest) and node == req.node else 0
-                self.kv.reserve(node, max(len(self.tree.tokens(node)) + grow, 1))
+                length = max(len(self.tree.tokens(node)) + grow, 1)
+                if node in self.kv.offloaded:
+                    restore[node] = length
+                    continue
+                if node in self.kv.dropped:
+                    step.recomputed.append(node)
+                self.kv.reserve(node, length)
             step.admitted.append(job)
             self.admitted.append(job)
+        if restore:  # last: the copies must land in segments nothing moves before the step runs
+            self.kv.restore(restore)
+            step.restored += list(restore)
         self.peak_slots = max(self.peak_slots, self.kv.slots_reserved())
+
+    def _take(self, job: Job, need: dict[int, int], taken: list, counted: set[int]) -> None:
+        self.waiting.popleft()
+        taken.append((job, need))
+        counted |= set(need)
+
+    # offload / recompute --------------------------------------------------------------------------
+    def _evictable(self, taken) -> tuple[set[int], dict[int, int]]:
+        """The nodes that are not idle (read by live branches, admitted jobs, jobs taken this step),
+        and for each node a waiting job reads, the queue position of the first such job."""
+        protected = {n for leaf in self._reading for n in self.tree.path(leaf)}
+        for job in [*self.admitted, *(j for j, _ in taken)]:
+            protected.update(self.nodes(job))
+        first: dict[int, int] = {}
+        for i, job in enumerate(self.waiting):
+            for n in self.nodes(job):
+                first.setdefault(n, i)
+        return protected, first
+
+    def _evict(self, deficit: int, protected: set[int], first_reader: dict[int, int], step: Step) -> int | None:
+        """Free at least ``deficit`` slots by moving idle nodes' KV to the host or dropping it (the
+        policy decides per node); None, moving nothing, when the idle nodes cannot free that much.
+        Order: nodes no waiting job reads, least recently used first; then those read by waiting jobs,
+        the one read last first. Returns the slots freed."""
+        kv, policy = self.kv, self.offload
+        per = kv.bytes_per_token
+        idle = [n for n in kv.segments if n not in protected]
+        idle.sort(key=lambda n: (n in first_reader, -first_reader.get(n, 0), self.last_used.get(n, -1), n))
+        if policy.mode == "auto" and self._rates is None:
+            self._rates = policy.rates()
+        host_free = policy.host_bytes - kv.host_bytes
+        plan, freed = [], 0
+        for n in idle:
+            if freed >= deficit:
+                break
+            seg = kv.segments[n]
+            to_host = policy.to_host(seg.computed, seg.computed * per, host_free, self._rates)
+            if to_host is None:
+                continue  # no room on the host, and recomputing is not allowed
+            plan.append((n, to_host))
+            freed += seg.capacity
+            host_free -= seg.computed * per if to_host else 0
+        if freed < deficit:
+            return None
+        for n, to_host in plan:
+            if to_host:
+                kv.offload(n)
+                step.offloaded.append(n)
+            else:
+                kv.drop(n)
+                step.dropped.append(n)
+        return freed
+
+    def _never_fits(self, job: Job, slots: int, total: int, budget: KVBudget) -> MemoryError:
+        """Why ``job`` can never be admitted while nothing runs (the memory is held by idle nodes)."""
+        free = total - self.kv.slots_reserved()
+        held = (f"the rest is held by branches that continue afterwards (not final), so waiting would never "
+                f"free it")
+        if self.offload.mode == "host":
+            per = budget.bytes_per_token
+            held = (f"the rest is held by idle nodes, and moving enough of them to the host would pass its "
+                    f"offload capacity ({self.kv.host_bytes / 2**20:.2f} of {self.offload.host_bytes / 2**20:.2f} "
+                    f"MiB used; idle KV on the GPU: {_size(sum(s.computed for s in self.kv.segments.values()), budget)}"
+                    f", {per} bytes a token): raise offload_bytes, or allow recompute (offload='auto')")
+        elif self.offload.on:
+            held = "the rest is held by nodes it reads or reserved beyond their tokens"
+        return MemoryError(f"this {_what(job)} needs {_size(slots, budget)} of KV and only {_size(free, budget)} "
+                           f"of the {_size(total, budget)} budget is free; {held}")
 
     def _take_rows(self, step: Step, room: int) -> None:
         """Move admitted jobs into the step, whole, while their rows fit ``room`` (at least one)."""
@@ -218,6 +350,9 @@ class Scheduler:
         keep: list[Job] = []
         for job in self.admitted:
             rows = self._rows(job, seen)
+            if self.offload.on and not (step.ready and len(step.rows) + len(rows) > room):
+                for n in self.nodes(job):
+                    self.last_used[n] = self._steps
             if step.ready and len(step.rows) + len(rows) > room:
                 keep.append(job)
                 continue
