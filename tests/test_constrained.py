@@ -224,3 +224,32 @@ def test_choices_with_non_ascii_text_are_exact():
                      ("twenty", True), ("twent", False)]:
         m = xgr.GrammarMatcher(compiled)
         assert (m.accept_string(text) and m.is_completed()) is ok, text
+
+
+@pytest.mark.parametrize("regex", ["a{130,}", "(ab){129,}", "a{0,300}", "a{5,200}", "b?a{0,20000}c", "x[ab]{150,420}y", "a{2,9}"])
+def test_long_repetitions_are_rewritten_to_the_same_language(regex):
+    """xgrammar 0.2.8 matches a counted repetition of more than 128 items with a cost per token that grows
+    with the items matched: such repetitions are rewritten (Constraint.grammar) into an equal language."""
+    import xgrammar as xgr
+
+    from treegen.runtime.constraint import _parse_plain
+
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + [""], vocab_size=96, stop_token_ids=[95])
+    compiler = xgr.GrammarCompiler(info)
+    rewritten = Constraint.of(regex=regex).grammar()
+    assert (str(rewritten) != str(_parse_plain("regex", regex))) == (regex != "a{2,9}")
+    fast, plain = compiler.compile_grammar(rewritten), compiler.compile_grammar(_parse_plain("regex", regex))
+    body = regex.replace("b?", "").replace("c", "").replace("x", "").replace("y", "")
+    counts = sorted({0, 1, 2, 5, 63, 64, 65, 127, 128, 129, 130, 131, 149, 150, 199, 200, 201, 255, 256, 299, 300,
+                     301, 419, 420, 421, 600, 1000})
+    texts = []
+    for n in counts:
+        unit = "ab" if "(ab)" in body else "a"
+        texts += [unit * n, "b" + "a" * n + "c", "x" + "ab" * (n // 2) + "a" * (n % 2) + "y", "a" * n + "b"]
+    for text in texts:
+        want = re.fullmatch(regex, text) is not None
+        got = []
+        for compiled in (fast, plain):
+            m = xgr.GrammarMatcher(compiled)
+            got.append(m.accept_string(text) and m.is_completed())
+        assert got == [want, want], (regex, text[:20], len(text), got, want)
