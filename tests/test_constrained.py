@@ -253,3 +253,41 @@ def test_long_repetitions_are_rewritten_to_the_same_language(regex):
             m = xgr.GrammarMatcher(compiled)
             got.append(m.accept_string(text) and m.is_completed())
         assert got == [want, want], (regex, text[:20], len(text), got, want)
+
+
+def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
+    """TokenMasks splits many matchers' accepts over threads and fills rows by xgrammar's handles: the
+    states and masks equal one matcher at a time, and a forbidden token names its branch."""
+    import random
+
+    import xgrammar as xgr
+
+    from treegen.runtime.constraint import Grammars
+    from treegen.runtime.piece_tokenizer import PieceTokenizer
+    from treegen.runtime.token_masks import TokenMasks
+
+    monkeypatch.setenv("TREEGEN_MASK_THREADS", "3")
+    tokenizer = PieceTokenizer(3000)
+    masks = TokenMasks(Grammars(tokenizer, 3000, [2]))
+    assert masks.threads == 3
+    constraint = Constraint.of(json_schema=SCHEMA)
+    n = 400
+    for b in range(n):
+        masks.add(b, constraint)
+    solo = [xgr.GrammarMatcher(masks.grammars.compile(constraint)) for _ in range(n)]
+    handles = masks.handles([masks.matchers[b] for b in range(n)])
+    rows = list(range(n))
+    bitmask, expected = masks.new_bitmask(n), masks.new_bitmask(n)
+    rng = random.Random(0)
+    for _ in range(12):
+        masks.fill_rows(bitmask, handles, rows)
+        for j, m in enumerate(solo):
+            m.fill_next_token_bitmask(expected, j)
+        assert torch.equal(bitmask, expected)
+        bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(n, -1)[:, :3000]
+        tokens = [rng.choice(bits[j].nonzero().flatten().tolist()) for j in range(n)]
+        masks.accept_matchers(rows, handles, tokens)
+        assert all(m.accept_token(t) for m, t in zip(solo, tokens))
+    bad = [tokenizer.encode("\n")[0]] * n  # never allowed inside this one-line JSON
+    with pytest.raises(RuntimeError, match="branch 0 drew token"):
+        masks.accept_matchers(rows, handles, bad)

@@ -232,32 +232,48 @@ class Decoder:
         pipelined = self.model.device.type == "cuda"
         row_of = {b: j for j, b in enumerate(live)}
         budget = {b: self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in live if b in masks}
+        shortest = min(budget.values(), default=width + 1)  # (steps after which some active branch ends)
+        dirty = False  # a settle or the programs ran since the last advance (jobs may be done)
         active = [b for b in budget if not self.jobs[b].done]  # matchers still advancing, in row order
-        host = masks.new_bitmask(len(live), pinned=pipelined)
+        host = masks.new_bitmask(len(live), pinned=pipelined)  # rows of the others stay all ones
         parts = self.constrained_host
         clock = CLOCK
+        # the active branches' matchers and rows, kept beside `active` (no per-branch lookups per step)
+        matchers = masks.handles([masks.matchers[b] for b in active])
+        rows = [row_of[b] for b in active]
 
         def upload() -> None:  # ordered after the step that read the previous masks (same stream)
             t0 = clock()
-            on = set(active)
-            masks.fill(host, [b if b in on else None for b in live])
+            masks.fill_rows(host, matchers, rows)
             t1 = clock()
             bitmask.copy_(host, non_blocking=pipelined)
             parts["fill"] += t1 - t0
             parts["upload"] += clock() - t1
 
         def advance(t: int, column: "_Column") -> None:
-            """Step ``t``'s tokens (one per row) into the active matchers; those that end leave."""
-            nonlocal active
+            """Step ``t``'s tokens (one per row) into the active matchers; those that end leave (their
+            rows become all ones)."""
+            nonlocal dirty
             t0 = clock()
             tokens = column.read()
             t1 = clock()
-            taking = [b for b in active if not self.jobs[b].done]
-            picked = [tokens[row_of[b]] for b in taking]
-            masks.accept(taking, picked)
-            active = [b for b, tok in zip(taking, picked) if tok not in eos and t + 1 < budget[b]]
+            if dirty:  # branches finished or were cancelled since: their matchers take nothing more
+                keep_only(lambda i, b: not self.jobs[b].done)
+                dirty = False
+            picked = [tokens[j] for j in rows]
+            masks.accept_matchers(active, matchers, picked)
+            if t + 1 >= shortest or not eos.isdisjoint(picked):
+                keep_only(lambda i, b: picked[i] not in eos and t + 1 < budget[b])
             parts["wait"] += t1 - t0
             parts["accept"] += clock() - t1
+
+        def keep_only(keeps) -> None:
+            nonlocal active, matchers, rows, shortest
+            keep = [i for i, b in enumerate(active) if keeps(i, b)]
+            if len(keep) < len(active):
+                host[sorted(set(rows) - {rows[i] for i in keep})] = -1
+                active, matchers, rows = ([x[i] for i in keep] for x in (active, matchers, rows))
+                shortest = min((budget[b] for b in active), default=width + 1)
 
         def launch(fn) -> None:
             t0 = clock()
@@ -288,13 +304,14 @@ class Decoder:
                         t0 = clock()
                         self._settle(live, block, advance=False)
                         parts["settle"] += clock() - t0
-                        block = None
+                        block, dirty = None, True
                         if run.scheduler.phase_should_end(len(live), len(self.live)):
                             return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
                         if len(self.live) < before:
                             paused = clock()
                             yield  # jobs completed: their programs may resume while the GPU runs
                             loop_started += clock() - paused  # (the programs' time is not the loop's)
+                            dirty = True
                     upload()
                 launch(pick)
                 self.constrained_steps += 1
