@@ -1,26 +1,41 @@
-"""Constrained decoding throughput on one GPU: a regex and a JSON schema against unconstrained sampling, in one run.
+"""Constrained decoding throughput on one GPU against unconstrained sampling, in one run; and (``--host-only``)
+the host's time per constrained step by part, on the CPU.
 
 Random weights of a real model shape (speed does not depend on the weights), bf16, one shared prompt
 below ``batch`` branches sampling at temperature 1, CUDA graphs on. The vocabulary is
 :class:`~treegen.runtime.piece_tokenizer.PieceTokenizer`'s synthetic one of the model's size (the
-grammar needs token texts; no tokenizer is downloaded). Every branch makes exactly ``new`` tokens:
-the unconstrained baseline ignores EOS, and each constraint asks for more text than ``new`` tokens
-can hold (so it is never complete and the grammar never allows EOS; such branches end with
-``finish_reason="length"``, ``constraint_met=False``):
+grammar needs token texts; no tokenizer is downloaded). The constraints:
 
 * ``none``  — no constraint (the decoder's usual phases: host sync every 8 steps, pipelined);
-* ``regex`` — ``[a-z0-9 ,.]{N,}`` (N characters at least);
-* ``json``  — ``{"reasoning": string of minLength N, "answer": integer}``.
+* realistic answer formats, which end (EOS) when complete, after a few to a few dozen tokens:
+  ``answer`` — the regex ``The answer is (0|[1-9][0-9]{0,3})\.``; ``json_answer`` — a JSON object
+  ``{"answer": integer, "unit": one of three, "sure": boolean}``; ``choice`` — one of four short answers;
+* a stress case (labelled ``stress`` in the rows; the only constraints of the first results): each asks
+  for more text than ``new`` tokens can hold, so it is never complete, the grammar never allows EOS and
+  every branch makes exactly ``new`` tokens (``finish_reason="length"``, ``constraint_met=False``):
+  ``regex`` — ``[a-z0-9 ,.]{N,}``; ``json`` — ``{"reasoning": string of minLength N, "answer": integer}``.
 
 Constrained phases sync with the host every step (each matcher must see its token before the next
 mask): the step runs as two CUDA graphs, forward and pick (mask + sample), and the host advances the
-matchers and fills step t's masks while step t's forward runs. Decode tok/s = batch * (new - 1) /
-(t(new tokens) - t(1 token)), as in bench_end_to_end.py; ``ratio_to_unconstrained`` is against
-``none`` at the same batch, in the same run. Every constrained sample is checked: its text is a
-prefix the grammar accepts (the matcher took every token) and the JSON starts ``{"reasoning": "``.
+matchers and fills step t's masks while step t's forward runs. Decode tok/s = (tokens made - batch) /
+(t(run) - t(1 token)), as in bench_end_to_end.py; ``ratio_to_unconstrained`` is against ``none`` at
+the same batch in the same run, made with as many tokens per branch as the longest constrained branch
+(for the realistic formats, measured right after the constrained run; EOS ignored). Every constrained
+sample is checked: a realistic one matches its constraint (complete, or cut short by ``max_tokens``
+with ``constraint_met=False``); a stress one is a prefix the grammar accepts (the matcher took every
+token) and the JSON starts ``{"reasoning": "``. ``host_ms_per_step`` splits the host's time per
+constrained step (``Decoder.constrained_host``): ``wait`` for the step's tokens, matcher ``accept``,
+mask ``fill``, mask ``upload``, ``settle`` (appending tokens, finishing branches), ``launch`` (graph
+replays), ``other`` (the loop's own Python).
+
+``--host-only`` runs the real decode loop on the CPU with a one-layer random model of a real vocabulary
+size (``--vocabs``; its forward and sampling are the "device" work, reported as ``launch`` and not
+counted as host time; greedy, as sampling at temperature 1 costs the CPU seconds a step): the host's ms per constrained step by part, the part that must fit under a
+GPU's forward for constrained decode to run at the unconstrained speed.
 
     python benchmarks/bench_constrained.py --shape tinyllama-1.1b --batches 64 128 256 512 1024
     python benchmarks/bench_constrained.py --shape llama3-8b --batches 64 128 256 512 1024
+    python benchmarks/bench_constrained.py --host-only --vocabs 32000 128256 --batches 256 1024
 """
 
 from __future__ import annotations
@@ -33,10 +48,13 @@ import json
 import os
 import platform
 import re
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+if "--cpu-time" in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle torch threads sleep: they would count as host CPU
 
 import torch
 import transformers
@@ -53,53 +71,100 @@ from bench_end_to_end import SHAPES  # benchmarks/bench_end_to_end.py
 LONGEST_PIECE = 9  # PieceTokenizer's pieces have at most 9 characters (" " + 8 letters)
 
 
+STRESS = ("regex", "json")
+REALISTIC = ("answer", "json_answer", "choice")
+ANSWER_REGEX = r"The answer is (0|[1-9][0-9]{0,3})\."
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                                  "unit": {"enum": ["cows", "dollars", "apples"]},
+                                                  "sure": {"type": "boolean"}},
+                 "required": ["answer", "unit", "sure"], "additionalProperties": False}
+CHOICES = ["A", "B", "C", "D) none of the above"]
+
+
 def constraints(new: int) -> dict[str, Constraint | None]:
     least = LONGEST_PIECE * new + 1  # more characters than `new` tokens can write: never complete
     schema = {"type": "object", "properties": {"reasoning": {"type": "string", "minLength": least},
                                                "answer": {"type": "integer"}},
               "required": ["reasoning", "answer"], "additionalProperties": False}
-    return {"none": None, "regex": Constraint.of(regex=f"[a-z0-9 ,.]{{{least},}}"),
-            "json": Constraint.of(json_schema=schema)}
+    return {"none": None, "answer": Constraint.of(regex=ANSWER_REGEX),
+            "json_answer": Constraint.of(json_schema=ANSWER_SCHEMA), "choice": Constraint.of(choices=CHOICES),
+            "regex": Constraint.of(regex=f"[a-z0-9 ,.]{{{least},}}"), "json": Constraint.of(json_schema=schema)}
 
 
-def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, constraint) -> tuple[float, list, object]:
-    torch.cuda.synchronize()
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, constraint,
+              temperature: float = 1.0) -> tuple[float, list, object]:
+    synchronize()
     start = time.perf_counter()
     run = engine.start()
     root = run.tree.add_node(None, prompt)
     leaves = [run.tree.add_node(root) for _ in range(batch)]
-    params = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=constraint is None, constraint=constraint)
+    params = SamplingParams(max_tokens=new, temperature=temperature, ignore_eos=constraint is None, constraint=constraint)
     results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
-    torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - start, results, run
 
 
 def check(results, name: str, new: int) -> None:
-    """Every sample made ``new`` tokens; a constrained one is an incomplete, accepted prefix."""
+    """A stress or unconstrained sample made ``new`` tokens; a stress one is an incomplete, accepted
+    prefix; a realistic one matches its constraint unless cut short (then it says so)."""
     for r in results:
-        assert len(r.tokens) == new, (name, len(r.tokens), r.finish_reason)
-        if name != "none":
+        if name == "none" or name in STRESS:
+            assert len(r.tokens) == new, (name, len(r.tokens), r.finish_reason)
+        if name in STRESS:
             # the matcher accepted every token (else the run raised); the text is what the grammar began
             assert r.constraint_met is False and r.finish_reason == "length", (name, r)
         if name == "regex":
             assert re.fullmatch(r"[a-z0-9 ,.]*", r.text), r.text[:80]
         if name == "json":
             assert r.text.startswith('{"reasoning": "'), r.text[:80]
+        if name in REALISTIC:
+            assert len(r.tokens) <= new and (r.constraint_met or r.finish_reason == "length"), (name, r)
+            if r.constraint_met:
+                if name == "answer":
+                    assert re.fullmatch(ANSWER_REGEX, r.text), r.text
+                elif name == "choice":
+                    assert r.text in CHOICES, r.text
+                else:
+                    value = json.loads(r.text)
+                    assert set(value) == {"answer", "unit", "sure"} and value["unit"] in ANSWER_SCHEMA[
+                        "properties"]["unit"]["enum"] and isinstance(value["sure"], bool), r.text
 
 
-def measure(engine: Engine, name: str, constraint, batch: int, prompt: list[int], new: int) -> dict:
-    timed_run(engine, batch=batch, prompt=prompt, new=8, constraint=constraint)  # warm-up: kernels, grammar
-    t1, _, _ = timed_run(engine, batch=batch, prompt=prompt, new=1, constraint=constraint)
-    tn, results, run = timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=constraint)
+def host_parts(run) -> dict:
+    steps = max(run.decoder.constrained_steps, 1)
+    parts = {k: 1e3 * v / steps for k, v in run.decoder.constrained_host.items()}
+    parts["host_total"] = sum(v for k, v in parts.items() if k != "launch")
+    return parts
+
+
+def measure(engine: Engine, name: str, constraint, batch: int, prompt: list[int], new: int,
+            warm: bool = True, temperature: float = 1.0) -> dict:
+    if warm:
+        timed_run(engine, batch=batch, prompt=prompt, new=8, constraint=constraint)  # warm-up: kernels, grammar
+    t1, _, _ = timed_run(engine, batch=batch, prompt=prompt, new=1, constraint=constraint, temperature=temperature)
+    tn, results, run = timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=constraint,
+                                 temperature=temperature)
     check(results, name, new)
-    row = {"constraint": name, "batch": batch, "prefix": len(prompt), "new": new, "total_s": tn, "prefill_s": t1,
-           "tok_s": batch * (new - 1) / (tn - t1), "forward_passes": run.forward_passes,
+    made = sum(len(r.tokens) for r in results)
+    row = {"constraint": name, "kind": "stress" if name in STRESS else "realistic" if name in REALISTIC else "none",
+           "batch": batch, "prefix": len(prompt), "new": new, "tokens_made": made,
+           "longest": max(len(r.tokens) for r in results),
+           "complete_share": sum(bool(r.constraint_met) for r in results) / len(results),
+           "total_s": tn, "prefill_s": t1,
+           "tok_s": (made - batch) / (tn - t1), "forward_passes": run.forward_passes,
            "constrained_steps": run.decoder.constrained_steps, "decode_phases": len(run.decode_phases),
+           "host_ms_per_step": host_parts(run),
            "host_accept_s": run.host_seconds["accept"], "host_capture_s": run.host_seconds["capture"],
            "memory_waits": run.scheduler.memory_waits}
     del run, results
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return row
 
 
@@ -109,9 +174,22 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     parser.add_argument("--prefix", type=int, default=512)
     parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--constraints", nargs="+", default=["none", "regex", "json"], choices=["none", "regex", "json"])
+    parser.add_argument("--constraints", nargs="+", default=["none", *REALISTIC, *STRESS],
+                        choices=["none", *REALISTIC, *STRESS])
+    parser.add_argument("--host-only", action="store_true",
+                        help="the host's ms per constrained step on the CPU (a one-layer model of each --vocabs size)")
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256], help="--host-only vocabulary sizes")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the host's parts by the process's CPU time, not the wall clock (a shared machine)")
+    parser.add_argument("--label", default="", help="a name for this run in the results file (e.g. before/after)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.cpu_time:
+        import treegen.runtime.decode as decode
+
+        decode.CLOCK = time.process_time
+    if args.host_only:
+        return host_only(args)
 
     config = LlamaConfig(**SHAPES[args.shape])
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
@@ -119,30 +197,29 @@ def main() -> None:
     engine = Engine(model, tokenizer)
     prompt = torch.randint(3, config.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     chosen = {k: v for k, v in constraints(args.new).items() if k in args.constraints}
-    compile_s = {}
-    for name, c in chosen.items():
-        if c is not None:
-            started = time.perf_counter()
-            engine.grammars.compile(c)
-            compile_s[name] = time.perf_counter() - started
+    compile_s = compile_all(engine, chosen)
     rows = []
     for batch in args.batches:
         for name, c in chosen.items():
             try:
                 rows.append(measure(engine, name, c, batch, prompt, args.new))
+                if name in REALISTIC:  # its baseline: every branch as long as the longest constrained one
+                    base = measure(engine, "none", None, batch, prompt, max(rows[-1]["longest"], 2))
+                    rows[-1]["ratio_to_unconstrained"] = rows[-1]["tok_s"] / base["tok_s"]
+                    rows[-1]["unconstrained_tok_s"] = base["tok_s"]
             except torch.cuda.OutOfMemoryError as e:
                 rows.append({"constraint": name, "batch": batch, "skipped": f"out of memory: {str(e)[:200]}"})
                 gc.collect()
                 torch.cuda.empty_cache()
             base = next((r for r in rows if r["constraint"] == "none" and r["batch"] == batch and "tok_s" in r), None)
-            if base and "tok_s" in rows[-1]:
+            if name not in REALISTIC and base and "tok_s" in rows[-1]:
                 rows[-1]["ratio_to_unconstrained"] = rows[-1]["tok_s"] / base["tok_s"]
             print(rows[-1], flush=True)
             write_json(args, rows, compile_s)
 
     names = list(chosen)
-    print(f"\n## {args.shape}, bf16, prefix {args.prefix}, {args.new} new tokens, temperature 1 — decode tokens/s "
-          "(ratio to unconstrained)\n")
+    print(f"\n## {args.shape}, bf16, prefix {args.prefix}, {args.new} new tokens at most, temperature 1 — decode "
+          "tokens/s (ratio to unconstrained; stress: regex, json)\n")
     print("| batch | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for batch in args.batches:
@@ -154,20 +231,72 @@ def main() -> None:
     print(f"wrote {write_json(args, rows, compile_s)}")
 
 
-def write_json(args, rows: list[dict], compile_s: dict) -> Path:
+def compile_all(engine: Engine, chosen: dict) -> dict:
+    compile_s = {}
+    for name, c in chosen.items():
+        if c is not None:
+            started = time.perf_counter()
+            engine.grammars.compile(c)
+            compile_s[name] = time.perf_counter() - started
+    return compile_s
+
+
+def host_only(args) -> None:
+    """The host's ms per constrained step by part, the real decode loop on the CPU (see the module doc)."""
+    rows, compile_s = [], {}
+    for vocab in args.vocabs:
+        config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+        model = LlamaFamilyModel.random(config, dtype=torch.float32, device="cpu")
+        engine = Engine(model, PieceTokenizer(vocab), cuda_graphs=False)
+        prompt = torch.randint(3, vocab, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
+        chosen = {k: v for k, v in constraints(args.new).items() if k in args.constraints and v is not None}
+        compile_s[vocab] = compile_all(engine, chosen)
+        for batch in args.batches:
+            for name, c in chosen.items():
+                # greedy: sampling at temperature 1 over [batch, vocab] costs the CPU seconds a step (device work)
+                row = measure(engine, name, c, batch, prompt, args.new, warm=False, temperature=0.0)
+                row["vocab"] = vocab
+                del row["tok_s"]  # (the CPU's model work is no measure of anything)
+                rows.append(row)
+                shown = " ".join(f"{k} {v:.2f}" for k, v in row["host_ms_per_step"].items())
+                print(f"vocab {vocab} batch {batch} {name}: {row['constrained_steps']} steps, "
+                      f"ms/step: {shown}", flush=True)
+                write_json(args, rows, compile_s, host_only=True)
+    print(f"\n## host ms per constrained step (CPU: {os.cpu_count()} cores), {args.label}\n")
+    print("| vocab | batch | constraint | steps | wait | accept | fill | upload | settle | other | host total |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        h = r["host_ms_per_step"]
+        print(f"| {r['vocab']} | {r['batch']} | {r['constraint']} | {r['constrained_steps']} | " + " | ".join(
+            f"{h[k]:.2f}" for k in ("wait", "accept", "fill", "upload", "settle", "other", "host_total")) + " |")
+    print(f"wrote {write_json(args, rows, compile_s, host_only=True)}")
+
+
+def write_json(args, rows: list[dict], compile_s: dict, host_only: bool = False) -> Path:
     """The results so far (written after every point: a run cut short keeps what it measured)."""
-    result = {"benchmark": "constrained", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
-              "device": torch.cuda.get_device_name(),
+    result = {"benchmark": "constrained_host" if host_only else "constrained", "label": args.label,
+              "shape": None if host_only else args.shape,
+              "config": "one layer, hidden 16, fp32" if host_only else SHAPES[args.shape],
+              "dtype": "float32" if host_only else "bfloat16",
+              "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)" if host_only
+              else torch.cuda.get_device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "transformers": transformers.__version__, "xgrammar": importlib.metadata.version("xgrammar"),
                            "cuda": torch.version.cuda, "python": platform.python_version()},
-              "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); temperature 1; every branch makes exactly new "
-                        "tokens (unconstrained: EOS ignored; constrained: the constraint needs more text than new "
-                        "tokens hold); one warm-up run per point; CUDA graphs",
+              "clock": "process CPU time" if args.cpu_time else "wall",
+              "method": ("host ms per constrained step by part (Decoder.constrained_host / constrained_steps), the real "
+                         "decode loop on the CPU, no CUDA graphs, greedy; launch = the CPU model's forward and sampling "
+                         "(device work here), not in host_total" if host_only else
+                         "decode tok/s = (tokens made - batch)/(t(new)-t(1)); temperature 1; stress constraints: every "
+                         "branch makes exactly new tokens (the constraint needs more text than new tokens hold); "
+                         "realistic ones end at EOS when complete, their baseline is unconstrained with EOS ignored and "
+                         "as many tokens as the longest constrained branch; one warm-up run per point; CUDA graphs"),
               "constraints": {k: (str(v) if v is not None else None) for k, v in constraints(args.new).items()},
               "grammar_compile_s": compile_s, "rows": rows}
-    out = Path(args.out or Path(__file__).parent / "results" / f"constrained_{args.shape}.json")
+    name = f"constrained_host_{args.label or 'cpu'}.json" if host_only else f"constrained_{args.shape}.json"
+    out = Path(args.out or Path(__file__).parent / "results" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     return out

@@ -224,3 +224,70 @@ def test_choices_with_non_ascii_text_are_exact():
                      ("twenty", True), ("twent", False)]:
         m = xgr.GrammarMatcher(compiled)
         assert (m.accept_string(text) and m.is_completed()) is ok, text
+
+
+@pytest.mark.parametrize("regex", ["a{130,}", "(ab){129,}", "a{0,300}", "a{5,200}", "b?a{0,20000}c", "x[ab]{150,420}y", "a{2,9}"])
+def test_long_repetitions_are_rewritten_to_the_same_language(regex):
+    """xgrammar 0.2.8 matches a counted repetition of more than 128 items with a cost per token that grows
+    with the items matched: such repetitions are rewritten (Constraint.grammar) into an equal language."""
+    import xgrammar as xgr
+
+    from treegen.runtime.constraint import _parse_plain
+
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + [""], vocab_size=96, stop_token_ids=[95])
+    compiler = xgr.GrammarCompiler(info)
+    rewritten = Constraint.of(regex=regex).grammar()
+    assert (str(rewritten) != str(_parse_plain("regex", regex))) == (regex != "a{2,9}")
+    fast, plain = compiler.compile_grammar(rewritten), compiler.compile_grammar(_parse_plain("regex", regex))
+    body = regex.replace("b?", "").replace("c", "").replace("x", "").replace("y", "")
+    counts = sorted({0, 1, 2, 5, 63, 64, 65, 127, 128, 129, 130, 131, 149, 150, 199, 200, 201, 255, 256, 299, 300,
+                     301, 419, 420, 421, 600, 1000})
+    texts = []
+    for n in counts:
+        unit = "ab" if "(ab)" in body else "a"
+        texts += [unit * n, "b" + "a" * n + "c", "x" + "ab" * (n // 2) + "a" * (n % 2) + "y", "a" * n + "b"]
+    for text in texts:
+        want = re.fullmatch(regex, text) is not None
+        got = []
+        for compiled in (fast, plain):
+            m = xgr.GrammarMatcher(compiled)
+            got.append(m.accept_string(text) and m.is_completed())
+        assert got == [want, want], (regex, text[:20], len(text), got, want)
+
+
+def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
+    """TokenMasks splits many matchers' accepts over threads and fills rows by xgrammar's handles: the
+    states and masks equal one matcher at a time, and a forbidden token names its branch."""
+    import random
+
+    import xgrammar as xgr
+
+    from treegen.runtime.constraint import Grammars
+    from treegen.runtime.piece_tokenizer import PieceTokenizer
+    from treegen.runtime.token_masks import TokenMasks
+
+    monkeypatch.setenv("TREEGEN_MASK_THREADS", "3")
+    tokenizer = PieceTokenizer(3000)
+    masks = TokenMasks(Grammars(tokenizer, 3000, [2]))
+    assert masks.threads == 3
+    constraint = Constraint.of(json_schema=SCHEMA)
+    n = 400
+    for b in range(n):
+        masks.add(b, constraint)
+    solo = [xgr.GrammarMatcher(masks.grammars.compile(constraint)) for _ in range(n)]
+    handles = masks.handles([masks.matchers[b] for b in range(n)])
+    rows = list(range(n))
+    bitmask, expected = masks.new_bitmask(n), masks.new_bitmask(n)
+    rng = random.Random(0)
+    for _ in range(12):
+        masks.fill_rows(bitmask, handles, rows)
+        for j, m in enumerate(solo):
+            m.fill_next_token_bitmask(expected, j)
+        assert torch.equal(bitmask, expected)
+        bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(n, -1)[:, :3000]
+        tokens = [rng.choice(bits[j].nonzero().flatten().tolist()) for j in range(n)]
+        masks.accept_matchers(rows, handles, tokens)
+        assert all(m.accept_token(t) for m, t in zip(solo, tokens))
+    bad = [tokenizer.encode("\n")[0]] * n  # never allowed inside this one-line JSON
+    with pytest.raises(RuntimeError, match="branch 0 drew token"):
+        masks.accept_matchers(rows, handles, bad)

@@ -39,6 +39,10 @@ from treegen.runtime.token_masks import TokenMasks, apply_bitmask
 
 # a phase expected to end sooner than this many steps runs without a CUDA graph (capture costs more)
 MIN_CAPTURED_STEPS = 8
+# the parts of a constrained step's host time (Decoder.constrained_host)
+CONSTRAINED_PARTS = ("wait", "accept", "fill", "upload", "settle", "launch", "other")
+# the clock those parts are timed by (a benchmark on a shared CPU may set time.process_time)
+CLOCK = time.perf_counter
 
 
 class Decoder:
@@ -59,6 +63,9 @@ class Decoder:
         self.tokens_done = 0
         self.masks: TokenMasks | None = None  # the constrained branches' matchers (made at the first one)
         self.constrained_steps = 0  # decode steps of phases with a constrained branch (host sync per step)
+        # host seconds of those steps by part (see _constrained_steps); "launch": forward/pick calls (on
+        # CUDA graph launches; on the CPU the model's work itself), "other": the loop's own Python
+        self.constrained_host = dict.fromkeys(CONSTRAINED_PARTS, 0.0)
         self.captured_phases = 0  # phases run as CUDA graphs
 
     # ---------------------------------------------------------------------------------------------
@@ -226,21 +233,53 @@ class Decoder:
         pipelined = self.model.device.type == "cuda"
         row_of = {b: j for j, b in enumerate(live)}
         budget = {b: self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in live if b in masks}
+        shortest = min(budget.values(), default=width + 1)  # (steps after which some active branch ends)
+        dirty = False  # a settle or the programs ran since the last advance (jobs may be done)
         active = [b for b in budget if not self.jobs[b].done]  # matchers still advancing, in row order
-        host = masks.new_bitmask(len(live), pinned=pipelined)
+        host = masks.new_bitmask(len(live), pinned=pipelined)  # rows of the others stay all ones
+        parts = self.constrained_host
+        clock = CLOCK
+        # the active branches' matchers and rows, kept beside `active` (no per-branch lookups per step)
+        matchers = masks.handles([masks.matchers[b] for b in active])
+        rows = [row_of[b] for b in active]
 
         def upload() -> None:  # ordered after the step that read the previous masks (same stream)
-            on = set(active)
-            masks.fill(host, [b if b in on else None for b in live])
+            t0 = clock()
+            masks.fill_rows(host, matchers, rows)
+            t1 = clock()
             bitmask.copy_(host, non_blocking=pipelined)
+            parts["fill"] += t1 - t0
+            parts["upload"] += clock() - t1
 
-        def advance(t: int, tokens: list[int]) -> None:
-            """Step ``t``'s tokens (one per row) into the active matchers; those that end leave."""
-            nonlocal active
-            taking = [b for b in active if not self.jobs[b].done]
-            picked = [tokens[row_of[b]] for b in taking]
-            masks.accept(taking, picked)
-            active = [b for b, tok in zip(taking, picked) if tok not in eos and t + 1 < budget[b]]
+        def advance(t: int, column: "_Column") -> None:
+            """Step ``t``'s tokens (one per row) into the active matchers; those that end leave (their
+            rows become all ones)."""
+            nonlocal dirty
+            t0 = clock()
+            tokens = column.read()
+            t1 = clock()
+            if dirty:  # branches finished or were cancelled since: their matchers take nothing more
+                keep_only(lambda i, b: not self.jobs[b].done)
+                dirty = False
+            picked = [tokens[j] for j in rows]
+            masks.accept_matchers(active, matchers, picked)
+            if t + 1 >= shortest or not eos.isdisjoint(picked):
+                keep_only(lambda i, b: picked[i] not in eos and t + 1 < budget[b])
+            parts["wait"] += t1 - t0
+            parts["accept"] += clock() - t1
+
+        def keep_only(keeps) -> None:
+            nonlocal active, matchers, rows, shortest
+            keep = [i for i, b in enumerate(active) if keeps(i, b)]
+            if len(keep) < len(active):
+                host[sorted(set(rows) - {rows[i] for i in keep})] = -1
+                active, matchers, rows = ([x[i] for i in keep] for x in (active, matchers, rows))
+                shortest = min((budget[b] for b in active), default=width + 1)
+
+        def launch(fn) -> None:
+            t0 = clock()
+            fn()
+            parts["launch"] += clock() - t0
 
         started = time.perf_counter()
         if capturing:
@@ -253,29 +292,40 @@ class Decoder:
             upload()
         run.host_seconds["capture"] += time.perf_counter() - started
         done_steps, block = 0, None
-        for t in range(width):
-            if t:
-                forward()  # the GPU computes step t while the host works on step t - 1
-            run.forward_passes += 1
-            if t:
-                advance(t - 1, step_tokens.read())
-                if block is not None:
-                    before = len(self.live)
-                    self._settle(live, block, advance=False)
-                    block = None
-                    if run.scheduler.phase_should_end(len(live), len(self.live)):
-                        return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
-                    if len(self.live) < before:
-                        yield  # jobs completed: their programs may resume while the GPU runs
-                upload()
-            pick()
-            self.constrained_steps += 1
-            run.scheduler.tick(1)
-            step_tokens = _Column(last, pipelined)
-            if (t + 1) % self.sync_every == 0 or t + 1 == width:
-                block, done_steps = _Block(buf, lp_buf, done_steps, t + 1, pipelined), t + 1
-        advance(width - 1, step_tokens.read())
-        self._settle(live, block, advance=False)
+        loop_started, known = clock(), sum(parts.values()) - parts["other"]
+        try:
+            for t in range(width):
+                if t:
+                    launch(forward)  # the GPU computes step t while the host works on step t - 1
+                run.forward_passes += 1
+                if t:
+                    advance(t - 1, step_tokens)
+                    if block is not None:
+                        before = len(self.live)
+                        t0 = clock()
+                        self._settle(live, block, advance=False)
+                        parts["settle"] += clock() - t0
+                        block, dirty = None, True
+                        if run.scheduler.phase_should_end(len(live), len(self.live)):
+                            return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
+                        if len(self.live) < before:
+                            paused = clock()
+                            yield  # jobs completed: their programs may resume while the GPU runs
+                            loop_started += clock() - paused  # (the programs' time is not the loop's)
+                            dirty = True
+                    upload()
+                launch(pick)
+                self.constrained_steps += 1
+                run.scheduler.tick(1)
+                step_tokens = _Column(last, pipelined)
+                if (t + 1) % self.sync_every == 0 or t + 1 == width:
+                    block, done_steps = _Block(buf, lp_buf, done_steps, t + 1, pipelined), t + 1
+            advance(width - 1, step_tokens)
+            t0 = clock()
+            self._settle(live, block, advance=False)
+            parts["settle"] += clock() - t0
+        finally:
+            parts["other"] += (clock() - loop_started) - (sum(parts.values()) - parts["other"] - known)
 
     def _settle(self, live: list[int], block: "_Block", advance: bool = True) -> None:
         """Accept a block of sampled tokens of the phase's branches ``live`` (those still live).
