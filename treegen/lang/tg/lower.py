@@ -72,6 +72,10 @@ class Lowering:
         self.file, self.values, self.watch = file, values, watch
         self.root: Branch | None = None
 
+    def __getstate__(self) -> dict:
+        """Sent to another process (a data-parallel replica) without ``watch``, which stays here."""
+        return dict(self.__dict__, watch=None)
+
     def __call__(self, state: State) -> None:
         if self.watch is not None:
             self.watch(state.tree)
