@@ -190,7 +190,8 @@ class Program:
         if getattr(engine, "replicas", None) is not None:
             try:
                 return run_batch(engine, [_Bound(self, args, kwargs)], seed=seed, on_tokens=on_tokens,
-                                 max_program_tokens=max_program_tokens)[0]
+                                 max_program_tokens=max_program_tokens, share_prefixes=False,
+                                 min_shared_saving=None)[0]  # (the tree of a run: no passes)
             except ProgramError as e:  # one program: its own error, as a run in this process raises it
                 raise e.errors[0] from None
         run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)

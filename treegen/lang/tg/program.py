@@ -81,7 +81,7 @@ class TgProgram:
         lowering = Lowering(self.file, bound, watch)
         root = Program(_Body(lowering)).run(engine, seed=seed)
         assert lowering.root is not None and lowering.root.state is root
-        return TgResult(self, lowering.root, bound, seed, engine.tokenizer)
+        return TgResult(self, lowering.root, lowering.values, seed, engine.tokenizer)
 
 
     def run_batch(self, engine, inputs: list[Mapping[str, Any]], *, seed: int = 0, watch: Callable | None = None,
@@ -110,7 +110,7 @@ class TgProgram:
         def result(i: int, root) -> "TgResult":
             lw = lowerings[i]
             branch = lw.root if lw.root is not None and lw.root.state is root else Branch(root)  # failed before it began
-            return TgResult(self, branch, bound[i], seeds[i], engine.tokenizer)
+            return TgResult(self, branch, lw.values, seeds[i], engine.tokenizer)  # (bound[i], or its copy that ran)
 
         hook = None if on_result is None else lambda i, root: on_result(i, result(i, root))
         try:
@@ -134,7 +134,7 @@ class _Body:
         self.lowering(s)
 
     def adopt_remote(self, shipped: "_Body") -> None:
-        self.lowering.root = shipped.lowering.root
+        self.lowering.root, self.lowering.values = shipped.lowering.root, shipped.lowering.values
 
 
 
