@@ -57,7 +57,7 @@ from treegen.runtime.workers import JOIN_S, WorkerError
 POLL_S = 0.1  # how often the leader looks at its replicas while waiting for a message
 REPORT_S = 2.0  # how long the leader waits for a dead replica's report before naming its exit code
 STOP_S = 30.0  # how long stopped replicas may take to finish their current step and say so
-FAULT_ENV = "TREEGEN_REPLICA_FAULT"  # "D:K": replica D raises at its K-th emit (fault-injection tests)
+FAULT_ENV = "TREEGEN_REPLICA_FAULT"  # "D:T:K": replica D raises at the K-th emit of its T-th task (fault tests)
 
 
 class NotShippable(TypeError):
@@ -370,14 +370,14 @@ def _replica_main(d, model, dtype, device, implementation, tensor_parallel, opti
     threading.Thread(target=_read, args=(inbox, local, stopping, running), name="treegen-dp-reader",
                      daemon=True).start()
     outbox.put(("ready", d, repr(engine)))
-    fault = os.environ.get(FAULT_ENV, "")
-    fail_at = int(fault.split(":")[1]) if fault.split(":")[0] == str(d) else None
-    emitted = 0
+    fault = os.environ.get(FAULT_ENV, "").split(":")
+    fail_at = (int(fault[1]), int(fault[2])) if fault[0] == str(d) else None
+    tasks = emitted = 0
 
     def emit(payload: bytes) -> None:
         nonlocal emitted
         emitted += 1
-        if emitted == fail_at:
+        if (tasks, emitted) == fail_at:
             raise RuntimeError(f"injected failure in data-parallel replica {d} ({FAULT_ENV})")
         outbox.put(("event", d, payload))
 
@@ -403,6 +403,7 @@ def _replica_main(d, model, dtype, device, implementation, tensor_parallel, opti
                 continue
             stopping.clear()
             running.set()
+            tasks, emitted = tasks + 1, 0
             try:
                 result = fn(engine, emit, *share)
                 running.clear()
