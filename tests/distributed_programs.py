@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import treegen
 
@@ -35,6 +36,33 @@ def problem(s, k, n):
 
 
 PROBLEMS = [{"k": k, "n": 2} for k in range(5)]
+
+
+@treegen.program
+def refuse(s, k):
+    """Program 3 raises after its first gen; the others finish."""
+    s += f"Problem {k}: say something."
+    s += treegen.gen("x", max_tokens=4)
+    if k == 3:
+        _ = s["x"]
+        raise ValueError(f"program {k} refuses")
+
+
+@treegen.program
+def die_in_replica(s, k, die):
+    """Kills the data-parallel replica process that runs it (when ``die``), after its first gen: a
+    replica that dies mid-batch. (Traced in the leader first, it stops at the read: nothing dies there.)"""
+    s += f"Problem {k}: say something."
+    s += treegen.gen("x", max_tokens=4)
+    _ = s["x"]
+    if die:
+        import multiprocessing
+        import signal
+
+        if multiprocessing.current_process().name.startswith("treegen-dp-replica"):
+            time.sleep(3)  # (the other replica's programs finish meanwhile: their results are kept)
+            os.kill(os.getpid(), signal.SIGKILL)
+    s += treegen.gen("y", max_tokens=4)
 
 
 def workload(engine, on_tokens=None) -> dict:

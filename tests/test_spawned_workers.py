@@ -57,11 +57,6 @@ def test_a_killed_worker_fails_the_next_call_with_its_exit(checkpoint):  # noqa:
         engine.close()
 
 
-def test_data_parallel_from_a_plain_process_is_refused(checkpoint):  # noqa: F811
-    with pytest.raises(ValueError, match="data_parallel=2 from a plain process is not supported"):
-        Engine.load(str(checkpoint), tensor_parallel=1, data_parallel=2)
-
-
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 

@@ -75,10 +75,13 @@ def _parser() -> argparse.ArgumentParser:
                         "a program that fails is reported and the others finish (exit status 1)")
     r.add_argument("--device", default="cpu", help="torch device (default cpu)")
     r.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor parallel: split the model over N GPUs (run under torchrun, one process per GPU)")
+                   help="tensor parallel: split the model over N GPUs (under torchrun, one process per GPU; "
+                        "else this process starts the other ranks itself)")
     r.add_argument("--dp", type=int, default=None, metavar="N",
-                   help="data parallel: N model replicas, a --batch split across them by shared prefixes "
-                        "(default: the processes torchrun started / --tp); rank 0 alone prints and writes --json")
+                   help="data parallel: N model replicas, a --batch split across them by shared prefixes, results "
+                        "streamed back as each program finishes (under torchrun default: the processes it started / "
+                        "--tp, rank 0 alone prints and writes --json; else this process starts N replica processes "
+                        "of --tp ranks each, on GPUs 0..N*tp-1 on CUDA)")
     r.add_argument("--implementation", choices=["auto", "fast", "generic"], default="auto",
                    help="which forward runs the model: auto (treegen's fast forward where it runs the model, else "
                         "the generic path: transformers' own modules with tree attention), fast or generic")

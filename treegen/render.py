@@ -204,6 +204,9 @@ class TreeWatch:
                         progress.update(task, completed=self.programs_done[0], total=self.programs_done[1])
                     s = self.sample()
                     if s is None:
+                        if self.programs_done is not None and self.tree is None:  # (no tree here: data-parallel replicas)
+                            progress.update(task, description=f"{self.programs_done[0]}/{self.programs_done[1]} "
+                                                              f"programs done")
                         continue
                     now = time.perf_counter()
                     if last is not None and s[2] and now > last[0]:

@@ -19,6 +19,8 @@ on every rank.
 from __future__ import annotations
 
 import heapq
+import io
+import pickle
 from typing import Callable
 
 from treegen.lang.batch import ProgramError
@@ -144,4 +146,174 @@ def run_batch_data_parallel(engine, bodies: list[Callable], *, seed: int, seeds:
     return results
 
 
-__all__ = ["BALANCE", "expected_tokens", "partition", "run_batch_data_parallel"]
+# from a plain process: replicas in worker processes ----------------------------------------------
+def run_batch_replicas(engine, bodies: list[Callable], *, seed: int, seeds: list[int] | None, on_result=None,
+                       on_programs=None, on_tokens=None, describe: Callable[[int], str] = str, **options) -> list:
+    """:func:`treegen.lang.dsl.run_batch` on a :class:`~treegen.runtime.replicas.ReplicatedEngine`:
+    ``Engine.load(..., data_parallel=N)`` from a plain Python process or a notebook.
+
+    The inputs are split by :func:`partition` (traced here, with the tokenizer only); each replica
+    process runs its share as an ordinary batch (:func:`_replica_batch`) and sends each program back
+    as soon as it is done — its root state with the part of the sharing tree it reads (see
+    :func:`_pack`) — so ``on_result(index, root)`` and ``on_programs(done, total)`` are called here,
+    in the calling thread, as programs finish on any replica; the results are returned in input
+    order. A program's tokens do not depend on its replica (its seed and its branches' paths do not
+    depend on its batch), so they are those of one process.
+
+    **Where the program code runs.** Each replica runs its programs' bodies itself, in its own
+    process, so the bodies travel there pickled: ``.tg`` programs, and ``@treegen.program`` functions
+    (and any body) defined in a module or a script file, pickle; a lambda, a closure, or a function
+    defined in a notebook cell does not, and is refused here, before anything runs, with a
+    ``TypeError`` naming it and the fix. The other design — bodies all running here, each engine call
+    mirrored to its replica as :mod:`treegen.runtime.mirror` does for tensor parallel — would take any
+    callable, but every job completion and token callback of every replica would wait for a round trip
+    to this one process, and all replicas' program code (the host work between forward passes) would
+    share this one interpreter: the replicas would be as fast as one process's host loop, which is
+    what data parallel is meant to multiply. (Bodies do run here too, but only to trace each program up
+    to its first generated value for :func:`partition`.)
+
+    ``on_tokens`` is refused (token streams stay in the replica processes). Faults: a program that
+    fails raises :class:`~treegen.lang.batch.ProgramError` once the others are done, as in one
+    process; Ctrl-C stops every replica and raises :class:`~treegen.lang.batch.BatchInterrupted`
+    with the programs finished so far; a replica that fails (its engine raised, its process died)
+    stops the others and raises :class:`~treegen.runtime.workers.WorkerError` with its error, its
+    ``results`` holding the programs finished before (None for the others), and the engine refuses
+    further work (see :mod:`treegen.runtime.replicas`).
+    """
+    from treegen.lang.batch import BatchInterrupted
+    from treegen.runtime.replicas import NotShippable
+    from treegen.runtime.workers import WorkerError
+
+    if on_tokens is not None:
+        raise TypeError("run_batch: on_tokens is not available on a data-parallel engine started from this process "
+                        "(the tokens are drawn in its replica processes); use on_result, which is called as each "
+                        "program finishes")
+    replicas = engine.replicas
+    replicas.check()
+    total = len(bodies)
+    shares = partition(bodies, engine.tokenizer, replicas.count) if bodies else [[] for _ in range(replicas.count)]
+    results: list = [None] * total
+    work = [(mine, [bodies[i] for i in mine], [seeds[i] if seeds is not None else seed for i in mine], seed, options)
+            for mine in shares]
+    if on_programs is not None:
+        on_programs(0, total)
+
+    def on_event(d: int, payload: bytes) -> None:
+        i, root, shipped = _unpack(payload, engine.tokenizer)
+        adopt = getattr(bodies[i], "adopt_remote", None)
+        if adopt is not None and shipped is not None:
+            adopt(shipped)
+        results[i] = root
+        if on_result is not None:
+            on_result(i, root)
+        if on_programs is not None:
+            on_programs(sum(r is not None for r in results), total)
+
+    try:
+        replicas.run(_replica_batch, work, on_event)
+    except NotShippable as e:
+        raise TypeError(f"run_batch on a data-parallel engine runs each replica's programs in its own process, so "
+                        f"the programs must pickle, and this one does not: {e}. Define the program in a module or "
+                        f"a .py file and import it (`from my_programs import solve`), or write it as a .tg "
+                        f"program; lambdas, closures and functions defined in a notebook cell cannot be sent to "
+                        f"another process (or load the engine with data_parallel=1)") from None
+    except KeyboardInterrupt:
+        raise BatchInterrupted([r if r is not None and r.error is None else None for r in results]) from None
+    except WorkerError as e:
+        e.results = list(results)
+        raise
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:
+        raise RuntimeError(f"data-parallel replicas returned no result for programs {missing[:5]} (a bug)")
+    errors = {i: r.error for i, r in enumerate(results) if r.error is not None}
+    if errors:
+        raise ProgramError(errors, results, describe) from errors[min(errors)]
+    return results
+
+
+def _replica_batch(engine, emit, indices: list[int], bodies: list[Callable], seeds: list[int], seed: int,
+                   options: dict) -> str:
+    """In a replica process: run this replica's programs as one batch, emitting each as it finishes."""
+    from treegen.lang.batch import BatchInterrupted
+    from treegen.lang.dsl import run_batch_here
+
+    if not bodies:
+        return "ok"
+
+    def on_result(j: int, root) -> None:
+        emit(_pack(indices[j], root, bodies[j]))
+
+    try:
+        run_batch_here(engine, bodies, seed=seed, seeds=seeds, on_result=on_result, **options)
+    except ProgramError:
+        pass  # (each failed program went out through on_result, with its error)
+    except (BatchInterrupted, KeyboardInterrupt):
+        return "interrupted"
+    return "ok"
+
+
+class _Detaching(pickle.Pickler):
+    """Pickles a finished program of a live batch run: the run itself is replaced by ``shell``."""
+
+    def __init__(self, file, run, shell) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.run, self.shell = run, shell
+
+    def reducer_override(self, obj):
+        if obj is self.run:
+            return _same, (self.shell,)
+        return NotImplemented
+
+
+def _same(obj):
+    return obj
+
+
+def _detached(run: ProgramRun, root):
+    """A finished copy of ``run`` holding only ``root``'s program: its states, and the nodes of the
+    sharing tree on their paths (shared prefixes included, other programs' branches not)."""
+    from treegen.tree.sharing_tree import SharingTree
+
+    program = root.program
+    states = list(run.states_of.get(program, [root]))
+    nodes: set[int] = set()
+    for st in states:
+        for n in (st.node, st.origin):
+            if n is not None and n in run.tree.graph:
+                nodes.update(run.tree.path(n))
+    tree = SharingTree()
+    tree.graph = run.tree.graph.subgraph(nodes).copy()
+    shell = ProgramRun.__new__(ProgramRun)
+    shell.__dict__.update(run.__dict__)
+    shell.__dict__.update(tree=tree, states=states, roots=[root], states_of={program: states}, _nodes_of={},
+                          _users={}, _returned={program}, _done={program}, _tokens={program: run._tokens.get(program, 0)},
+                          programs_done=1, touched=set(), finished=True, scheduler=None, callback_error=None,
+                          _error=None)
+    return shell
+
+
+def _pack(index: int, root, body) -> bytes:
+    """Program ``index``'s finished root (and its body, when the body wants what it recorded back:
+    ``adopt_remote``) for the leader. A result that does not pickle is sent as that program's failure."""
+    shipped = body if getattr(body, "adopt_remote", None) is not None else None
+    buffer = io.BytesIO()
+    try:
+        _Detaching(buffer, root._run, _detached(root._run, root)).dump((index, root, shipped))
+        return buffer.getvalue()
+    except Exception as e:  # noqa: BLE001 - its values (ret_value, a variable, its error) do not pickle
+        why = f"its result could not be sent back from its replica process: {type(e).__name__}: {e}"
+        return pickle.dumps((index, None, why), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _unpack(payload: bytes, tokenizer):
+    """``(index, root, shipped body or None)`` from :func:`_pack`, the root reading with ``tokenizer``."""
+    index, root, shipped = pickle.loads(payload)
+    if root is None:  # (a result that could not be sent: a failed, empty root in its place)
+        run = ProgramRun(tokenizer=tokenizer, engine=None, seed=0)
+        root = run.root()
+        root.error, run.finished, shipped = RuntimeError(shipped), True, None
+    root._run.tokenizer = tokenizer
+    return index, root, shipped
+
+
+__all__ = ["BALANCE", "expected_tokens", "partition", "run_batch_data_parallel", "run_batch_replicas"]

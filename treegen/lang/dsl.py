@@ -182,7 +182,18 @@ class Program:
             max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS, **kwargs) -> State:
         """Run on ``engine`` (a :class:`treegen.Engine`) and return the finished root state; what the
         function returned is its ``ret_value``. ``on_tokens`` and ``max_program_tokens``: as in
-        :meth:`run_batch`."""
+        :meth:`run_batch`.
+
+        On a data-parallel engine started from this process (``Engine.load(..., data_parallel=N)``) the
+        program runs on one replica, as a batch of one (same tokens); it must pickle (see
+        :func:`treegen.lang.data_parallel.run_batch_replicas`) and ``on_tokens`` is not available."""
+        if getattr(engine, "replicas", None) is not None:
+            try:
+                return run_batch(engine, [_Bound(self, args, kwargs)], seed=seed, on_tokens=on_tokens,
+                                 max_program_tokens=max_program_tokens, share_prefixes=False,
+                                 min_shared_saving=None)[0]  # (the tree of a run: no passes)
+            except ProgramError as e:  # one program: its own error, as a run in this process raises it
+                raise e.errors[0] from None
         run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
         run.on_tokens = _check_callback("run", "on_tokens", on_tokens)
         state = run.root()
@@ -236,7 +247,7 @@ class Program:
         names it and carries every result (``.results``). Ctrl-C raises
         :class:`~treegen.lang.batch.BatchInterrupted` with the programs finished so far.
         """
-        return run_batch(engine, [_bind(self.fn, x) for x in inputs], seed=seed, seeds=seeds,
+        return run_batch(engine, [_bind(self, x) for x in inputs], seed=seed, seeds=seeds,
                          share_prefixes=share_prefixes, min_shared_saving=min_shared_saving, on_programs=on_programs,
                          on_result=on_result, on_tokens=on_tokens, max_program_tokens=max_program_tokens)
 
@@ -246,7 +257,7 @@ class Program:
         run = ProgramRun(tokenizer=tokenizer, engine=None, seed=0)
         run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
         stopped = None
-        for body in [_bind(self.fn, x) for x in inputs]:
+        for body in [_bind(self, x) for x in inputs]:
             try:
                 body(run.root())
             except StopTrace as stop:
@@ -271,14 +282,69 @@ class Program:
     def __call__(self, *args, **kwargs):
         raise TypeError(f"call {self.fn.__name__}.run(engine, ...) to run a program, or .compile(tokenizer=...) to see its tree")
 
+    def __reduce__(self):
+        """By reference when the program is reachable by its name (a decorated module-level function,
+        whose name holds this Program, not the function), else by value (its function pickles or not)."""
+        module, qualname = getattr(self.fn, "__module__", None), getattr(self.fn, "__qualname__", None)
+        if _find(module, qualname) is self:
+            if module == "__main__":
+                from treegen.runtime.replicas import main_is_importable
 
-def _bind(fn: Callable[..., Any], x) -> Callable[[State], None]:
+                if not main_is_importable():
+                    import pickle
+
+                    raise pickle.PicklingError(f"program {qualname} is defined in this notebook or interactive "
+                                               f"session (__main__), which another process cannot import")
+            return _named_program, (module, qualname)
+        return Program, (self.fn,)
+
+
+def _bind(program: "Program", x) -> "_Bound":
     if isinstance(x, dict):
-        return lambda s: fn(s, **x)
+        return _Bound(program, (), x)
     if isinstance(x, (list, tuple)):
-        return lambda s: fn(s, *x)
+        return _Bound(program, tuple(x), {})
     raise TypeError(f"run_batch: each input must be a dict of keyword arguments or a tuple of positional ones, "
                     f"got {type(x).__name__}")
+
+
+class _Bound:
+    """A program applied to one input: one body of a batch. It pickles when its program and input do
+    (a data-parallel engine started from this process sends it to a replica process)."""
+
+    def __init__(self, program: "Program", args: tuple, kwargs: dict) -> None:
+        self.program, self.args, self.kwargs = program, args, kwargs
+
+    def __call__(self, s: State):
+        return self.program.fn(s, *self.args, **self.kwargs)
+
+    @property
+    def adopt_remote(self):
+        """What the program's function recorded while it ran in a replica process comes back (a
+        ``.tg`` program's branches), when the function asks for it."""
+        adopt = getattr(self.program.fn, "adopt_remote", None)
+        return None if adopt is None else lambda shipped: adopt(shipped.program.fn)
+
+
+def _named_program(module: str, qualname: str) -> "Program":
+    """The :class:`Program` at ``module.qualname`` (how a decorated module-level program pickles)."""
+    import importlib
+
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _find(module: str | None, qualname: str | None):
+    import sys
+
+    obj = sys.modules.get(module) if module else None
+    for part in (qualname or "<locals>").split("."):
+        if obj is None or part == "<locals>":
+            return None
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
@@ -292,6 +358,12 @@ def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, se
     ``describe(i)``: how errors name program ``i`` (the command line adds its input line)."""
     if seeds is not None and len(seeds) != len(bodies):
         raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
+    if getattr(engine, "replicas", None) is not None:  # data parallel from this process: replica processes
+        from treegen.lang.data_parallel import run_batch_replicas
+
+        return run_batch_replicas(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
+                                  min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
+                                  on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
     parallel = getattr(engine, "parallel", None)
     if parallel is not None and parallel.dp > 1:  # several replicas: each runs whole prefix subtrees
         from treegen.lang.data_parallel import run_batch_data_parallel

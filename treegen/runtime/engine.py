@@ -174,7 +174,13 @@ class Engine:
 
         * under ``torchrun`` this process is one rank: it joins the process group and loads only its
           shard; every rank runs the same program code;
-        * from a plain Python process or a notebook (tensor parallel only), this process becomes rank 0
+        * from a plain Python process or a notebook with ``data_parallel`` > 1, this process loads only
+          the tokenizer and starts ``data_parallel`` replica processes (each on its ``tensor_parallel``
+          GPUs, itself tensor parallel as below) and returns a
+          :class:`~treegen.runtime.replicas.ReplicatedEngine`, which runs programs and batches (a batch
+          split across the replicas by :func:`treegen.lang.data_parallel.run_batch_replicas`; the
+          programs must pickle), not tree runs;
+        * from a plain Python process or a notebook with tensor parallel alone, this process becomes rank 0
           and starts ranks 1..``tensor_parallel``-1 itself (one per GPU, ``cuda:0``.. of this host; gloo
           processes on the CPU), which load their shards and mirror every tree run of this process
           (:mod:`treegen.runtime.workers`, :mod:`treegen.runtime.mirror`). A worker that fails makes the
@@ -197,9 +203,18 @@ class Engine:
         check_tensor_parallel(load_config(model), tensor_parallel)
         if not distributed.launched():
             if data_parallel not in (None, 1):
-                raise distributed.DistributedError(
-                    f"data_parallel={data_parallel} from a plain process is not supported: launch with torchrun "
-                    f"--nproc-per-node {tensor_parallel * data_parallel} (tensor parallel alone starts its own workers)")
+                from treegen.runtime.loader import load_tokenizer
+                from treegen.runtime.replicas import ReplicatedEngine, start_replicas
+                from treegen.tree.sharing_tree import KVShape
+
+                tokenizer = load_tokenizer(model)
+                fmt = kv_format(options.get("kv_dtype"), dtype)  # (the bytes; each replica checks its GPU)
+                replicas = start_replicas(model, dtype=dtype, device=device, implementation=implementation,
+                                          tensor_parallel=tensor_parallel, data_parallel=data_parallel, options=options)
+                return ReplicatedEngine(tokenizer, replicas, model_name=str(model or "SmolLM2-135M-Instruct (embedded)"),
+                                        kv_shape=KVShape.from_config(load_config(model), fmt.bytes_per_value,
+                                                                     fmt.scale_bytes),
+                                        attention=options.get("attention", "tree"), device=device)
             from treegen.runtime.workers import start_team
 
             parallel, team = start_team(model, dtype=dtype, device=device, tensor_parallel=tensor_parallel,

@@ -72,6 +72,13 @@ class Lowering:
         self.file, self.values, self.watch = file, values, watch
         self.root: Branch | None = None
 
+    def __getstate__(self) -> dict:
+        """Sent to another process (a data-parallel replica, and back) without ``watch``, which stays
+        here, and without the branches of a trace (:func:`~treegen.lang.data_parallel.partition` traces
+        the program here before a replica runs it)."""
+        traced = self.root is not None and self.root.state._run.tracing
+        return dict(self.__dict__, watch=None, root=None if traced else self.root)
+
     def __call__(self, state: State) -> None:
         if self.watch is not None:
             self.watch(state.tree)

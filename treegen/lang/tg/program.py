@@ -73,15 +73,15 @@ class TgProgram:
     def compile(self, *, tokenizer, **values) -> CompiledProgram:
         """The sharing tree built with ``tokenizer`` only (see :meth:`treegen.Program.compile`)."""
         lowering = Lowering(self.file, self.bind(values))
-        return Program(_body(lowering)).compile(tokenizer=tokenizer)
+        return Program(_Body(lowering)).compile(tokenizer=tokenizer)
 
     def run(self, engine, *, seed: int = 0, watch: Callable | None = None, **values) -> "TgResult":
         """Run on ``engine``. ``watch(tree)`` is called with the run's sharing tree when it starts."""
         bound = self.bind(values)
         lowering = Lowering(self.file, bound, watch)
-        root = Program(_body(lowering)).run(engine, seed=seed)
+        root = Program(_Body(lowering)).run(engine, seed=seed)
         assert lowering.root is not None and lowering.root.state is root
-        return TgResult(self, lowering.root, bound, seed, engine.tokenizer)
+        return TgResult(self, lowering.root, lowering.values, seed, engine.tokenizer)
 
 
     def run_batch(self, engine, inputs: list[Mapping[str, Any]], *, seed: int = 0, watch: Callable | None = None,
@@ -110,11 +110,11 @@ class TgProgram:
         def result(i: int, root) -> "TgResult":
             lw = lowerings[i]
             branch = lw.root if lw.root is not None and lw.root.state is root else Branch(root)  # failed before it began
-            return TgResult(self, branch, bound[i], seeds[i], engine.tokenizer)
+            return TgResult(self, branch, lw.values, seeds[i], engine.tokenizer)  # (bound[i], or its copy that ran)
 
         hook = None if on_result is None else lambda i, root: on_result(i, result(i, root))
         try:
-            roots = run_batch(engine, [_body(lw) for lw in lowerings], seed=seed, on_result=hook, describe=describe,
+            roots = run_batch(engine, [_Body(lw) for lw in lowerings], seed=seed, on_result=hook, describe=describe,
                               **options)
         except (ProgramError, BatchInterrupted) as e:
             e.results = [None if root is None else result(i, root) for i, root in enumerate(e.results)]
@@ -122,10 +122,21 @@ class TgProgram:
         return [result(i, root) for i, root in enumerate(roots)]
 
 
-def _body(lowering: Lowering) -> Callable:
-    def body(s):
-        lowering(s)
-    return body
+class _Body:
+    """A lowering as a program body. It pickles (a data-parallel engine started from this process runs
+    it in a replica process), and what it recorded there — its branches — comes back
+    (:meth:`adopt_remote`, called with the copy that ran)."""
+
+    def __init__(self, lowering: Lowering) -> None:
+        self.lowering = lowering
+
+    def __call__(self, s) -> None:
+        self.lowering(s)
+
+    def adopt_remote(self, shipped: "_Body") -> None:
+        self.lowering.root, self.lowering.values = shipped.lowering.root, shipped.lowering.values
+
+
 
 
 _WORDS = {"str": "a string", "int": "an integer", "float": "a number", "list": "a list of strings or numbers"}
