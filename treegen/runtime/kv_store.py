@@ -19,11 +19,24 @@ from treegen.kernels.kv_quant import KVFormat, kv_format, quantize_reference
 
 @dataclass
 class Segment:
-    """Slots ``[start, start + capacity)`` of one node; the first ``computed`` hold written KV."""
+    """Slots ``[start, start + capacity)`` of one node; the first ``computed`` hold written KV.
+
+    ``dropped``: tokens of the node whose KV sparse window attention dropped (:mod:`treegen.runtime.swa`;
+    0 otherwise). Such a segment was *compacted*: its first slots hold the kept tokens' KV, in token
+    order, and slot ``j`` past them holds token ``dropped + j``. ``tokens`` (= ``computed + dropped``)
+    of the node's tokens are then accounted for; slot of a token written after the last compaction:
+    ``start + index - dropped``. Attention plans give the segment the position ``node position +
+    dropped``, so its written keys sit just before the next query (see ``TreeRun.plan_rows``)."""
 
     start: int
     capacity: int
     computed: int = 0
+    dropped: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """The node's tokens accounted for: written (``computed`` slots) or dropped."""
+        return self.computed + self.dropped
 
 
 class KVStore:
@@ -83,8 +96,30 @@ class KVStore:
             scales[layer].index_copy_(0, slots, scale)
 
     def computed(self, node: int) -> int:
+        """Tokens of ``node`` whose KV was computed (held, or dropped by sparse window attention)."""
         seg = self.segments.get(node)
-        return seg.computed if seg else 0
+        return seg.tokens if seg else 0
+
+    def dropped(self, node: int) -> int:
+        """Tokens of ``node`` whose KV sparse window attention dropped (0: a dense segment)."""
+        seg = self.segments.get(node)
+        return seg.dropped if seg else 0
+
+    def keep(self, node: int, kept: torch.Tensor) -> None:
+        """Compact ``node``'s segment to the written slots ``kept`` (offsets in the segment, ascending,
+        int64 on the KV's device): their KV (every layer, scales too) moves to the segment's first
+        ``len(kept)`` slots in that order, the rest of its written KV is dropped and its slots are
+        free for new tokens. One gather and one scatter per pool; the capacity is unchanged."""
+        seg = self.segments[node]
+        n = kept.numel()
+        if n > seg.computed:
+            raise ValueError(f"node {node}: keeping {n} of {seg.computed} written slots")
+        src = kept.to(device=self.device, dtype=torch.int64) + seg.start
+        dst = torch.arange(seg.start, seg.start + n, device=self.device)
+        for pool in (getattr(self, name) for name in self._pools()):
+            pool[:, dst] = pool[:, src]  # (the gather copies first: no overlap hazard; works for float8 too)
+        seg.dropped += seg.computed - n
+        seg.computed = n
 
     def written(self) -> bool:
         """Some node holds written KV (growing the pool then copies it)."""
@@ -129,7 +164,7 @@ class KVStore:
                 src, dst = slice(seg.start, seg.start + seg.computed), slice(start, start + seg.computed)
                 for pool in (getattr(self, name) for name in self._pools()):
                     pool[:, dst] = pool[:, src]
-            new.computed = seg.computed
+            new.computed, new.dropped = seg.computed, seg.dropped
             self._release(seg.start, seg.capacity)
         self.segments[node] = new
         return new

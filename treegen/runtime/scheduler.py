@@ -5,7 +5,7 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
 
 * **admission by memory** — waiting jobs enter in arrival order while the KV they may need (the
   tokens of every path node not yet in memory, and each generating branch's tokens plus
-  ``max_tokens``) fits the budget; their slots are reserved at once, so a run never runs out of KV
+  ``max_tokens``, or with sparse window attention its kept budget plus slack) fits the budget; their slots are reserved at once, so a run never runs out of KV
   memory half way. The rest wait until finished branches free theirs. A job that needs more than the
   whole budget is refused at once; one that cannot fit while nothing runs (the memory is held by
   branches that continue) is refused too, with the sizes, rather than waiting forever.
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from treegen.runtime.requests import GenRequest, Job
+from treegen.runtime.swa import DEFAULT_EVERY, reserve_slots
 
 # A decode phase stops for new work once the new jobs plus the branches finished since it began reach
 # this fraction of its size. Replanning costs about ten steps of a 256-branch TinyLlama phase (the
@@ -89,9 +90,11 @@ class Scheduler:
     step aims for, decode rows included; ``max_batch``: generating branches at most (None: as many
     as memory holds)."""
 
-    def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None) -> None:
+    def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None,
+                 kv_keep_every: int = DEFAULT_EVERY) -> None:
         self.tree, self.kv, self.budget, self.token_budget = tree, kv, budget, token_budget
         self.max_batch = max_batch
+        self.kv_keep_every = kv_keep_every  # a sparse-window gen's steps between compactions (its slack)
         self.waiting: deque[Job] = deque()
         self.admitted: list[Job] = []  # admitted, rows not run yet
         self.clock = 0  # decode steps run so far (advanced by the engine)
@@ -153,11 +156,17 @@ class Scheduler:
         need = {n: len(tree.tokens(n)) for end in ends for n in tree.path(end)
                 if n not in kv.segments and n not in counted}
         if isinstance(req, GenRequest):
-            want = len(tree.tokens(req.node)) + req.params.max_tokens
+            want = self.gen_slots(req)
             have = kv.segments[req.node].capacity if req.node in kv.segments else 0
             # a node that must grow may move: its new range is needed whole while the old one is held
             need[req.node] = 0 if have >= want else want
         return need
+
+    def gen_slots(self, req: GenRequest) -> int:
+        """Slots a gen's node needs: its tokens plus ``max_tokens``; with sparse window attention
+        (``params.kv_keep``) only what it holds at most between compactions (:func:`~treegen.runtime.swa.reserve_slots`)."""
+        return reserve_slots(len(self.tree.tokens(req.node)), req.params.max_tokens, req.params.kv_keep,
+                             self.kv_keep_every)
 
     def _admit(self, step: Step, live: int) -> None:
         budget = self.budget()
@@ -206,8 +215,10 @@ class Scheduler:
         for job, need in taken:
             for node in need:
                 req = job.request
-                grow = req.params.max_tokens if isinstance(req, GenRequest) and node == req.node else 0
-                self.kv.reserve(node, max(len(self.tree.tokens(node)) + grow, 1))
+                if isinstance(req, GenRequest) and node == req.node:
+                    self.kv.reserve(node, max(self.gen_slots(req), 1))
+                else:
+                    self.kv.reserve(node, max(len(self.tree.tokens(node)), 1))
             step.admitted.append(job)
             self.admitted.append(job)
         self.peak_slots = max(self.peak_slots, self.kv.slots_reserved())
