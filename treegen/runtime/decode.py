@@ -214,11 +214,13 @@ class Decoder:
         column = {j: c for c, j in enumerate(j for j, r in enumerate(keep) if r is not None)}
         importance: dict[int, torch.Tensor] = {}
         asked, queries, at = [], [], []
-        for j in todo:
-            valid = len(self.out[live[j]]) - out_before[j]
-            ring, taken = recorder.steps(steps_run, valid) if recorder is not None else ([], [])
-            if not ring:  # nothing recorded (attention "none"): the recent tokens only
+        for j in list(todo):
+            if recorder is None:  # attention "none" (a benchmark ceiling): the recent tokens only
                 importance[j] = torch.zeros(kv.segments[nodes[j]].computed, device=kv.device)
+                continue
+            ring, taken = recorder.steps(steps_run, len(self.out[live[j]]) - out_before[j])
+            if not ring:  # it finished before the ring's steps: compacted when it decodes again, if ever
+                todo.remove(j)
                 continue
             asked.append(j)
             queries.append(recorder.q[:, ring, column[j]])

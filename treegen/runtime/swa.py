@@ -136,10 +136,12 @@ class QueryRecorder:
         self.slot.add_(1).remainder_(self.history)
 
     def steps(self, steps_run: int, valid: int) -> tuple[list[int], list[int]]:
-        """``(ring entries, step indices)`` of the last ``history`` of the phase's ``steps_run`` steps that
-        are among a row's first ``valid`` steps (a branch that finished part way ran garbage rows
-        afterwards), in step order."""
-        taken = list(range(max(0, steps_run - self.history), min(steps_run, valid)))
+        """``(ring entries, step indices)`` of a row's last ``history`` steps among the phase's
+        ``steps_run``, when only its first ``valid`` steps count (a branch that finished part way ran
+        garbage rows afterwards), in step order. The ring holds the phase's last ``history`` steps, so a
+        row that finished earlier has fewer."""
+        end = min(steps_run, valid)
+        taken = list(range(max(0, end - self.history, steps_run - self.history), end))
         return [t % self.history for t in taken], taken
 
 
