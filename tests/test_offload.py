@@ -361,3 +361,32 @@ def test_offload_options_are_checked(model):
         Engine(model, IdTokenizer(), offload="disk")
     with pytest.raises(ValueError, match="offload_bytes must be an integer >= 0"):
         Engine(model, IdTokenizer(), offload_bytes=-1)
+
+
+def test_a_sparse_window_compacted_node_goes_to_the_host_and_back_with_its_dropped_count():
+    """A segment compacted by sparse window attention keeps ``dropped`` through offload and restore (its
+    mask positions depend on it), is never dropped for recompute (a prefill would make dense KV), and a
+    "recompute"-only policy leaves it in place."""
+    kv = KVStore(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", initial_slots=64)
+    kv.reserve(5, 10)
+    for layer in range(2):
+        x = torch.arange(8, dtype=torch.float32).repeat_interleave(4).reshape(8, 1, 4) + 100 * layer
+        kv.write(layer, torch.arange(kv.segments[5].start, kv.segments[5].start + 8), x, -x)
+    kv.segments[5].computed = 8
+    kv.keep(5, torch.tensor([0, 3, 6, 7]))
+    before = [kv.layer(layer)[0][kv.segments[5].start:kv.segments[5].start + 4].clone() for layer in range(2)]
+    assert (kv.segments[5].computed, kv.segments[5].dropped) == (4, 4)
+    with pytest.raises(RuntimeError, match="compacted by sparse window attention"):
+        kv.drop(5)
+    policy = OffloadPolicy("auto", 1 << 20, rates=lambda: None)
+    assert policy.to_host(4, 100, 1 << 20, None, recomputable=False) is True
+    assert policy.to_host(4, 100, 10, None, recomputable=False) is None  # no room on the host: stays
+    assert OffloadPolicy("recompute", 1 << 20, rates=lambda: None).to_host(4, 100, 1 << 20, None,
+                                                                        recomputable=False) is None
+    kv.offload(5)
+    assert 5 not in kv.segments and kv.dropped(5) == 0
+    kv.restore({5: 6})
+    seg = kv.segments[5]
+    assert (seg.computed, seg.dropped, seg.capacity) == (4, 4, 6)
+    for layer in range(2):
+        assert torch.equal(kv.layer(layer)[0][seg.start:seg.start + 4], before[layer])

@@ -298,14 +298,17 @@ def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor
 
 
 def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float,
-                             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                             k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                             return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """PyTorch reference (fp32 maths): one batched attention per tree level, LSE-merged.
 
     q: [num_queries, num_heads, head_dim]; k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
     (the query rows' own keys must already be written); k_scale, v_scale: [num_slots, num_kv_heads]
     fp32 for an 8-bit cache (None: the cache holds the values themselves). Returns
-    [num_queries, num_heads, head_dim] in q's dtype. Loops in Python over tree levels only, never over
-    segments or query rows.
+    [num_queries, num_heads, head_dim] in q's dtype; with ``return_lse`` also each row's LSE over every
+    key it sees, ``[num_queries, num_heads]`` fp32 (natural log; -inf: no key), which is what sparse
+    window attention normalises its attention weights by. Loops in Python over tree levels only, never
+    over segments or query rows.
     """
     num_q, num_heads, head_dim = q.shape
     o_acc = torch.zeros(num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -320,7 +323,7 @@ def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
                                                     lse_acc.index_select(0, level.valid_rows), o_new, lse_new)
         o_acc.index_copy_(0, level.valid_rows, o_new)
         lse_acc.index_copy_(0, level.valid_rows, lse_new)
-    return o_acc.to(q.dtype)
+    return (o_acc.to(q.dtype), lse_acc) if return_lse else o_acc.to(q.dtype)
 
 
 def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan,

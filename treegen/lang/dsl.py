@@ -39,7 +39,7 @@ DEFAULT_MAX_PROGRAM_TOKENS = 1_000_000
 def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         stop: str | list[str] | tuple[str, ...] = (), seed: int | None = None, ignore_eos: bool = False,
         regex: str | None = None, choices: list[str] | tuple[str, ...] | None = None,
-        json_schema: dict | str | None = None, grammar: str | None = None) -> Gen:
+        json_schema: dict | str | None = None, grammar: str | None = None, kv_keep: float | None = None) -> Gen:
     """Generate text into variable ``name``. Greedy unless ``temperature > 0``; see :class:`SamplingParams`.
 
     At most one constraint on the text, enforced token by token (:mod:`treegen.runtime.constraint`):
@@ -47,12 +47,17 @@ def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: fl
     dict or JSON text: the text is JSON valid under it) or ``grammar`` (EBNF, rule ``root``). The gen
     ends where its constraint is complete; one that ``max_tokens`` cuts short ends with
     ``finish_reason="length"`` and ``state.info[name]["constraint_met"] = False``. An invalid regex,
-    schema or grammar raises ``ValueError`` here, when the program is written."""
+    schema or grammar raises ``ValueError`` here, when the program is written.
+
+    ``kv_keep``: sparse window attention (lossy, opt-in; :mod:`treegen.runtime.swa`) — the branch keeps
+    this fraction in (0, 1] of its own KV: its most recent tokens and the earlier ones it attended to
+    most; None (the default) is exact attention, or the engine's ``kv_keep``. The result records it
+    (``state.info[name]["kv_keep"]``)."""
     _check_name("gen", name)
     try:
         constraint = Constraint.of(regex=regex, choices=choices, json_schema=json_schema, grammar=grammar)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed, ignore_eos=ignore_eos, constraint=constraint)
+                                stop=stop, seed=seed, ignore_eos=ignore_eos, constraint=constraint, kv_keep=kv_keep)
     except ValueError as e:
         raise ValueError(f"gen({name!r}): {e}") from None
     return Gen(name, params)

@@ -504,6 +504,8 @@ class State:
                                   "max_tokens": op.params.max_tokens, "stop": op.params.stop}
             if op.params.constraint is not None:  # False: max_tokens cut the text short of its constraint
                 self.info[op.name].update(constraint=str(op.params.constraint), constraint_met=result.constraint_met)
+            if result.kv_keep is not None:  # generated with sparse window attention (lossy)
+                self.info[op.name].update(kv_keep=result.kv_keep, kv_dropped=result.kv_dropped)
             return
         request_choices = tree.children(self.node)[-len(op.choices):]
         best = max(range(len(op.choices)), key=lambda i: (result[i], -i))

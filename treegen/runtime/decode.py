@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from treegen.runtime import swa
 from treegen.runtime.cuda_graph import capture
 from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams, sample
@@ -131,18 +132,31 @@ class Decoder:
         # tokens each node holds before its generated ones: what a program appends after a finished
         # gen (while the phase still runs) has no KV yet, so it must not be counted as computed
         prompt_len = [len(tree.tokens(n)) - len(self.out[b]) for b, n in zip(live, nodes)]
-        input_ids, slots, plan = run.plan_rows(self.decode_rows(), grow=dict(zip(nodes, remaining)))
+        keep = [self.jobs[b].request.params.kv_keep for b in live]
+        swa_rows = [j for j, r in enumerate(keep) if r is not None]
+        width = max(remaining)
+        if swa_rows:  # sparse window attention compacts its branches' KV when the phase ends (see swa)
+            width = min(width, run.engine.kv_keep_every)
+        grow = [min(r, width) for r in remaining]
+        rows = self.decode_rows()
+        positions = [tree.position(n) + i for n, i in rows]
+        out_before = [len(self.out[b]) for b in live]
+        input_ids, slots, plan = run.plan_rows(rows, grow=dict(zip(nodes, grow)))
         # a branch done while the phase runs on keeps writing into its reservation's last slot, which
         # holds no KV (its last token's is never written): never into its written KV, never past it
-        slot_limit = slots + torch.tensor(remaining, device=device)
+        slot_limit = slots + torch.tensor(grow, device=device)
         params = _Params([self.jobs[b] for b in live], device)
         idx = torch.arange(len(live), device=device)
         steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
-        width = max(remaining)
         buf = torch.zeros(len(live), width, dtype=torch.int64, device=device)
         lp_buf = torch.zeros(len(live), width, dtype=torch.float32, device=device)
         column = torch.zeros(len(live), 1, dtype=torch.int64, device=device)
-        attend = run.attend_fn(plan, slots)
+        recorder = None
+        if swa_rows and run.engine.attention != "none":
+            recorder = swa.QueryRecorder(num_layers=model.num_layers, rows=swa_rows,
+                                         history=run.engine.kv_keep_history, num_heads=model.num_heads,
+                                         head_dim=model.head_dim, dtype=model.dtype, device=device)
+        attend = run.attend_fn(plan, slots, recorder)
         constrained = self.masks is not None and any(b in self.masks for b in live)
         # a constraint's token masks: a device buffer the step reads (captured with it), filled from the host
         bitmask = self.masks.new_bitmask(len(live), device=device) if constrained else None
@@ -168,6 +182,8 @@ class Decoder:
             torch.minimum(slots + 1, slot_limit, out=slots)
             steps.add_(1)
             column.add_(1)
+            if recorder is not None:
+                recorder.advance()
 
         def step() -> None:
             forward()
@@ -177,6 +193,7 @@ class Decoder:
         run.host_seconds["plan"] += planned - started
         capturing = self.graphs and plan.backend == "triton" and self._worth_capturing(remaining)
         self.captured_phases += capturing
+        passes_before = run.forward_passes
         if constrained:
             yield from self._constrained_steps(live, width, forward, pick, bitmask, input_ids, buf, lp_buf, capturing)
         else:
@@ -186,7 +203,52 @@ class Decoder:
             if b not in alive and self.jobs[b].request.final:
                 kv.free(n)  # a finished branch that takes nothing more gives its KV back at once
             elif n in kv.segments:  # (its program may have ended and freed it meanwhile)
-                kv.segments[n].computed = held + len(self.out[b]) - 1  # KV for all its tokens but the last
+                seg = kv.segments[n]  # KV for all its tokens but the last (less those SWA dropped)
+                seg.computed = held + len(self.out[b]) - 1 - seg.dropped
+        if swa_rows:
+            self._compact(live, nodes, keep, recorder, run.forward_passes - passes_before, out_before, positions)
+
+    def _compact(self, live, nodes, keep, recorder, steps_run: int, out_before, positions) -> None:
+        """After a phase: compact the KV of its SWA branches that hold more than they keep (ALISA's
+        selection from the attention weights of the phase's last recorded steps; see :mod:`~treegen.runtime.swa`).
+        ``keep[j]``: row j's keep ratio (None: exact); ``positions[j]``: its position at the phase's
+        first step; ``out_before[j]``: its generated tokens then."""
+        run, kv = self.run, self.kv
+        started = time.perf_counter()
+        todo = [j for j, (n, r) in enumerate(zip(nodes, keep)) if r is not None and n in kv.segments
+                and swa.kept_count(r, kv.segments[n].tokens) < kv.segments[n].computed]
+        if not todo:
+            return
+        column = {j: c for c, j in enumerate(j for j, r in enumerate(keep) if r is not None)}
+        importance: dict[int, torch.Tensor] = {}
+        asked, queries, at = [], [], []
+        for j in list(todo):
+            if recorder is None:  # attention "none" (a benchmark ceiling): the recent tokens only
+                importance[j] = torch.zeros(kv.segments[nodes[j]].computed, device=kv.device)
+                continue
+            ring, taken = recorder.steps(steps_run, len(self.out[live[j]]) - out_before[j])
+            if not ring:  # it finished before the ring's steps: compacted when it decodes again, if ever
+                todo.remove(j)
+                continue
+            asked.append(j)
+            queries.append(recorder.q[:, ring, column[j]])
+            at.append([positions[j] + t for t in taken])
+        if asked:
+            weights = swa.own_attention(kv, self.tree, self.model, [nodes[j] for j in asked], queries, at)
+            importance.update(zip(asked, weights))
+        log = run.swa_log
+        for j in todo:
+            n, seg = nodes[j], kv.segments[nodes[j]]
+            kept = swa.alisa_select(importance[j], seg.computed, seg.tokens, keep[j])
+            if log is not None:  # token index of every kept slot (tests, the accuracy script)
+                held = log.get(n, [])
+                held = held[-1][1] if held else []
+                token_of = [held[s] if s < len(held) else seg.dropped + s for s in range(seg.computed)]
+                log.setdefault(n, []).append((seg.tokens, [token_of[s] for s in kept.tolist()]))
+            run.swa_dropped += seg.computed - kept.numel()
+            kv.keep(n, kept)
+        run.swa_compactions += len(todo)
+        run.host_seconds["swa"] += time.perf_counter() - started
 
     def _steps(self, live: list[int], width: int, step, buf, lp_buf, capturing: bool):
         """The steps of a phase without constraints: the host reads the tokens every ``sync_every``
@@ -373,7 +435,9 @@ class Decoder:
         if job.on_tokens is not None:
             job.on_tokens(tuple(out))
         if result is not None:
-            self.run.complete(job, dataclasses.replace(result, logprobs=tuple(self.logprobs[b])))
+            self.run.complete(job, dataclasses.replace(result, logprobs=tuple(self.logprobs[b]),
+                                                       kv_keep=job.request.params.kv_keep,
+                                                       kv_dropped=self.kv.dropped(job.request.node)))
             return True
         return False
 

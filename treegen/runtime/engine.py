@@ -25,6 +25,7 @@ phase), that token is run again as a query and writes the identical KV into its 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import torch
 from treegen.kernels.kv_quant import kv_format
 from treegen.kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
+from treegen.runtime import swa
 from treegen.runtime.constraint import Grammars
 from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
@@ -65,7 +67,11 @@ class Engine:
     as many as the KV budget holds); more work waits for branches to finish. kv_dtype: how the KV
     cache is stored — None (the model's dtype), ``"int8"`` or ``"fp8"`` (8 bits per value plus an fp32
     scale per token and KV head, :mod:`treegen.kernels.kv_quant`: about half the memory and the
-    attention's reads, so twice the branches fit).
+    attention's reads, so twice the branches fit). kv_keep: sparse window attention for every gen that
+    names no ``kv_keep`` of its own (None, the default: exact attention; a number in (0, 1]: the fraction
+    of a branch's own KV kept, see :mod:`treegen.runtime.swa`); kv_keep_every / kv_keep_history: the
+    steps between its compactions and the steps of queries that rank the tokens (defaults
+    ``swa.DEFAULT_EVERY`` / ``swa.DEFAULT_HISTORY``).
 
     offload: what happens to the KV of idle nodes (no running job reads them: branches that continue
     later, nodes of waiting subtrees) when work does not fit the KV budget (:mod:`treegen.runtime.offload`):
@@ -92,7 +98,9 @@ class Engine:
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
                  max_batch: int | None = None, kv_dtype: str | None = None, offload: str = "auto",
-                 offload_bytes: int | None = None, parallel=None, workers=None) -> None:
+                 offload_bytes: int | None = None, kv_keep: float | None = None,
+                 kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
+                 parallel=None, workers=None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
@@ -119,6 +127,9 @@ class Engine:
         self.offload_bytes = default_host_bytes() if offload_bytes is None else offload_bytes
         OffloadPolicy(self.offload, self.offload_bytes, rates=lambda: None)  # checks both
         self._offload_rates: OffloadRates | None = None
+        self.kv_keep = swa.check_kv_keep(kv_keep, "Engine(kv_keep=...)")
+        self.kv_keep_every = swa.check_period(kv_keep_every, "Engine(kv_keep_every=...)")
+        self.kv_keep_history = swa.check_period(kv_keep_history, "Engine(kv_keep_history=...)")
         self.parallel = parallel
         self.workers = workers  # the tensor-parallel workers this process started (treegen.runtime.workers.Team)
         if workers is not None:
@@ -131,9 +142,24 @@ class Engine:
         self.kv_format = kv_format(kv_dtype, model.dtype, model.device)
         # the Triton kernels take head_dim 64/128/256; others (e.g. 96) run the PyTorch reference, exact but slower
         self.attention_backend = "auto" if model.head_dim in SUPPORTED_HEAD_DIMS else "reference"
+        if self.kv_keep is not None:
+            self.check_swa("Engine(kv_keep=...)")
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 self.kv_format.bytes_per_value, self.kv_format.scale_bytes)
         self._grammars: Grammars | None = None
+
+    def check_swa(self, where: str) -> None:
+        """Raise ValueError when this engine cannot run sparse window attention (``where`` asked for it)."""
+        windows = sorted({w for w in self.model.layer_window if w is not None})
+        if windows:
+            raise ValueError(f"{where}: sparse window attention is not supported on a model with sliding-window "
+                             f"layers (windows {windows}): its compacted KV would sit at the wrong distances "
+                             "for the window's mask")
+        if self.parallel is not None and self.parallel.tp > 1:
+            raise ValueError(f"{where}: sparse window attention is not supported with tensor_parallel > 1 (each "
+                             "rank sees only its heads' attention weights, so the ranks would keep different tokens)")
+        if self.workers is not None:
+            raise ValueError(f"{where}: sparse window attention is not supported with tensor-parallel workers")
 
     @property
     def offload_rates(self) -> OffloadRates:
@@ -286,7 +312,7 @@ class TreeRun:
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                           dtype=m.dtype, device=m.device, fmt=engine.kv_format)
         self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens, engine.max_batch,
-                                   offload=engine.offload_policy())
+                                   offload=engine.offload_policy(), kv_keep_every=engine.kv_keep_every)
         self.decoder = Decoder(self)
         self.forward_passes = 0
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
@@ -295,7 +321,12 @@ class TreeRun:
         self._just_mixed = False  # the last step prefilled new work (see advance)
         # host time by kind (seconds): scheduling, planning phases, capturing their CUDA graphs (which
         # runs the first step), reading sampled tokens, running program code (batch driver)
-        self.host_seconds = {"schedule": 0.0, "plan": 0.0, "capture": 0.0, "accept": 0.0, "programs": 0.0}
+        self.host_seconds = {"schedule": 0.0, "plan": 0.0, "capture": 0.0, "accept": 0.0, "programs": 0.0,
+                             "swa": 0.0}
+        # sparse window attention: compactions run, KV tokens dropped; swa_log (None: off) = {} records
+        # each compaction as node -> [(tokens accounted for, token indices kept), ...]
+        self.swa_compactions = self.swa_dropped = 0
+        self.swa_log: dict | None = None
         self._completed: list[Job] = []
 
     # jobs ----------------------------------------------------------------------------------------
@@ -316,6 +347,11 @@ class TreeRun:
                     raise ValueError(f"a constrained gen ({request.params.constraint}) ends on an EOS token, "
                                      "and this model has none")
                 self.engine.grammars.compile(request.params.constraint)  # once per constraint, before it runs
+            if request.params.kv_keep is None and self.engine.kv_keep is not None:  # the engine's default
+                request = dataclasses.replace(request, params=dataclasses.replace(request.params,
+                                                                                  kv_keep=self.engine.kv_keep))
+            if request.params.kv_keep is not None:
+                self.engine.check_swa(f"gen into node {request.node} with kv_keep={request.params.kv_keep}")
         elif not isinstance(request, ScoreRequest):
             raise TypeError(f"submit expects a GenRequest or ScoreRequest, got {type(request).__name__}")
         job = Job(request, on_done=on_done, on_tokens=on_tokens)
@@ -438,12 +474,25 @@ class TreeRun:
         long (keys not yet written sit at positions after every query, so attention masks them).
         Returns ``(input_ids [T], slots [T], plan)``: a :class:`PassPlan` (one plan per window size
         among the layers); ``plan.query_pos`` holds the positions [T].
+
+        A segment that sparse window attention compacted (``dropped`` tokens, :mod:`treegen.runtime.swa`)
+        holds its kept keys in its first slots: token ``i`` written since goes to slot ``i - dropped``,
+        and the plan gives the segment the *mask* position ``node position + dropped``, so its written
+        keys sit just before the next query and the unwritten tail after it. The queries keep their
+        true positions (``query_pos`` is also their RoPE position; the keys were stored after RoPE at
+        theirs), so only the mask of that one segment moves — which is why sliding-window layers, whose
+        mask compares true distances, are refused with SWA.
         """
         tree, kv, model = self.tree, self.kv, self.model
-        new_len: dict[int, int] = {}
+        new_len: dict[int, int] = {}  # tokens of each node accounted for after this pass
         for n, i in rows:
             new_len[n] = max(new_len.get(n, kv.computed(n)), i + 1)
         segments = sorted({p for n in new_len for p in tree.path(n)})
+        drop = {s: kv.dropped(s) for s in segments}
+        for n, i in rows:
+            if i < drop[n]:
+                raise RuntimeError(f"token {i} of node {n} is among the {drop[n]} whose KV sparse window "
+                                   "attention dropped; it cannot be run again")
         for s in segments:
             if s in kv.offloaded:
                 raise RuntimeError(f"node {s} is read while its KV is on the host (a scheduling bug)")
@@ -451,20 +500,20 @@ class TreeRun:
             if s not in new_len and length != len(tree.tokens(s)):
                 raise RuntimeError(f"node {s} is missing KV for {len(tree.tokens(s)) - length} tokens")
             new_len[s] = length
-            kv.reserve(s, max(length + (grow or {}).get(s, 0), 1))
+            kv.reserve(s, max(length - drop[s] + (grow or {}).get(s, 0), 1))
         index = {s: j for j, s in enumerate(segments)}
         pos = {s: tree.position(s) for s in segments}
         device = model.device
         input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
-        slots = torch.tensor([kv.segments[n].start + i for n, i in rows], dtype=torch.int64, device=device)
+        slots = torch.tensor([kv.segments[n].start + i - drop[n] for n, i in rows], dtype=torch.int64, device=device)
         query_pos = [pos[n] + i for n, i in rows]
         query_pos_buffer = torch.tensor(query_pos, dtype=torch.int64, device=device)  # shared by every window's plan
         layer_window = tuple(model.layer_window)
         plan = PassPlan({window: plan_tree_attention(
             segment_parent=[index.get(tree.parent(s), -1) for s in segments],
             segment_start=[kv.segments[s].start for s in segments],
-            segment_len=[new_len[s] + (grow or {}).get(s, 0) for s in segments],
-            segment_pos=[pos[s] for s in segments],
+            segment_len=[new_len[s] - drop[s] + (grow or {}).get(s, 0) for s in segments],
+            segment_pos=[pos[s] + drop[s] for s in segments],
             query_segment=[index[n] for n, _ in rows],
             query_pos=query_pos,
             query_pos_buffer=query_pos_buffer,
@@ -477,17 +526,21 @@ class TreeRun:
             softcap=model.attn_softcap,
         ) for window in dict.fromkeys(layer_window)}, layer_window)
         for s in new_len:
-            kv.segments[s].computed = max(kv.segments[s].computed, new_len[s])
+            seg = kv.segments[s]
+            seg.computed = max(seg.computed, new_len[s] - drop[s])
         return input_ids, slots, plan
 
-    def attend_fn(self, plan, slots: torch.Tensor):
-        """The per-layer ``attend`` callback: write the new keys/values at ``slots``, then attend."""
+    def attend_fn(self, plan, slots: torch.Tensor, recorder=None):
+        """The per-layer ``attend`` callback: write the new keys/values at ``slots``, then attend.
+        ``recorder``: a :class:`~treegen.runtime.swa.QueryRecorder` keeping the SWA rows' queries."""
         kv, scale = self.kv, self.model.attn_scale
         if self.engine.attention == "none":
             return lambda layer, q, k, v: q  # benchmark ceiling: no KV traffic, no attention
 
         def attend(layer: int, q, k, v):
             kv.wait_layer(layer)  # KV copied back from the host for this step: this layer's copies first
+            if recorder is not None:
+                recorder.record(layer, q)
             if k is not None:  # else the model wrote them already (see cache below)
                 kv.write(layer, slots, k, v)
             k_cache, v_cache, k_scale, v_scale = kv.layer(layer)

@@ -27,11 +27,24 @@ from treegen.kernels.kv_quant import KVFormat, kv_format, quantize_reference
 
 @dataclass
 class Segment:
-    """Slots ``[start, start + capacity)`` of one node; the first ``computed`` hold written KV."""
+    """Slots ``[start, start + capacity)`` of one node; the first ``computed`` hold written KV.
+
+    ``dropped``: tokens of the node whose KV sparse window attention dropped (:mod:`treegen.runtime.swa`;
+    0 otherwise). Such a segment was *compacted*: its first slots hold the kept tokens' KV, in token
+    order, and slot ``j`` past them holds token ``dropped + j``. ``tokens`` (= ``computed + dropped``)
+    of the node's tokens are then accounted for; slot of a token written after the last compaction:
+    ``start + index - dropped``. Attention plans give the segment the position ``node position +
+    dropped``, so its written keys sit just before the next query (see ``TreeRun.plan_rows``)."""
 
     start: int
     capacity: int
     computed: int = 0
+    dropped: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """The node's tokens accounted for: written (``computed`` slots) or dropped."""
+        return self.computed + self.dropped
 
 
 @dataclass
@@ -40,6 +53,7 @@ class HostCopy:
 
     computed: int
     tensors: dict[str, torch.Tensor]
+    dropped: int = 0  # tokens before them whose KV sparse window attention dropped (Segment.dropped)
 
 
 @dataclass
@@ -84,7 +98,7 @@ class KVStore:
         self._free: list[tuple[int, int]] = [(0, initial_slots)]  # (start, length), sorted by start
         self.allocations = self.compactions = 0  # counters: segments placed, pool compactions
         self.offloaded: dict[int, HostCopy] = {}  # nodes whose KV is on the host
-        self.dropped: dict[int, int] = {}  # nodes whose KV was dropped → its tokens (prefilled again when read)
+        self.to_recompute: dict[int, int] = {}  # nodes whose KV offload dropped → its tokens (prefilled again when read)
         self.host_bytes = 0  # KV bytes held on the host
         self.counters = OffloadCounters()
         self._copy_stream = None  # CUDA: the side stream restores run on
@@ -132,8 +146,30 @@ class KVStore:
             scales[layer].index_copy_(0, slots, scale)
 
     def computed(self, node: int) -> int:
+        """Tokens of ``node`` whose KV was computed (held, or dropped by sparse window attention)."""
         seg = self.segments.get(node)
-        return seg.computed if seg else 0
+        return seg.tokens if seg else 0
+
+    def dropped(self, node: int) -> int:
+        """Tokens of ``node`` whose KV sparse window attention dropped (0: a dense segment)."""
+        seg = self.segments.get(node)
+        return seg.dropped if seg else 0
+
+    def keep(self, node: int, kept: torch.Tensor) -> None:
+        """Compact ``node``'s segment to the written slots ``kept`` (offsets in the segment, ascending,
+        int64 on the KV's device): their KV (every layer, scales too) moves to the segment's first
+        ``len(kept)`` slots in that order, the rest of its written KV is dropped and its slots are
+        free for new tokens. One gather and one scatter per pool; the capacity is unchanged."""
+        seg = self.segments[node]
+        n = kept.numel()
+        if n > seg.computed:
+            raise ValueError(f"node {node}: keeping {n} of {seg.computed} written slots")
+        src = kept.to(device=self.device, dtype=torch.int64) + seg.start
+        dst = torch.arange(seg.start, seg.start + n, device=self.device)
+        for pool in (getattr(self, name) for name in self._pools()):
+            pool[:, dst] = pool[:, src]  # (the gather copies first: no overlap hazard; works for float8 too)
+        seg.dropped += seg.computed - n
+        seg.computed = n
 
     def written(self) -> bool:
         """Some node holds written KV (growing the pool then copies it)."""
@@ -161,9 +197,9 @@ class KVStore:
             return seg
         if seg is None and node in self.offloaded:
             raise RuntimeError(f"node {node}'s KV is on the host: restore() it before reading it (a scheduling bug)")
-        if seg is None and node in self.dropped:  # its tokens will be prefilled again
+        if seg is None and node in self.to_recompute:  # its tokens will be prefilled again
             self.counters.nodes_recomputed += 1
-            self.counters.tokens_recomputed += self.dropped.pop(node)
+            self.counters.tokens_recomputed += self.to_recompute.pop(node)
         self.wait_restores()  # a move or compaction below must come after pending restore copies
         if seg is not None:  # the free span right after it, when long enough, lets it grow in place
             end = seg.start + seg.capacity
@@ -184,7 +220,7 @@ class KVStore:
                 src, dst = slice(seg.start, seg.start + seg.computed), slice(start, start + seg.computed)
                 for pool in (getattr(self, name) for name in self._pools()):
                     pool[:, dst] = pool[:, src]
-            new.computed = seg.computed
+            new.computed, new.dropped = seg.computed, seg.dropped
             self._release(seg.start, seg.capacity)
         self.segments[node] = new
         return new
@@ -225,7 +261,7 @@ class KVStore:
         host = self.offloaded.pop(node, None)
         if host is not None:
             self.host_bytes -= host.computed * self.bytes_per_token
-        self.dropped.pop(node, None)
+        self.to_recompute.pop(node, None)
 
     # offload / restore / drop ---------------------------------------------------------------------
     def offload(self, node: int) -> int:
@@ -253,7 +289,7 @@ class KVStore:
         self._end_copy(events, started)
         self.segments.pop(node)
         self._release(seg.start, seg.capacity)
-        self.offloaded[node] = HostCopy(c, tensors)
+        self.offloaded[node] = HostCopy(c, tensors, seg.dropped)
         self.host_bytes += nbytes
         n = self.counters
         n.bytes_offloaded += nbytes
@@ -265,9 +301,13 @@ class KVStore:
     def drop(self, node: int) -> int:
         """Free ``node``'s slots keeping nothing; its tokens are prefilled again when a job reads it.
         Returns the tokens of KV dropped."""
-        seg = self.segments.pop(node)
+        seg = self.segments[node]
+        if seg.dropped:
+            raise RuntimeError(f"node {node}'s KV was compacted by sparse window attention; a prefill cannot make it "
+                               "again (offload it to the host instead)")
+        del self.segments[node]
         self._release(seg.start, seg.capacity)
-        self.dropped[node] = seg.computed
+        self.to_recompute[node] = seg.computed
         self.counters.nodes_dropped += 1
         self.counters.tokens_dropped += seg.computed
         return seg.computed
@@ -284,7 +324,7 @@ class KVStore:
             host = self.offloaded[node]
             start = self._allocate(max(length, host.computed, 1))  # (may compact: moves placed segments too)
             del self.offloaded[node]
-            self.segments[node] = Segment(start, max(length, host.computed, 1), host.computed)
+            self.segments[node] = Segment(start, max(length, host.computed, 1), host.computed, host.dropped)
             placed.append((self.segments[node], host))
         if not placed:
             return 0

@@ -78,12 +78,17 @@ class OffloadPolicy:
     def on(self) -> bool:
         return self.mode != "off"
 
-    def to_host(self, tokens: int, nbytes: int, host_free: int, rates: OffloadRates | None) -> bool | None:
+    def to_host(self, tokens: int, nbytes: int, host_free: int, rates: OffloadRates | None,
+                recomputable: bool = True) -> bool | None:
         """Move an idle node of ``tokens`` computed tokens (``nbytes``) to the host (True), drop it
-        (False), or neither (None: ``"host"`` mode with no room left on the host)."""
+        (False), or neither (None: ``"host"`` mode with no room left on the host, or a node that
+        cannot be recomputed — ``recomputable`` False: sparse window attention compacted it, and a
+        prefill would make its dense KV — with no room on the host or in ``"recompute"`` mode)."""
+        fits = nbytes <= host_free
+        if not recomputable and tokens:
+            return True if fits and self.mode != "recompute" else None
         if self.mode == "recompute" or tokens == 0:
             return False
-        fits = nbytes <= host_free
         if self.mode == "host":
             return True if fits else None
         return fits and rates.transfer_seconds(nbytes) <= rates.recompute_seconds(tokens)

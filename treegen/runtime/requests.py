@@ -32,13 +32,18 @@ class GenResult:
     natural-log probability of each token under the model's distribution (before temperature,
     filtering and a constraint's token mask). ``constraint_met``: None for an unconstrained gen; for
     a constrained one True when the text is a complete match of its constraint, False when it ended
-    (``finish_reason="length"``) before it could be — the text is then an incomplete prefix."""
+    (``finish_reason="length"``) before it could be — the text is then an incomplete prefix.
+    ``kv_keep``: None for exact attention; the keep ratio when the branch was generated with sparse
+    window attention (lossy, :mod:`treegen.runtime.swa`). ``kv_dropped``: tokens of the branch's node whose
+    KV SWA had dropped when it finished."""
 
     tokens: tuple[int, ...]
     text: str
     finish_reason: str  # "eos" | "stop" | "length"
     logprobs: tuple[float, ...] = ()
     constraint_met: bool | None = None
+    kv_keep: float | None = None
+    kv_dropped: int = 0
 
 
 @dataclass(frozen=True)

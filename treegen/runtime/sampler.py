@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from treegen.runtime.constraint import Constraint
+from treegen.runtime.swa import check_kv_keep
 
 _MASK32 = 0xFFFFFFFF
 
@@ -33,6 +34,9 @@ class SamplingParams:
     constraint: what the text must be (a regex, choices, a JSON schema or a grammar, see
     :mod:`treegen.runtime.constraint`); the gen then ends where its constraint is complete (the model
     draws EOS, which the constraint allows only there), so it takes no stop strings and no ignore_eos.
+    kv_keep: not how a token is drawn but how the branch attends — None (exact attention, the default)
+    or the fraction in (0, 1] of the branch's own KV that sparse window attention keeps (lossy; see
+    :mod:`treegen.runtime.swa`).
     """
 
     max_tokens: int = 128
@@ -43,6 +47,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     constraint: Constraint | None = None
+    kv_keep: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.kv_keep is not None:
+            object.__setattr__(self, "kv_keep", check_kv_keep(self.kv_keep))
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise ValueError(f"constraint must be a Constraint or None, got {type(self.constraint).__name__}")

@@ -5,7 +5,7 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
 
 * **admission by memory** — waiting jobs enter in arrival order while the KV they may need (the
   tokens of every path node not yet in memory, and each generating branch's tokens plus
-  ``max_tokens``) fits the budget; their slots are reserved at once, so a run never runs out of KV
+  ``max_tokens``, or with sparse window attention its kept budget plus slack) fits the budget; their slots are reserved at once, so a run never runs out of KV
   memory half way. The rest wait until finished branches free theirs. A job that needs more than the
   whole budget is refused at once; one that cannot fit while nothing runs (the memory is held by
   branches that continue) is refused too, with the sizes, rather than waiting forever.
@@ -37,6 +37,7 @@ from typing import Callable, Iterable
 
 from treegen.runtime.offload import OffloadPolicy
 from treegen.runtime.requests import GenRequest, Job
+from treegen.runtime.swa import DEFAULT_EVERY, reserve_slots
 
 # A decode phase stops for new work once the new jobs plus the branches finished since it began reach
 # this fraction of its size. Replanning costs about ten steps of a 256-branch TinyLlama phase (the
@@ -106,7 +107,7 @@ class Scheduler:
     stays)."""
 
     def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None,
-                 offload: OffloadPolicy | None = None) -> None:
+                 offload: OffloadPolicy | None = None, kv_keep_every: int = DEFAULT_EVERY) -> None:
         self.tree, self.kv, self.budget, self.token_budget = tree, kv, budget, token_budget
         self.max_batch = max_batch
         self.offload = offload or OffloadPolicy()
@@ -114,6 +115,7 @@ class Scheduler:
         self._steps = 0  # next_step calls (the clock of last_used)
         self._reading: list[int] = []  # the live branches' leaves (their paths are not idle)
         self._rates = None  # the policy's rates, once asked
+        self.kv_keep_every = kv_keep_every  # a sparse-window gen's steps between compactions (its slack)
         self.waiting: deque[Job] = deque()
         self.admitted: list[Job] = []  # admitted, rows not run yet
         self.clock = 0  # decode steps run so far (advanced by the engine)
@@ -188,7 +190,7 @@ class Scheduler:
         need = {n: max(len(tree.tokens(n)), 1) for n in self.nodes(job)  # (an empty node is given one slot)
                 if n not in counted and (n not in kv.segments or kv.segments[n].capacity < len(tree.tokens(n)))}
         if isinstance(req, GenRequest):
-            want = len(tree.tokens(req.node)) + req.params.max_tokens
+            want = self.gen_slots(req)
             have = kv.segments[req.node].capacity if req.node in kv.segments else 0
             # a node that must grow may move: its new range is needed whole while the old one is held
             need[req.node] = 0 if have >= want else want
@@ -199,6 +201,12 @@ class Scheduler:
         req = job.request
         ends = [req.node] if isinstance(req, GenRequest) else [req.parent, *req.choices]
         return list(dict.fromkeys(n for end in ends for n in self.tree.path(end)))
+
+    def gen_slots(self, req: GenRequest) -> int:
+        """Slots a gen's node needs: its tokens plus ``max_tokens``; with sparse window attention
+        (``params.kv_keep``) only what it holds at most between compactions (:func:`~treegen.runtime.swa.reserve_slots`)."""
+        return reserve_slots(len(self.tree.tokens(req.node)), req.params.max_tokens, req.params.kv_keep,
+                             self.kv_keep_every)
 
     def _admit(self, step: Step, live: int) -> None:
         budget = self.budget()
@@ -261,12 +269,12 @@ class Scheduler:
         for job, need in taken:
             for node in need:
                 req = job.request
-                grow = req.params.max_tokens if isinstance(req, GenRequest) and node == req.node else 0
-                length = max(len(self.tree.tokens(node)) + grow, 1)
+                gen = isinstance(req, GenRequest) and node == req.node
+                length = max(self.gen_slots(req) if gen else len(self.tree.tokens(node)), 1)
                 if node in self.kv.offloaded:
                     restore[node] = length
                     continue
-                if node in self.kv.dropped:
+                if node in self.kv.to_recompute:
                     step.recomputed.append(node)
                 self.kv.reserve(node, length)
             step.admitted.append(job)
@@ -311,9 +319,10 @@ class Scheduler:
             if freed >= deficit:
                 break
             seg = kv.segments[n]
-            to_host = policy.to_host(seg.computed, seg.computed * per, host_free, self._rates)
+            to_host = policy.to_host(seg.computed, seg.computed * per, host_free, self._rates,
+                                     recomputable=not seg.dropped)
             if to_host is None:
-                continue  # no room on the host, and recomputing is not allowed
+                continue  # no room on the host, and recomputing is not allowed (or not exact)
             plan.append((n, to_host))
             freed += seg.capacity
             host_free -= seg.computed * per if to_host else 0

@@ -21,7 +21,8 @@ from treegen.runtime.sampler import SamplingParams
 MAX_BRANCHES = 4096
 PARAM_TYPES = ("str", "int", "float", "list")
 GEN_ARGS = {"max_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int", "stop": "text",
-            "seed": "int", "regex": "str", "choices": "list", "json_schema": "str", "grammar": "str"}
+            "seed": "int", "regex": "str", "choices": "list", "json_schema": "str", "grammar": "str",
+            "kv_keep": "number"}
 CONSTRAINTS = ("regex", "choices", "json_schema", "grammar")  # at most one per gen
 # reduction -> (argument names in order, required ones)
 REDUCTIONS = {"collect": (("values",), ("values",)), "vote": (("values", "extract"), ("values",)),

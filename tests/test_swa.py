@@ -1,0 +1,333 @@
+"""Sparse window attention (ALISA SWA, :mod:`treegen.runtime.swa`) on a tiny random GQA Llama (CPU).
+
+The ground truth is unfused: every branch's whole token sequence run through the same model with plain
+masked softmax attention, where a query sees a key iff it is causal and not dropped by a compaction
+made before that query ran (from the run's ``swa_log``); the importance that chose the dropped tokens
+is checked against a brute-force softmax over each row's concatenated root-to-leaf keys.
+"""
+
+import copy
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+import treegen
+from treegen.lang.tg import TgError, loads
+from treegen.runtime import swa
+from treegen.runtime.engine import Engine
+from treegen.runtime.loader import load_tokenizer
+from treegen.runtime.requests import GenRequest
+from treegen.runtime.sampler import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return tiny_llama[1]
+
+
+@pytest.fixture(scope="module")
+def model64():
+    """A tiny random GQA Llama with head_dim 64, which the Triton kernels take (2 query / 1 KV heads)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from treegen.runtime.model import LlamaFamilyModel
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
+    return LlamaFamilyModel.from_hf(AutoModelForCausalLM.from_config(cfg).eval())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def _ids(n, seed):
+    return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# --- bad input ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.5, True, "0.3", float("nan")])
+def test_kv_keep_outside_0_1_is_refused_naming_the_value_and_where(model, tokenizer, bad):
+    with pytest.raises(ValueError, match=rf"kv_keep must be a number in \(0, 1\].*got {bad!r}"):
+        SamplingParams(kv_keep=bad)
+    with pytest.raises(ValueError, match=r"gen\('x'\): kv_keep must be a number in \(0, 1\]"):
+        treegen.gen("x", kv_keep=bad)
+    with pytest.raises(ValueError, match=r"Engine\(kv_keep=\.\.\.\) must be a number in \(0, 1\]"):
+        Engine(model, tokenizer, kv_keep=bad)
+    if not isinstance(bad, (bool, str)) and not math.isnan(bad):
+        with pytest.raises(TgError, match=r"gen x: kv_keep must be a number in \(0, 1\]") as e:
+            loads(f'"Q:"\ngen x(max_tokens=4, kv_keep={bad})\n')
+        assert e.value.line == 2
+
+
+def test_swa_periods_are_validated(model, tokenizer):
+    with pytest.raises(ValueError, match=r"Engine\(kv_keep_every=\.\.\.\) must be an integer >= 1, got 0"):
+        Engine(model, tokenizer, kv_keep_every=0)
+    with pytest.raises(ValueError, match=r"Engine\(kv_keep_history=\.\.\.\) must be an integer >= 1"):
+        Engine(model, tokenizer, kv_keep_history=1.5)
+
+
+def test_sliding_window_models_refuse_swa_by_name(model, tokenizer):
+    windowed = copy.copy(model)
+    windowed.layer_window = [6, None]
+    with pytest.raises(ValueError, match=r"Engine\(kv_keep=\.\.\.\): sparse window attention is not supported "
+                                         r"on a model with sliding-window layers \(windows \[6\]\)"):
+        Engine(windowed, tokenizer, kv_keep=0.3)
+    run = Engine(windowed, tokenizer).start()
+    leaf = run.tree.add_node(run.tree.add_node(None, _ids(8, 0)), _ids(3, 1))
+    with pytest.raises(ValueError, match=rf"gen into node {leaf} with kv_keep=0.5: sparse window attention is not "
+                                         "supported on a model with sliding-window layers"):
+        run.submit(GenRequest(leaf, SamplingParams(max_tokens=4, kv_keep=0.5), key=0))
+
+
+# --- selection -----------------------------------------------------------------------------------------
+def _alisa_brute(importance: list[float], written: int, tokens: int, keep: float) -> list[int]:
+    m = min(tokens, max(1, math.ceil(keep * tokens - 1e-9)))
+    if m >= written:
+        return list(range(written))
+    local = (m + 1) // 2
+    earlier = sorted(range(written - local), key=lambda s: (-importance[s], s))[: m - local]
+    return sorted(earlier + list(range(written - local, written)))
+
+
+@pytest.mark.parametrize("written,tokens,keep", [(6, 10, 0.4), (40, 40, 0.3), (37, 101, 0.1), (5, 5, 1.0),
+                                                 (9, 30, 0.3), (3, 3, 0.01)])
+def test_alisa_select_is_algorithm_1(written, tokens, keep):
+    g = torch.Generator().manual_seed(written * 7 + tokens)
+    importance = torch.rand(written, generator=g)
+    importance[::3] = importance[0]  # ties go to the earlier token
+    got = swa.alisa_select(importance, written, tokens, keep).tolist()
+    assert got == _alisa_brute(importance.tolist(), written, tokens, keep)
+    assert swa.alisa_select(torch.tensor([5.0, 1, 9, 2, 0, 3]), 6, 10, 0.4).tolist() == [0, 2, 4, 5]  # the doc's
+
+
+def test_reservations_shrink_with_kv_keep():
+    assert swa.reserve_slots(10, 1000, None, 32) == 1010
+    assert swa.reserve_slots(10, 1000, 0.3, 32) == math.ceil(0.3 * 1010) + 65
+    assert swa.reserve_slots(500, 100, 0.3, 32) == 565  # its prompt is written densely first
+    assert swa.reserve_slots(500, 50, 0.3, 32) == 550  # never more than dense
+    assert swa.reserve_slots(10, 20, 1.0, 32) == 30
+
+
+# --- the weights that rank the tokens ---------------------------------------------------------------------
+def _path_keys(run, node, layer):
+    """(keys [K, Hkv, D] fp32, mask positions [K]) of node's ancestors, then its own written keys."""
+    kv, keys, pos = run.kv, [], []
+    for s in run.tree.path(node):
+        seg = kv.segments[s]
+        keys.append(kv.k[layer, seg.start: seg.start + seg.computed].float())
+        base = run.tree.position(s) + seg.dropped
+        pos += list(range(base, base + seg.computed))
+    return torch.cat(keys), torch.tensor(pos)
+
+
+def _own_weights_brute(run, nodes, queries, positions):
+    """The attention weight of each node's own written keys, summed over layers, heads and steps, from a
+    plain softmax over each row's concatenated root-to-leaf keys (ancestors, and own keys up to its position)."""
+    model, out = run.model, []
+    for n, q, ps in zip(nodes, queries, positions):
+        own = run.kv.segments[n].computed
+        total = torch.zeros(own)
+        for layer in range(model.num_layers):
+            keys, kpos = _path_keys(run, n, layer)
+            group = model.num_heads // model.num_kv_heads
+            keys = keys.repeat_interleave(group, dim=1)  # [K, H, D]
+            for t, p in enumerate(ps):
+                s = torch.einsum("hd,khd->hk", q[layer, t].float(), keys) * model.attn_scale
+                s[:, kpos > p] = float("-inf")
+                total += s.softmax(-1)[:, -own:].sum(0)
+        out.append(total)
+    return out
+
+
+def test_own_attention_is_the_softmax_over_the_whole_path_after_a_compaction(model, tokenizer):
+    run = Engine(model, tokenizer).start()
+    tree = run.tree
+    root = tree.add_node(None, _ids(20, 0))
+    a, b = tree.add_node(root, _ids(15, 1)), tree.add_node(root, _ids(9, 2))
+    run.prefill([a, b])
+    run.kv.keep(a, torch.tensor([1, 4, 5, 12, 13, 14]))  # drops 9 of a's 15
+    tree.extend(a, _ids(3, 3))
+    run.prefill([a])  # written after the compaction: slots 6..8, mask positions just before the queries
+    assert (run.kv.segments[a].computed, run.kv.dropped(a), run.kv.computed(a)) == (9, 9, 18)
+    g = torch.Generator().manual_seed(4)
+    queries = [torch.randn(model.num_layers, 3, model.num_heads, model.head_dim, generator=g) for _ in (a, b)]
+    positions = [[tree.position(a) + i for i in (15, 16, 17)], [tree.position(b) + i for i in (6, 7, 8)]]
+    got = swa.own_attention(run.kv, tree, model, [a, b], queries, positions, chunk=1)
+    want = _own_weights_brute(run, [a, b], queries, positions)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
+    # the last step's own keys: a's third new key is visible only to the last query
+    assert got[0].shape == (9,) and got[1].shape == (9,)
+
+
+def test_keep_moves_the_kept_kv_to_the_front_in_every_layer(model, tokenizer):
+    run = Engine(model, tokenizer, kv_dtype="int8").start()
+    root = run.tree.add_node(None, _ids(5, 0))
+    leaf = run.tree.add_node(root, _ids(12, 1))
+    run.prefill([leaf])
+    kv, seg = run.kv, run.kv.segments[leaf]
+    kept = [0, 3, 7, 10, 11]
+    before = {name: getattr(kv, name)[:, seg.start: seg.start + 12].clone() for name in kv._pools()}
+    root_before = {name: getattr(kv, name)[:, kv.segments[root].start: kv.segments[root].start + 5].clone()
+                   for name in kv._pools()}
+    kv.keep(leaf, torch.tensor(kept))
+    for name in kv._pools():
+        torch.testing.assert_close(getattr(kv, name)[:, seg.start: seg.start + 5], before[name][:, kept])
+        start = kv.segments[root].start
+        torch.testing.assert_close(getattr(kv, name)[:, start: start + 5], root_before[name])
+    assert (seg.computed, seg.dropped, seg.tokens, kv.computed(leaf)) == (5, 7, 12, 12)
+
+
+# --- decoding ----------------------------------------------------------------------------------------------
+def _masked_reference_logits(model, tokens, visible):
+    """Logits of the whole sequence with plain softmax attention under ``visible [T, T]`` (query, key)."""
+    group = model.num_heads // model.num_kv_heads
+
+    def attend(layer, q, k, v):
+        k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+        s = torch.einsum("qhd,khd->hqk", q.float(), k) * model.attn_scale
+        s.masked_fill_(~visible, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+
+    n, device = len(tokens), model.device
+    visible = visible.to(device)
+    return model.forward(torch.tensor(tokens, device=device), torch.arange(n, device=device), attend)
+
+
+def _visible(run, leaf, log):
+    """[T, T] bool over the leaf's root-to-leaf tokens: causal, less the leaf's own tokens dropped by a
+    compaction before the query ran (compaction c ran after the tokens it accounted for, before the next)."""
+    tokens = run.tree.path_tokens(leaf)
+    n, start = len(tokens), run.tree.position(leaf)
+    visible = torch.ones(n, n).tril().bool()
+    for covered, kept in log.get(leaf, []):
+        dropped = [start + i for i in range(covered) if i not in set(kept)]
+        for j in range(start + covered, n):
+            visible[j, dropped] = False
+    return tokens, visible
+
+
+def _run_swa(model, tokenizer, keep, *, backend="reference", every=4, history=3, max_tokens=40, check=None):
+    engine = Engine(model, tokenizer, kv_keep_every=every, kv_keep_history=history)
+    engine.attention_backend = backend
+    run = engine.start()
+    run.swa_log = {}
+    tree = run.tree
+    root = tree.add_node(None, _ids(24, 10))
+    leaves = [tree.add_node(root, _ids(5 + 4 * i, 11 + i)) for i in range(3)]
+    reqs = [GenRequest(leaf, SamplingParams(max_tokens=max_tokens - 7 * i, ignore_eos=True, kv_keep=keep), key=i)
+            for i, leaf in enumerate(leaves)]
+    reqs.append(GenRequest(tree.add_node(root, _ids(6, 20)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           key=9))  # an exact branch beside them, in the same phases
+    results, _ = run.execute(reqs, [])
+    return run, root, [r.node for r in reqs], results
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_swa_decoding_equals_plain_attention_over_the_kept_tokens(model, model64, tokenizer, monkeypatch, backend):
+    """The Triton case runs the kernels in the interpreter (fp32) on a model with head_dim 64. Every generated token's log-probability equals a plain masked-attention forward of the branch's
+    whole sequence that hides exactly the tokens the run's compactions dropped, before each query; and
+    each compaction kept exactly ALISA's choice on brute-force attention weights."""
+    expected = []
+    original = swa.own_attention
+
+    def checked(kv, tree, m, nodes, queries, positions, chunk=32):
+        got = original(kv, tree, m, nodes, queries, positions, chunk)
+        want = _own_weights_brute(run_of["run"], nodes, queries, positions)
+        for n, g_, w_, ps in zip(nodes, got, want, positions):
+            torch.testing.assert_close(g_, w_, atol=1e-4, rtol=1e-4)
+            seg = kv.segments[n]
+            # the queries are the last steps before the compaction: the last one is the newest written key's
+            assert ps == list(range(ps[0], ps[0] + len(ps))) and ps[-1] == tree.position(n) + seg.tokens - 1
+            expected.append((n, _alisa_brute(w_.tolist(), seg.computed, seg.tokens, 0.3)))
+        return got
+
+    run_of = {}
+    monkeypatch.setattr(swa, "own_attention", checked)
+    real_start = Engine.start
+
+    def start(self):
+        run_of["run"] = real_start(self)
+        keep_fn = run_of["run"].kv.keep
+
+        def keep(node, kept):
+            assert (node, kept.tolist()) == expected.pop(0)
+            keep_fn(node, kept)
+
+        run_of["run"].kv.keep = keep
+        return run_of["run"]
+
+    monkeypatch.setattr(Engine, "start", start)
+    if backend == "triton":
+        model = model64
+    run, root, nodes, results = _run_swa(model, tokenizer, 0.3, backend=backend,
+                                         max_tokens=40 if backend == "reference" else 16)
+    assert not expected and run.swa_compactions >= 4 and run.swa_dropped > 0
+    assert len(run.swa_log) >= 2  # (a branch of a few tokens keeps them all)
+    for leaf, result in zip(nodes, results):
+        if result.kv_keep is None:
+            assert leaf not in run.swa_log
+        tokens, visible = _visible(run, leaf, run.swa_log)
+        logits = _masked_reference_logits(run.model, tokens, visible)
+        gen = len(result.tokens)
+        rows = torch.arange(len(tokens) - gen - 1, len(tokens) - 1)
+        want = logits[rows].log_softmax(-1).gather(1, torch.tensor(result.tokens).unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(torch.tensor(result.logprobs), want, atol=2e-4, rtol=0)
+        assert result.tokens == tuple(logits[rows].argmax(-1).tolist())
+    # shared ancestors stay dense
+    assert run.kv.dropped(root) == 0 and run.kv.segments[root].computed == len(run.tree.tokens(root))
+
+
+def test_kv_keep_one_is_exact_and_recorded(model, tokenizer):
+    _, _, _, exact = _run_swa(model, tokenizer, None, max_tokens=24)
+    run, _, _, full = _run_swa(model, tokenizer, 1.0, max_tokens=24)
+    assert [r.tokens for r in full] == [r.tokens for r in exact]
+    assert run.swa_dropped == 0 and [r.kv_keep for r in full] == [1.0, 1.0, 1.0, None]
+    _, _, _, sparse = _run_swa(model, tokenizer, 0.3, max_tokens=24)
+    assert [r.kv_keep for r in sparse] == [0.3, 0.3, 0.3, None] and all(r.kv_dropped > 0 for r in sparse[:2])
+    assert [r.tokens for r in sparse][3] == exact[3].tokens  # the exact branch beside them is untouched
+
+
+@treegen.program
+def _swa_program(s, keep):
+    s += "The quick brown fox jumps over the lazy dog. " * 2
+    b = s.fork(2, content=[" One:", " Two:"])
+    b += treegen.gen("x", max_tokens=16, kv_keep=keep)
+    s.join(b)
+
+
+SWA_TG = '''"The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+fork item in [" One:", " Two:"] {
+    "{item}"
+    gen x(max_tokens=16, kv_keep=0.25)
+}
+join
+'''
+
+
+def _gen_infos(root):
+    """The info of every branch's gen ``x`` (a DSL root state, or a .tg result)."""
+    states = root.state._run.states if hasattr(root, "root") else root._run.states
+    return [st.info["x"] for st in states if "finish_reason" in st.info.get("x", {})]
+
+
+def test_dsl_tg_and_engine_default_reach_the_engine(model, tokenizer):
+    root = _swa_program.run(Engine(model, tokenizer, kv_keep_every=4), 0.25)
+    infos = _gen_infos(root)
+    assert [i["kv_keep"] for i in infos] == [0.25, 0.25] and all(i["kv_dropped"] > 0 for i in infos)
+    # the .tg form of the same program gives the same tokens
+    tg = loads(SWA_TG).run(Engine(model, tokenizer, kv_keep_every=4))
+    assert tg["x"] == root["x"] and [i["kv_keep"] for i in _gen_infos(tg)] == [0.25, 0.25]
+    assert "kv_keep" in str(tg.to_json())  # visible on the program's result
+    # the engine's default applies to gens that name none, and gives the same tokens
+    default = _swa_program.run(Engine(model, tokenizer, kv_keep_every=4, kv_keep=0.25), None)
+    assert default["x"] == root["x"] and [i["kv_keep"] for i in _gen_infos(default)] == [0.25, 0.25]
+    exact = _swa_program.run(Engine(model, tokenizer), None)
+    assert all("kv_keep" not in i for i in _gen_infos(exact)) and exact["x"] != root["x"]

@@ -1,0 +1,213 @@
+"""Sparse window attention (SWA, ALISA Algorithm 1): a branch keeps part of its own KV, lossy, opt-in.
+
+``gen(..., kv_keep=r)`` (or ``Engine(kv_keep=r)`` for every gen that names none) keeps, of the KV of the
+branch's own tokens — the tokens of its leaf node, whose segment no other branch reads — a fraction ``r``:
+
+* the most recent tokens (*locally static*), and
+* the earlier tokens with the largest attention weight summed over the last few decode steps
+  (*globally dynamic*);
+
+the rest of that KV is dropped for good. Shared nodes (the ancestors, read by many branches) stay dense.
+Exact attention stays the default; a result generated with SWA says so (``GenResult.kv_keep``,
+``state.info[name]["kv_keep"]``).
+
+How it runs (the choices, and why):
+
+* **Compaction, no kernel change.** A node's KV is one contiguous slot range (:mod:`~treegen.runtime.kv_store`)
+  read by every layer. Dropping tokens moves the kept ones to the front of the leaf's range (one gather /
+  scatter over all layers, :meth:`KVStore.keep`) and frees its tail for new tokens, so the tree kernels
+  read the kept tokens as one dense block and the step stays regular — what the paper does with its
+  gathered "sparse KV tensors". The attention mask compares positions, so a compacted segment is planned
+  at the *mask* position ``node position + dropped`` (its written keys sit just before the next query,
+  its unwritten tail after it) while the queries keep their true RoPE positions
+  (:meth:`~treegen.runtime.engine.TreeRun.plan_rows`). Sliding-window layers compare true distances, so
+  SWA is refused on models that have them.
+* **One kept set for all layers.** ALISA selects per layer; with one slot range per node shared by all
+  layers, a per-layer choice would need a per-layer index table in every kernel. The importance of a
+  token is therefore its attention weight summed over steps, heads *and layers*.
+* **Exact attention weights, cheaply.** The kernels return no probabilities. During a decode phase the
+  SWA rows' queries (after RoPE) are recorded per layer in a ring buffer of the last ``history`` steps
+  (static device tensors, so CUDA graphs capture it). When the phase ends, each recorded query's weights
+  over the branch's own keys are computed in PyTorch, normalised over *everything the row saw* (its
+  ancestors too: the LSE comes from the reference tree attention over the same plan), which is the
+  paper's softmax over the whole (sparse) context.
+* **Every ``every`` steps.** A phase with an SWA branch runs at most ``every`` steps (its CUDA graph is
+  planned with fixed segment lengths), then compacts. A branch's segment thus holds at most its kept
+  budget plus ``every`` (+ the few tokens of steps that prefill other work), which is what the scheduler
+  reserves for it (:func:`reserve_slots`) instead of its whole length: more branches fit a KV budget.
+
+The selection (:func:`alisa_select`): a branch with ``n`` own tokens accounted for keeps
+``m = ceil(r * n)`` of them (at least one): the ``ceil(m / 2)`` most recent and the ``floor(m / 2)``
+earlier ones of largest importance (ties: the earlier token). This is Algorithm 1's even split of
+``2k = n r`` tokens, rounded so that ``r = 1`` keeps everything (and is then exact). Dropped tokens
+never come back; every compaction chooses again among the tokens still held.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from treegen.kernels.tree_attention import _gather, plan_tree_attention, tree_attention_reference
+
+# steps between compactions (the slack a branch holds above its kept budget); also the longest phase
+DEFAULT_EVERY = 32
+# decode steps whose queries' attention weights rank the earlier tokens (ALISA's "last few steps")
+DEFAULT_HISTORY = 8
+
+
+def check_kv_keep(value, where: str = "kv_keep") -> float | None:
+    """``value`` if it is None or a number in (0, 1], else ValueError naming it and ``where``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{where} must be a number in (0, 1] (the fraction of a branch's own KV that sparse "
+                         f"window attention keeps; None: exact attention), got {value!r}")
+    return float(value)
+
+
+def check_period(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def kept_count(keep: float, tokens: int) -> int:
+    """Tokens a branch with ``tokens`` own tokens keeps at ratio ``keep``: ``ceil(keep * tokens)``, at
+    least 1 (and at most ``tokens``). E.g. keep 0.3 of 10 → 3, of 1 → 1; keep 1.0 → all."""
+    if tokens <= 0:
+        return 0
+    return min(tokens, max(1, math.ceil(keep * tokens - 1e-9)))
+
+
+def reserve_slots(prompt_tokens: int, max_tokens: int, keep: float | None, every: int) -> int:
+    """KV slots a gen into a leaf holding ``prompt_tokens`` reserves for its node: all its tokens
+    (``prompt_tokens + max_tokens``) when exact; with SWA at most what it ever holds — its prompt (written
+    densely before the first compaction) or its kept budget at full length, plus two periods of slack
+    (a phase's steps, and the steps that prefill other work between phases)."""
+    total = prompt_tokens + max_tokens
+    if keep is None:
+        return total
+    return min(total, max(prompt_tokens, kept_count(keep, total)) + 2 * every + 1)
+
+
+def alisa_select(importance: Tensor, written: int, tokens: int, keep: float) -> Tensor:
+    """ALISA Algorithm 1 over a segment's ``written`` slots (token order; ``tokens`` of the node's
+    tokens accounted for, dropped ones included): the slot offsets to keep, ascending, int64.
+
+    ``importance [written]``: each slot's attention weight summed over recent steps (and heads, layers).
+    Keeps ``m = kept_count(keep, tokens)``: the ``ceil(m/2)`` last slots (the most recent tokens) and
+    the ``floor(m/2)`` earlier slots of largest importance, ties to the earlier slot. ``m >= written``:
+    every slot. E.g. importance ``[5, 1, 9, 2, 0, 3]``, 6 of 10 tokens, keep 0.4 → m 4: slots 4, 5
+    (recent) and 2, 0 → ``[0, 2, 4, 5]``."""
+    device = importance.device
+    m = kept_count(keep, tokens)
+    if m >= written:
+        return torch.arange(written, device=device)
+    local = (m + 1) // 2
+    earlier = importance[: written - local].float()
+    order = torch.sort(-earlier, stable=True).indices[: m - local]
+    recent = torch.arange(written - local, written, device=device)
+    return torch.sort(torch.cat([order.to(device), recent])).values
+
+
+class QueryRecorder:
+    """The last ``history`` steps' queries of a decode phase's SWA rows, per layer, in a ring buffer.
+
+    ``rows [S]``: the SWA rows among the phase's rows. ``q [layers, history, S, heads, head_dim]`` (the
+    model's dtype); step ``t`` of the phase is at ``t % history``. Everything is a static device tensor
+    advanced in place (``slot``), so the phase's CUDA graph captures :meth:`record` and :meth:`advance`.
+    """
+
+    def __init__(self, *, num_layers: int, rows: list[int], history: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.history = history
+        self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.q = torch.zeros(num_layers, history, len(rows), num_heads, head_dim, dtype=dtype, device=device)
+        self.slot = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def record(self, layer: int, q: Tensor) -> None:
+        """Store this step's queries ``q [T, heads, head_dim]`` (all the pass's rows) of the SWA rows."""
+        self.q[layer].index_copy_(0, self.slot, q.index_select(0, self.rows).unsqueeze(0))
+
+    def advance(self) -> None:
+        self.slot.add_(1).remainder_(self.history)
+
+    def steps(self, steps_run: int, valid: int) -> tuple[list[int], list[int]]:
+        """``(ring entries, step indices)`` of a row's last ``history`` steps among the phase's
+        ``steps_run``, when only its first ``valid`` steps count (a branch that finished part way ran
+        garbage rows afterwards), in step order. The ring holds the phase's last ``history`` steps, so a
+        row that finished earlier has fewer."""
+        end = min(steps_run, valid)
+        taken = list(range(max(0, end - self.history, steps_run - self.history), end))
+        return [t % self.history for t in taken], taken
+
+
+def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], positions: list[list[int]],
+                  chunk: int = 32) -> list[Tensor]:
+    """Each node's importance: the attention weight of its written keys, summed over the given queries,
+    heads and layers — ALISA's "local attention sum".
+
+    ``queries[b] [layers, T_b, heads, head_dim]`` (after RoPE, as the model gave them to ``attend``) at
+    true positions ``positions[b] [T_b]`` were rows of node ``nodes[b]``; each sees what its row saw: the
+    node's ancestors and its own written keys up to its position (in the segment's mask positions, see
+    :meth:`~treegen.runtime.engine.TreeRun.plan_rows`). Weights are softmax-normalised over all of it
+    (the LSE from :func:`~treegen.kernels.tree_attention.tree_attention_reference` over the same plan).
+    Returns fp32 ``[written slots of the node]`` per node. Batched over ``chunk`` nodes at a time."""
+    out: list[Tensor] = []
+    for begin in range(0, len(nodes), chunk):
+        out += _own_attention(kv, tree, model, nodes[begin:begin + chunk], queries[begin:begin + chunk],
+                              positions[begin:begin + chunk])
+    return out
+
+
+def _own_attention(kv, tree, model, nodes, queries, positions) -> list[Tensor]:
+    device = kv.device
+    segs = sorted({p for n in nodes for p in tree.path(n)})
+    index = {s: j for j, s in enumerate(segs)}
+    seg_pos = {s: tree.position(s) + kv.segments[s].dropped for s in segs}  # mask positions
+    query_segment = [index[n] for n, pos in zip(nodes, positions) for _ in pos]
+    query_pos = [p for pos in positions for p in pos]
+    plan = plan_tree_attention(
+        segment_parent=[index.get(tree.parent(s), -1) for s in segs],
+        segment_start=[kv.segments[s].start for s in segs],
+        segment_len=[kv.segments[s].computed for s in segs],
+        segment_pos=[seg_pos[s] for s in segs],
+        query_segment=query_segment, query_pos=query_pos, device=device, backend="reference",
+        softcap=model.attn_softcap)
+    written = [kv.segments[n].computed for n in nodes]
+    width, steps = max(written), max(len(p) for p in positions)
+    num_b = len(nodes)
+    num_kv, head_dim = kv.num_kv_heads, kv.head_dim
+    own_slots = torch.zeros(num_b, width, dtype=torch.int64)
+    own_pos = torch.full((num_b, width), torch.iinfo(torch.int64).max, dtype=torch.int64)
+    qpos = torch.full((num_b, steps), -1, dtype=torch.int64)  # padding rows see no key
+    where = torch.zeros(num_b, steps, dtype=torch.int64)  # each (node, step)'s row in the plan (padding: 0)
+    at = 0
+    for b, (n, w, pos) in enumerate(zip(nodes, written, positions)):
+        start = kv.segments[n].start
+        own_slots[b, :w] = torch.arange(start, start + w)
+        own_pos[b, :w] = torch.arange(seg_pos[n], seg_pos[n] + w)
+        qpos[b, : len(pos)] = torch.tensor(pos)
+        where[b, : len(pos)] = torch.arange(at, at + len(pos))
+        at += len(pos)
+    own_slots, own_pos, qpos, where = (t.to(device) for t in (own_slots, own_pos, qpos, where))
+    hidden = own_pos.unsqueeze(1) > qpos.unsqueeze(2)  # [B, T, W]
+    total = torch.zeros(num_b, width, dtype=torch.float32, device=device)
+    scale, softcap = model.attn_scale, model.attn_softcap
+    for layer in range(kv.num_layers):
+        q_rows = torch.cat([q[layer] for q in queries])  # [R, heads, D]
+        k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
+        _, lse = tree_attention_reference(q_rows, k_cache, v_cache, plan, scale, k_scale, v_scale, return_lse=True)
+        q_pad = q_rows.float().index_select(0, where.reshape(-1)).view(num_b, steps, num_kv, -1, head_dim)
+        lse_pad = lse.index_select(0, where.reshape(-1)).view(num_b, steps, num_kv, -1)
+        k_own = _gather(k_cache, k_scale, own_slots.reshape(-1)).view(num_b, width, num_kv, head_dim)
+        s = torch.einsum("bthgd,bwhd->bthgw", q_pad, k_own) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s - lse_pad.unsqueeze(-1)
+        s.masked_fill_(hidden[:, :, None, None, :], float("-inf"))
+        total += s.exp_().sum(dim=(1, 2, 3))
+    return [total[b, :w] for b, w in enumerate(written)]
