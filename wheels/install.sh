@@ -4,11 +4,12 @@
 #   sh wheels/install.sh            (PYTHON=python3.12 sh wheels/install.sh for another interpreter)
 # The wheels are not committed (git ignores wheels/*.whl); fetch them on a machine with the registry:
 #   pip download --only-binary=:all: --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 -d wheels \
-#       xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+#       xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection lark
 set -e
 cd "$(dirname "$0")"
 PY=${PYTHON:-python}
 $PY -c "import pydantic, sys; sys.exit(not pydantic.VERSION.startswith('2'))" 2>/dev/null ||
     $PY -m pip install -q --no-deps pydantic-*.whl pydantic_core-*.whl annotated_types-*.whl typing_inspection-*.whl
 $PY -c "import xgrammar" 2>/dev/null || $PY -m pip install -q --no-deps xgrammar-*.whl apache_tvm_ffi-*.whl
+$PY -c "import lark" 2>/dev/null || $PY -m pip install -q --no-deps lark-*.whl  # the .tg parser (tests import it)
 $PY -c "import importlib.metadata, xgrammar; print('xgrammar', importlib.metadata.version('xgrammar'))"
