@@ -331,3 +331,22 @@ def test_dsl_tg_and_engine_default_reach_the_engine(model, tokenizer):
     assert default["x"] == root["x"] and [i["kv_keep"] for i in _gen_infos(default)] == [0.25, 0.25]
     exact = _swa_program.run(Engine(model, tokenizer), None)
     assert all("kv_keep" not in i for i in _gen_infos(exact)) and exact["x"] != root["x"]
+
+
+def test_cli_run_passes_kv_keep_and_refuses_bad_values(capsys, monkeypatch, model, tokenizer):
+    from test_tg_cli import EXAMPLES, run_cli
+
+    seen = {}
+
+    def load(cls, model_name=None, **kw):
+        seen.update(kw)
+        return Engine(model, tokenizer, kv_keep=kw.get("kv_keep"))
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    code, _, _ = run_cli(capsys, "run", EXAMPLES / "two_level.tg", "--var", "n=2", "--var", "max_tokens=2",
+                         "--kv-keep", "0.3", "--no-progress")
+    assert code == 0 and seen["kv_keep"] == 0.3
+    with pytest.raises(SystemExit) as e:  # argparse: a usage error
+        run_cli(capsys, "run", EXAMPLES / "two_level.tg", "--kv-keep", "1.5", "--no-progress")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--kv-keep must be a number in (0, 1]" in err and "got 1.5" in err

@@ -85,9 +85,22 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--implementation", choices=["auto", "fast", "generic"], default="auto",
                    help="which forward runs the model: auto (treegen's fast forward where it runs the model, else "
                         "the generic path: transformers' own modules with tree attention), fast or generic")
+    r.add_argument("--kv-keep", type=_kv_keep, default=None, metavar="R",
+                   help="sparse window attention (lossy) for every gen that names no kv_keep: each branch keeps "
+                        "this fraction in (0, 1] of its own KV, its recent tokens and those it attended to most "
+                        "(default: exact attention)")
     r.add_argument("--no-progress", action="store_true", help="no progress display")
     r.set_defaults(func=cmd_run)
     return p
+
+
+def _kv_keep(text: str) -> float:
+    from treegen.runtime.swa import check_kv_keep
+
+    try:
+        return check_kv_keep(float(text), "--kv-keep")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e) if "must be" in str(e) else f"--kv-keep must be a number, got {text!r}")
 
 
 def _version() -> str:
@@ -184,7 +197,7 @@ def cmd_run(args) -> int:
         _quiet_transformers()
         return Engine.load(args.model, dtype=dtype, device=args.device, tensor_parallel=args.tp,
                            data_parallel=args.dp, implementation=args.implementation,
-                           kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
+                           kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype, kv_keep=args.kv_keep)
 
     if batch is not None:
         return _run_batch(args, prog, *batch, load, watch, out, err)

@@ -599,7 +599,7 @@ class State:
             mine = run._nodes_of.get(self.program, set())
             gone = {n for n in gone if n in mine and run._users.get(n, 1) <= 1}
             kv = run.tree_run.kv
-            freed = sum(kv.computed(n) for n in gone) * kv.bytes_per_token
+            freed = sum(kv.segments[n].computed for n in gone if n in kv.segments) * kv.bytes_per_token  # held KV
             for n in gone:
                 kv.free(n)
                 tree.graph.nodes[n]["pruned"] = True
