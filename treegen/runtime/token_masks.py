@@ -4,8 +4,8 @@ Each constrained branch has its own xgrammar matcher (made from the compiled gra
 branches with the same constraint share, :class:`~treegen.runtime.constraint.Grammars`). After the
 host accepts a branch's token it advances the matcher; before the branch's next token is sampled its
 row of a bitmask ``[rows, ceil(vocab / 32)] int32`` is filled from the matcher (all of a batch's
-rows at once, on xgrammar's thread pool) and :func:`apply_bitmask` sets the logits of the tokens it
-forbids to ``-inf``. Rows of unconstrained or finished branches are all ones (nothing forbidden), so
+rows at once, on xgrammar's threads: half the usable CPUs, at most 8) and :func:`apply_bitmask`
+sets the logits of the tokens it forbids to ``-inf``. Rows of unconstrained or finished branches are all ones (nothing forbidden), so
 one bitmask serves a mixed batch and its shape never changes during a decode phase.
 """
 
@@ -96,8 +96,8 @@ class TokenMasks:
     @staticmethod
     def handles(matchers: list) -> list:
         """xgrammar's own objects behind ``matchers``, for :meth:`fill_rows` and :meth:`accept_matchers`
-        (its Python wrappers rebuild this list and read results back one item at a time: at 1,024
-        branches ~2 ms of a ~0.5 ms accept)."""
+        (its Python wrappers rebuild this list per call and read results back one item at a time,
+        which at 1,024 branches costs about three times the accept itself)."""
         return [m._handle for m in matchers]
 
     def fill_rows(self, bitmask: torch.Tensor, handles: list, rows: list[int]) -> None:
@@ -136,8 +136,8 @@ def usable_cpus() -> int:
 
 
 def fill_threads() -> int:
-    """Threads for filling masks and accepting tokens: half the usable CPUs (the rest run Python, the model's launches and
-    torch), at most 8 (a 1,024-row fill is ~1 ms on 4); ``TREEGEN_MASK_THREADS`` overrides."""
+    """Threads for filling masks and accepting tokens: half the usable CPUs (the rest run Python, the
+    model's launches and torch), at most 8; ``TREEGEN_MASK_THREADS`` overrides."""
     given = os.environ.get("TREEGEN_MASK_THREADS")
     if given:
         return max(1, int(given))
