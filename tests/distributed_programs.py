@@ -65,6 +65,20 @@ def die_in_replica(s, k, die):
     s += treegen.gen("y", max_tokens=4)
 
 
+def _cannot_load():
+    raise ImportError("this body cannot be rebuilt in another process")
+
+
+class Unloadable:
+    """A program body that pickles here but cannot be unpickled in a replica process."""
+
+    def __call__(self, s) -> None:
+        s += "Hello"
+
+    def __reduce__(self):
+        return _cannot_load, ()
+
+
 def workload(engine, on_tokens=None) -> dict:
     """What the tests compare: a self-consistency run (sampled and greedy) and a two-level batch."""
     sc = self_consistency.run(engine, 3, seed=7, on_tokens=on_tokens)

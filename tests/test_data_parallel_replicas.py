@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import treegen
-from distributed_programs import PROBLEMS, die_in_replica, problem, refuse, workload
+from distributed_programs import PROBLEMS, Unloadable, die_in_replica, problem, refuse, workload
 from test_distributed import checkpoint, one_process  # noqa: F401 - the shared fixtures
 from treegen.lang.batch import BatchInterrupted, ProgramError
 from treegen.lang.dsl import run_batch
@@ -103,6 +103,8 @@ def test_a_program_that_does_not_pickle_is_refused_before_anything_runs(replicat
     prefix = "shared"
     with pytest.raises(TypeError, match="must pickle"):
         run_batch(replicated, [lambda s: s.__iadd__(prefix)])  # (a closure)
+    with pytest.raises(TypeError, match="(?s)could not rebuild its share.*ImportError: this body cannot be rebuilt"):
+        run_batch(replicated, [Unloadable(), Unloadable()])  # (refused by the replicas, before anything ran)
     assert problem.run_batch(replicated, PROBLEMS[:2], seed=3)  # nothing ran; the engine goes on
 
 

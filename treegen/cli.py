@@ -371,9 +371,10 @@ def _run_batch(args, prog, inputs: list[dict], lines: list[int], load, watch, ou
                           style="red", markup=False, highlight=False)
             else:
                 out.print(result_view(r, args.max_children))
-        trees = [r.state.tree for r in results.values()]
-        tokens = sum(len(d["tokens"]) for _, d in trees[0].graph.nodes(data=True)) if trees else 0
-        err.print(f"[dim]{total} programs ran in {seconds:.1f} s as one workload · {tokens} tokens in the tree"
+        trees = list({id(r.state.tree): r.state.tree for r in results.values()}.values())
+        tokens = sum(len(d["tokens"]) for tree in trees for _, d in tree.graph.nodes(data=True))
+        where = "the tree" if len(trees) <= 1 else "the programs' trees (data-parallel replicas)"
+        err.print(f"[dim]{total} programs ran in {seconds:.1f} s as one workload · {tokens} tokens in {where}"
                   + (f" · wrote {args.json}" if sink is not None and sink.error is None else "") + "[/]",
                   highlight=False)
     status = EXIT_OK

@@ -103,6 +103,7 @@ class Replicas:
         self.failure: str | None = None
         self.closed = False
         self.descriptions: list[str] = [""] * len(processes)
+        self._tasks = 0  # tasks sent so far: replies name theirs, so a late one of a cancelled task is ignored
         atexit.register(self.close)
 
     @property
@@ -157,20 +158,27 @@ class Replicas:
         if len(shares) != self.count:
             raise ValueError(f"{len(shares)} shares for {self.count} replicas")
         blobs = [ship((fn, share)) for share in shares]  # raises before anything is sent
+        self._tasks += 1
+        task = self._tasks
         for d, blob in enumerate(blobs):
-            self._send(d, ("task", blob))
+            self._send(d, ("task", task, blob))
         dead: dict[int, float] = {}
         waiting, refused = set(range(self.count)), {}
-        while waiting:
-            message = self._next(dead)
-            kind, d = message[0], message[1]
-            if kind in ("accepted", "refused"):
-                waiting.discard(d)
-                if kind == "refused":
-                    refused[d] = message[2]
-            elif kind == "failed":
-                self._fail(f"data-parallel replica {d} failed: {message[2]}")
-                raise WorkerError(self.failure)
+        try:
+            while waiting:
+                message = self._next(dead)
+                kind, d = message[0], message[1]
+                if kind in ("accepted", "refused") and message[2] == task:
+                    waiting.discard(d)
+                    if kind == "refused":
+                        refused[d] = message[3]
+                elif kind == "failed":
+                    self._fail(f"data-parallel replica {d} failed: {message[2]}")
+                    raise WorkerError(self.failure)
+        except KeyboardInterrupt:
+            for d in range(self.count):
+                self._send(d, ("cancel",))
+            raise
         if refused:
             for d in range(self.count):
                 self._send(d, ("cancel",))
@@ -223,6 +231,8 @@ class Replicas:
                 running.discard(d)
                 failure = failure or f"data-parallel replica {d} failed: {message[2]}"
                 stop()
+            elif kind in ("accepted", "refused"):
+                pass  # (a late reply to a task cancelled by an interrupt)
             else:
                 failure = failure or f"data-parallel replica {d} sent {kind!r} while running (a bug)"
                 stop()
@@ -381,24 +391,27 @@ def _replica_main(d, model, dtype, device, implementation, tensor_parallel, opti
             raise RuntimeError(f"injected failure in data-parallel replica {d} ({FAULT_ENV})")
         outbox.put(("event", d, payload))
 
+    requeued = None  # a task that came while this replica waited for the go of a cancelled one
     try:
         while True:
-            message = local.get()
+            message, requeued = requeued or local.get(), None
             if message[0] == "exit":
                 break
             if message[0] != "task":
                 continue  # (a stop or cancel that came after its task ended)
             try:
-                fn, share = pickle.loads(message[1])
+                fn, share = pickle.loads(message[2])
             except BaseException as e:  # noqa: BLE001 - the share cannot be rebuilt here: refused, nothing ran
-                outbox.put(("refused", d, f"{type(e).__name__}: {e}"))
+                outbox.put(("refused", d, message[1], f"{type(e).__name__}: {e}"))
                 continue
-            outbox.put(("accepted", d))
+            outbox.put(("accepted", d, message[1]))
             go = local.get()
             while go[0] == "stop":
                 go = local.get()
             if go[0] == "exit":
                 break
+            if go[0] == "task":
+                requeued = go
             if go[0] != "go":
                 continue
             stopping.clear()
@@ -407,11 +420,17 @@ def _replica_main(d, model, dtype, device, implementation, tensor_parallel, opti
             try:
                 result = fn(engine, emit, *share)
                 running.clear()
-                outbox.put(("done", d, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)))
+            except KeyboardInterrupt:  # a stop that came as the task ended: it stopped all the same
+                running.clear()
+                if not stopping.is_set():
+                    outbox.put(("failed", d, traceback.format_exc()))
+                    break
+                result = "interrupted"
             except BaseException:  # noqa: BLE001 - the leader stops the others and fails the call
                 running.clear()
                 outbox.put(("failed", d, traceback.format_exc()))
                 break
+            outbox.put(("done", d, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)))
     finally:
         try:
             engine.close()
@@ -427,7 +446,6 @@ def _replica_main(d, model, dtype, device, implementation, tensor_parallel, opti
 def _read(inbox, local: queue.Queue, stopping: threading.Event, running: threading.Event) -> None:
     """The replica's queue reader: a ``stop`` interrupts the running task at once; exits the process
     when the leader is gone."""
-    import _thread
     import multiprocessing
 
     while True:
@@ -440,8 +458,8 @@ def _read(inbox, local: queue.Queue, stopping: threading.Event, running: threadi
             continue
         if message[0] in ("stop", "exit"):
             stopping.set()
-            if running.is_set():
-                _thread.interrupt_main(signal.SIGINT)
+            if running.is_set():  # a real signal: it also wakes a main thread blocked in a wait
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         local.put(message)
 
 
