@@ -133,9 +133,10 @@ def _own_weights_brute(run, nodes, queries, positions):
     model, out = run.model, []
     for n, q, ps in zip(nodes, queries, positions):
         own = run.kv.segments[n].computed
-        total = torch.zeros(own)
+        total = torch.zeros(own, device=run.kv.k.device)
         for layer in range(model.num_layers):
             keys, kpos = _path_keys(run, n, layer)
+            kpos = kpos.to(keys.device)
             group = model.num_heads // model.num_kv_heads
             keys = keys.repeat_interleave(group, dim=1)  # [K, H, D]
             for t, p in enumerate(ps):
