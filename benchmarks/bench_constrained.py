@@ -1,4 +1,4 @@
-"""Constrained decoding throughput on one GPU against unconstrained sampling, in one run; and (``--host-only``)
+r"""Constrained decoding throughput on one GPU against unconstrained sampling, in one run; and (``--host-only``)
 the host's time per constrained step by part, on the CPU.
 
 Random weights of a real model shape (speed does not depend on the weights), bf16, one shared prompt
