@@ -373,8 +373,8 @@ def _run_batch(args, prog, inputs: list[dict], lines: list[int], load, watch, ou
                 out.print(result_view(r, args.max_children))
         trees = list({id(r.state.tree): r.state.tree for r in results.values()}.values())
         tokens = sum(len(d["tokens"]) for tree in trees for _, d in tree.graph.nodes(data=True))
-        where = "the tree" if len(trees) <= 1 else "the programs' trees (data-parallel replicas)"
-        err.print(f"[dim]{total} programs ran in {seconds:.1f} s as one workload · {tokens} tokens in {where}"
+        held_in = "the tree" if len(trees) <= 1 else "the programs' trees (data-parallel replicas)"
+        err.print(f"[dim]{total} programs ran in {seconds:.1f} s as one workload · {tokens} tokens in {held_in}"
                   + (f" · wrote {args.json}" if sink is not None and sink.error is None else "") + "[/]",
                   highlight=False)
     status = EXIT_OK
