@@ -38,9 +38,16 @@ sharply already at 20% sparsity. A 135M model is far less sparse in its attentio
 larger models are sparser), so larger increases are expected here; the comparison that transfers is SWA
 against the window baseline at the same ratio.
 
-    HF_HUB_OFFLINE=1 python benchmarks/swa_accuracy.py          # CPU, fp32 (~15 min on 2 cores)
-    options: --ratios 0.1 0.3  --text-seqs 2 --text-tokens 1024  --gen-seqs 4 --gen-tokens 384
-             --greedy-tokens 256  --every 32 --history 8  --out PATH  --no-plot
+The committed ``results/alisa_swa_accuracy_cpu.json`` (and ``.png``) came from (38 min on 2 shared cores):
+
+    HF_HUB_OFFLINE=1 python benchmarks/swa_accuracy.py --threads 1 --text-seqs 3 --gen-seqs 3 \
+        --gen-tokens 320 --text-tokens 325 --greedy-tokens 192
+    options: --ratios 0.1 0.3  --every 32 --history 8  --device cuda --dtype bfloat16  --out PATH  --no-plot
+
+Every sequence (text and generation) steps together in one tree run, so ``--text-tokens`` must be
+``--sink + 1 + --gen-tokens``. Between compactions a branch holds up to ``--every`` tokens more than its
+budget, so with sequences this short the held fraction (``mean_held_fraction``) is well above the keep
+ratio (0.45 at keep 0.3); on long generations it approaches it.
 """
 
 from __future__ import annotations

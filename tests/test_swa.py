@@ -233,9 +233,10 @@ def _run_swa(model, tokenizer, keep, *, backend="reference", every=4, history=3,
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_swa_decoding_equals_plain_attention_over_the_kept_tokens(model, model64, tokenizer, monkeypatch, backend):
-    """The Triton case runs the kernels in the interpreter (fp32) on a model with head_dim 64. Every generated token's log-probability equals a plain masked-attention forward of the branch's
+    """Every generated token's log-probability equals a plain masked-attention forward of the branch's
     whole sequence that hides exactly the tokens the run's compactions dropped, before each query; and
-    each compaction kept exactly ALISA's choice on brute-force attention weights."""
+    each compaction kept exactly ALISA's choice on brute-force attention weights. The Triton case runs the
+    kernels in the interpreter (fp32) on a model with head_dim 64."""
     expected = []
     original = swa.own_attention
 
