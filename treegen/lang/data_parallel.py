@@ -14,6 +14,11 @@ of a one-process run); then every rank receives every replica's finished root st
 the engine) and returns them in input order. A program that failed on any replica fails the batch with
 :class:`~treegen.lang.batch.ProgramError`, as in one process; an engine failure on a replica is raised
 on every rank.
+
+From a plain Python process or a notebook (``Engine.load(..., data_parallel=N)`` outside torchrun),
+:func:`run_batch_replicas` uses the same :func:`partition`, but the replicas are processes this one
+started (:mod:`treegen.runtime.replicas`): each runs its share and sends every program back as soon
+as it is done, so results stream here in finish order and return in input order.
 """
 
 from __future__ import annotations
