@@ -10,7 +10,6 @@ import treegen
 from treegen.runtime.engine import Engine
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.loader import IdTokenizer
-from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.offload import OffloadPolicy, OffloadRates
 from treegen.runtime.requests import GenRequest, Job, ScoreRequest
 from treegen.runtime.sampler import SamplingParams
@@ -275,14 +274,7 @@ def test_a_random_stream_never_exceeds_the_budget_and_loses_no_kv(mode, kv_dtype
 # end to end, a tiny random model
 
 
-@pytest.fixture(scope="module")
-def model():
-    from transformers import LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    return LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu")
+from test_continuous import model  # noqa: E402,F401 - the same tiny random model (a module fixture)
 
 
 PREFIX = " " + " ".join(str(random.Random(3).randrange(1, 300)) for _ in range(16))

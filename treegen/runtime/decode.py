@@ -139,8 +139,9 @@ class Decoder:
             width = min(width, run.engine.kv_keep_every)
         grow = [min(r, width) for r in remaining]
         rows = self.decode_rows()
-        positions = [tree.position(n) + i for n, i in rows]
-        out_before = [len(self.out[b]) for b in live]
+        # what sparse window attention's compaction needs of the phase's first step (nothing without it)
+        positions = [tree.position(n) + i for n, i in rows] if swa_rows else []
+        out_before = [len(self.out[b]) for b in live] if swa_rows else []
         input_ids, slots, plan = run.plan_rows(rows, grow=dict(zip(nodes, grow)))
         # a branch done while the phase runs on keeps writing into its reservation's last slot, which
         # holds no KV (its last token's is never written): never into its written KV, never past it

@@ -29,7 +29,7 @@ Faults (bounded, never a hang):
   :mod:`treegen.runtime.mirror`; its next call fails then);
 * a replica whose leader process is gone exits on its own; :meth:`Replicas.close`
   (``engine.close()``, garbage collection, interpreter exit) ends every replica (and their
-  tensor-parallel workers), killing what does not exit within ``JOIN_S``.
+  tensor-parallel workers), killing what does not exit within ``workers.JOIN_S``.
 
 How a replica stops: it ignores SIGINT (a terminal's Ctrl-C reaches every process of the group; the
 leader decides), and a thread reading its queue turns a ``stop`` message into a ``KeyboardInterrupt``
@@ -52,7 +52,7 @@ import types
 
 import torch
 
-from treegen.runtime.workers import JOIN_S, WorkerError
+from treegen.runtime.workers import WorkerError, join_or_kill
 
 POLL_S = 0.1  # how often the leader looks at its replicas while waiting for a message
 REPORT_S = 2.0  # how long the leader waits for a dead replica's report before naming its exit code
@@ -251,17 +251,11 @@ class Replicas:
     def _stop(self) -> None:
         for d in range(self.count):
             self._send(d, ("exit",))
-        deadline = time.monotonic() + JOIN_S
-        for p in self.processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=JOIN_S)
+        join_or_kill(self.processes)
 
     def close(self) -> None:
         """Tell the replicas to exit (each closes its engine and its tensor-parallel workers), join
-        them, killing any that do not exit within ``JOIN_S``."""
+        them, killing any that do not exit within ``workers.JOIN_S``."""
         if self.closed:
             return
         self.closed = True

@@ -130,13 +130,7 @@ class Team:
                 inbox.put(pickle.dumps(("exit",)))
             except Exception:  # noqa: BLE001
                 pass
-        deadline = time.monotonic() + JOIN_S
-        for p in self.processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=JOIN_S)
+        join_or_kill(self.processes)
 
     def close(self) -> None:
         """Tell the workers to exit, join them (ending any that hang), leave the process group."""
@@ -149,6 +143,17 @@ class Team:
         if dist.is_initialized():
             dist.destroy_process_group()
         atexit.unregister(self.close)
+
+
+def join_or_kill(processes) -> None:
+    """Join processes told to exit, together within ``JOIN_S``; kill (and join) any still alive."""
+    deadline = time.monotonic() + JOIN_S
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=JOIN_S)
 
 
 def _abort_collectives() -> None:
