@@ -66,20 +66,25 @@ def decode_time(engine: Engine, batch: int, prefix: int, new: int) -> tuple[floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048])
     p.add_argument("--batches-70b", type=int, nargs="+", default=[32, 64, 128, 256, 512])
     p.add_argument("--prefix", type=int, default=2048)
     p.add_argument("--new", type=int, default=128)
-    p.add_argument("--skip-70b", action="store_true")
+    p.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama3-70b"], choices=["llama3-8b", "llama3-70b"])
+    p.add_argument("--skip-70b", action="store_true", help="the same as --shapes llama3-8b")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
     tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=1800)  # the two GPUs as one replica
     dp2 = init_parallel(tensor_parallel=1, data_parallel=2, device="cuda", timeout_s=1800)  # two replicas
     leader = tp2.rank == 0
-    rows: list[dict] = []
     out = Path(args.out or Path(__file__).parent / "results" /
                f"multi_gpu_{torch.cuda.get_device_name().split()[-1].lower()}.json")
+    if args.skip_70b:
+        args.shapes = ["llama3-8b"]
+    # Rows of shapes this run does not measure are kept from the file (the shapes may run separately).
+    rows: list[dict] = ([r for r in json.loads(out.read_text())["rows"] if r["shape"] not in args.shapes]
+                        if out.exists() else [])
 
     def record(row: dict) -> None:
         if leader:
@@ -90,7 +95,19 @@ def main() -> None:
     def new_tokens(batch: int, seconds: float) -> float:
         return batch * (args.new - 1) / seconds
 
-    # ---- Llama-3-8B shape: one GPU, tp=2, dp=2
+    if "llama3-8b" in args.shapes:
+        measure_8b(args, tp2, dp2, record, new_tokens)
+    if "llama3-70b" in args.shapes:
+        measure_70b(args, tp2, record, new_tokens)
+    if leader:
+        plot(rows, out.with_suffix(".png"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
+    """Llama-3-8B shape: one GPU, tp=2, dp=2 at every batch."""
+    leader = tp2.rank == 0
     cfg = config_of("llama3-8b")
     one_gpu: dict[int, float] = {}
     if leader:
@@ -127,29 +144,31 @@ def main() -> None:
         times = dp2.gather((dt, total))  # the batch is done when the slower replica is
         slowest = max(t for t, _ in times)
         tok_s = new_tokens(batch, slowest)
-        record({"shape": "llama3-8b", "batch": batch, "tp": 1, "dp": 2, "tok_s": tok_s,
-                "total_s": max(t for _, t in times), "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None})
+        row = {"shape": "llama3-8b", "batch": batch, "tp": 1, "dp": 2, "tok_s": tok_s,
+               "total_s": max(t for _, t in times), "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None}
+        if leader and batch // 2 in one_gpu and batch % 2 == 0:
+            # The most dp=2 can give: two GPUs each as fast as one GPU at half the batch.
+            row["ideal_speedup_vs_1gpu"] = 2 * one_gpu[batch // 2] / one_gpu[batch]
+        record(row)
     del model, engine
     gc.collect()
     torch.cuda.empty_cache()
 
-    # ---- Llama-3-70B shape at tp=2, with its attention-free ceiling
-    if not args.skip_70b:
-        model = LlamaFamilyModel.random(config_of("llama3-70b"), device=tp2.device, tp=tp2.tensor)
-        for batch in args.batches_70b:
-            speeds = {}
-            for mode in ("none", "tree"):
-                engine = Engine(model, IdTokenizer(), attention=mode, parallel=tp2)
-                dist.barrier()
-                dt, total = decode_time(engine, batch, args.prefix, args.new)
-                speeds[mode] = new_tokens(batch, dt)
-                del engine
-            record({"shape": "llama3-70b", "batch": batch, "tp": 2, "dp": 1, "tok_s": speeds["tree"],
-                    "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"]})
-    if leader:
-        plot(rows, out.with_suffix(".png"))
-    dist.barrier()
-    dist.destroy_process_group()
+
+
+def measure_70b(args, tp2, record, new_tokens) -> None:
+    """Llama-3-70B shape at tp=2, with its attention-free ceiling at every batch."""
+    model = LlamaFamilyModel.random(config_of("llama3-70b"), device=tp2.device, tp=tp2.tensor)
+    for batch in args.batches_70b:
+        speeds = {}
+        for mode in ("none", "tree"):
+            engine = Engine(model, IdTokenizer(), attention=mode, parallel=tp2)
+            dist.barrier()
+            dt, total = decode_time(engine, batch, args.prefix, args.new)
+            speeds[mode] = new_tokens(batch, dt)
+            del engine
+        record({"shape": "llama3-70b", "batch": batch, "tp": 2, "dp": 1, "tok_s": speeds["tree"],
+                "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"]})
 
 
 def write_json(args, rows: list[dict], out: Path) -> None:

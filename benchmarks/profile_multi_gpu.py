@@ -1,0 +1,103 @@
+"""Where a tensor-parallel decode step's time goes (diagnostic for bench_multi_gpu.py; 2 GPUs):
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/profile_multi_gpu.py --out OUT.json
+
+Per batch, the decode step time (ms) of the Llama-3-8B shape (random bf16 weights, prefix 2048, 128
+new tokens, CUDA graphs) at one GPU and at tp=2, each with tree attention and attention-free
+(``none``); the model's forward alone (no engine, no attention, captured as one CUDA graph) at tp=1
+and tp=2; and 64 all-reduces of [batch, 4096] bf16 (the two per layer of a step) captured as one graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+import torch
+import torch.distributed as dist
+
+from bench_multi_gpu import config_of, decode_time  # benchmarks/bench_multi_gpu.py
+from treegen.runtime.distributed import init_parallel
+from treegen.runtime.engine import Engine
+from treegen.runtime.loader import IdTokenizer
+from treegen.runtime.model import LlamaFamilyModel
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Mean time (ms) of one replay of ``fn`` captured as a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def forward_ms(model: LlamaFamilyModel, batch: int) -> float:
+    """The model's forward over ``batch`` tokens with attention replaced by the identity on q."""
+    ids = torch.randint(0, model.vocab_size, (batch,), device=model.device)
+    pos = torch.full((batch,), 2100, device=model.device)
+    return graph_ms(lambda: model.forward(ids, pos, lambda i, q, k, v: q))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--prefix", type=int, default=2048)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=1800)
+    leader = tp2.rank == 0
+    cfg = config_of("llama3-8b")
+    rows = {b: {"batch": b} for b in args.batches}
+
+    def step_ms(engine, batch):
+        dt, _ = decode_time(engine, batch, args.prefix, args.new)
+        return 1e3 * dt / (args.new - 1)
+
+    for b in args.batches:  # all-reduces alone
+        x = torch.randn(b, cfg.hidden_size, dtype=torch.bfloat16, device=tp2.device)
+        rows[b]["allreduce_64_ms"] = graph_ms(lambda: [tp2.tensor.all_reduce(x) for _ in range(64)])
+    if leader:
+        model = LlamaFamilyModel.random(cfg, device=tp2.device)
+        for b in args.batches:
+            rows[b]["tp1_forward_ms"] = forward_ms(model, b)
+            for mode in ("none", "tree"):
+                rows[b][f"tp1_{mode}_step_ms"] = step_ms(Engine(model, IdTokenizer(), attention=mode), b)
+            print(json.dumps(rows[b]), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    dist.barrier()
+    model = LlamaFamilyModel.random(cfg, device=tp2.device, tp=tp2.tensor)
+    for b in args.batches:
+        dist.barrier()
+        rows[b]["tp2_forward_ms"] = forward_ms(model, b)
+        for mode in ("none", "tree"):
+            dist.barrier()
+            rows[b][f"tp2_{mode}_step_ms"] = step_ms(Engine(model, IdTokenizer(), attention=mode, parallel=tp2), b)
+        if leader:
+            print(json.dumps(rows[b]), flush=True)
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "prefix": args.prefix, "new": args.new,
+                           "rows": list(rows.values())}, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
