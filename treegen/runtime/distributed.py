@@ -12,7 +12,8 @@ any number of nodes through its rendezvous), or, for tensor parallel on one host
 process or a notebook, which becomes rank 0 and starts the others itself (:func:`join_local_group`,
 :mod:`treegen.runtime.workers`). Groups are made once, with a timeout, so a collective whose peer died
 fails within ``timeout_s`` instead of hanging (NCCL's watchdog aborts the process; gloo raises).
-NVLink multicast (NVLS) is switched off in every process (``NCCL_NVLS_ENABLE=0``).
+NVLink multicast (NVLS) is switched off in every process (``NCCL_NVLS_ENABLE=0``). On GPUs of one host
+the model's all-reduces go over peer memory (:mod:`treegen.runtime.peer_all_reduce`), else NCCL.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from treegen.runtime.peer_all_reduce import PeerAllReduce, peer_all_reduce_for
 from treegen.runtime.shard import Shard
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -39,10 +41,14 @@ class TensorParallel:
 
     shard: Shard
     group: object | None  # the ProcessGroup (None when shard.size == 1)
+    peer: PeerAllReduce | None = None  # the all-reduce over peer GPU memory, where the group can use it
+    all_reduce_path: str = "none (one rank)"  # which all-reduce serves, or why NCCL does
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group, in place (every rank gets the same bits); returns ``t``."""
         if self.shard.size > 1:
+            if self.peer is not None and self.peer.fits(t):
+                return self.peer.all_reduce_(t)
             dist.all_reduce(t, group=self.group)
         return t
 
@@ -92,7 +98,9 @@ class Parallel:
         return out
 
     def __repr__(self) -> str:
-        return f"Parallel(rank {self.rank} of {self.world}: tp {self.tp_rank}/{self.tp}, dp {self.dp_rank}/{self.dp})"
+        path = f", all-reduce: {self.tensor.all_reduce_path}" if self.tp > 1 else ""
+        return (f"Parallel(rank {self.rank} of {self.world}: tp {self.tp_rank}/{self.tp}, "
+                f"dp {self.dp_rank}/{self.dp}{path})")
 
 
 def launched() -> bool:
@@ -172,8 +180,15 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s)) if dp > 1 else None
         if rank in ranks:
             dp_group = group
-    shard = Shard(rank % tensor_parallel, tensor_parallel)
-    return Parallel(tensor_parallel, dp, rank, device, TensorParallel(shard, tp_group), dp_group)
+    tensor = TensorParallel(Shard(rank % tensor_parallel, tensor_parallel), tp_group)
+    if tp_group is not None and device.type == "cuda":
+        # Verified under torchrun; in a group made by join_local_group (rank 0 the user's process) the
+        # symmetric-memory rendezvous hung on two H200s: NCCL serves there until that is understood.
+        tensor.peer, reason = peer_all_reduce_for(tp_group, device, allowed=launched())
+        tensor.all_reduce_path = reason if tensor.peer is not None else f"NCCL ({reason})"
+    elif tp_group is not None:
+        tensor.all_reduce_path = "gloo"
+    return Parallel(tensor_parallel, dp, rank, device, tensor, dp_group)
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DistributedError", "Parallel", "TensorParallel", "check_layout", "init_parallel",
