@@ -182,8 +182,8 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
             dp_group = group
     tensor = TensorParallel(Shard(rank % tensor_parallel, tensor_parallel), tp_group)
     if tp_group is not None and device.type == "cuda":
-        # Verified under torchrun; in a group made by join_local_group (rank 0 the user's process) the
-        # symmetric-memory rendezvous hung on two H200s: NCCL serves there until that is understood.
+        # Verified under torchrun; with workers spawned by the user's process a second engine's
+        # rendezvous hung on two H200s (see peer_all_reduce): NCCL serves there.
         tensor.peer, reason = peer_all_reduce_for(tp_group, device, allowed=launched())
         tensor.all_reduce_path = reason if tensor.peer is not None else f"NCCL ({reason})"
     elif tp_group is not None:

@@ -14,9 +14,14 @@ element is summed on one rank and copied to the others), as NCCL's all-reduce gu
 Only peer loads and stores are used: never NVLink multicast (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is
 set before the buffer is made, and no ``multimem`` operation is called). Tensors larger than the
 buffer (long prefill chunks), of other dtypes than it can view, or misaligned go to NCCL. Set
-``TREEGEN_ALL_REDUCE=nccl`` to use NCCL for everything. Used under torchrun only: with the group made
-from a plain process (:mod:`treegen.runtime.workers`) the rendezvous hung on two H200s, not yet
-understood, so NCCL serves there.
+``TREEGEN_ALL_REDUCE=nccl`` to use NCCL for everything.
+
+Used under torchrun only. From a plain process (:mod:`treegen.runtime.workers`, the user's process
+rank 0) on two H200s the first tensor-parallel engine's all-reduce over peer memory gave one GPU's
+tokens, but the second engine's rendezvous in the same process, with new worker processes, hung. That
+fits PyTorch's per-process exchange counters (pytorch/pytorch#196082: a rendezvous with peers whose
+history differs hangs). Allowing only each process's first group is the likely fix, not yet run on
+GPUs; until then NCCL serves spawned workers.
 """
 
 from __future__ import annotations
