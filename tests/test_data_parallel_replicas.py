@@ -60,6 +60,29 @@ def test_two_replicas_generate_the_tokens_of_one_process(replicated, one_process
         tokens(problem.run_batch(one_engine, PROBLEMS, seeds=seeds))
 
 
+def test_token_streams_come_back_from_the_replicas(replicated, one_engine):
+    """on_tokens on a replicated engine: every branch's stream, named by program index and path, grows
+    to the tokens one process streams for it; a stream has no state to read (it stays in its replica)."""
+    def collect(engine):
+        last, seen = {}, []
+        def on_tokens(stream):
+            key = (stream.program, tuple(stream.path), stream.name)
+            assert len(stream.tokens) > len(last.get(key, ()))  # each call brings new tokens
+            last[key] = tuple(stream.tokens)
+            seen.append(stream)
+        results = problem.run_batch(engine, PROBLEMS, seed=3, on_tokens=on_tokens)
+        return last, seen, results
+
+    want, _, alone = collect(one_engine)
+    got, seen, results = collect(replicated)
+    assert got == want and len(got) > len(PROBLEMS)
+    assert tokens(results) == tokens(alone)
+    stream = seen[-1]
+    assert stream.text == one_engine.tokenizer.decode(list(stream.tokens), skip_special_tokens=True)
+    with pytest.raises(AttributeError, match="stays in its replica|runs in its replica"):
+        stream.state
+
+
 def test_tg_programs_and_the_command_line(replicated, one_engine, checkpoint, tmp_path, monkeypatch):  # noqa: F811
     from treegen.cli import main
     from treegen.lang.tg import load

@@ -177,7 +177,9 @@ def run_batch_replicas(engine, bodies: list[Callable], *, seed: int, seeds: list
     what data parallel is meant to multiply. (Bodies do run here too, but only to trace each program up
     to its first generated value for :func:`partition`.)
 
-    ``on_tokens`` is refused (token streams stay in the replica processes). Faults: a program that
+    ``on_tokens(stream)`` is called here too, in the calling thread, with a
+    :class:`ReplicaTokenStream` (the program's index in the batch, the branch's path, the variable,
+    the tokens so far, their text) each time a replica's branch has new tokens. Faults: a program that
     fails raises :class:`~treegen.lang.batch.ProgramError` once the others are done, as in one
     process; Ctrl-C stops every replica and raises :class:`~treegen.lang.batch.BatchInterrupted`
     with the programs finished so far; a replica that fails (its engine raised, its process died)
@@ -189,22 +191,21 @@ def run_batch_replicas(engine, bodies: list[Callable], *, seed: int, seeds: list
     from treegen.runtime.replicas import NotShippable
     from treegen.runtime.workers import WorkerError
 
-    if on_tokens is not None:
-        raise TypeError("run_batch: on_tokens is not available on a data-parallel engine started from this process "
-                        "(the tokens are drawn in its replica processes); use on_result, which is called as each "
-                        "program finishes")
     replicas = engine.replicas
     replicas.check()
     total = len(bodies)
     shares = partition(bodies, engine.tokenizer, replicas.count) if bodies else [[] for _ in range(replicas.count)]
     results: list = [None] * total
-    work = [(mine, [bodies[i] for i in mine], [seeds[i] if seeds is not None else seed for i in mine], seed, options)
-            for mine in shares]
+    work = [(mine, [bodies[i] for i in mine], [seeds[i] if seeds is not None else seed for i in mine], seed, options,
+             on_tokens is not None) for mine in shares]
     if on_programs is not None:
         on_programs(0, total)
 
     def on_event(d: int, payload: bytes) -> None:
-        i, root, shipped = _unpack(payload, engine.tokenizer)
+        if payload[:1] == _TOKENS:
+            on_tokens(ReplicaTokenStream(*pickle.loads(payload[1:]), engine.tokenizer))
+            return
+        i, root, shipped = _unpack(payload[1:], engine.tokenizer)
         adopt = getattr(bodies[i], "adopt_remote", None)
         if adopt is not None and shipped is not None:
             adopt(shipped)
@@ -236,9 +237,36 @@ def run_batch_replicas(engine, bodies: list[Callable], *, seed: int, seeds: list
     return results
 
 
+_RESULT, _TOKENS = b"R", b"T"  # the first byte of what a replica emits: a finished program, new tokens
+
+
+class ReplicaTokenStream:
+    """What ``on_tokens`` hears from a data-parallel replica: as a
+    :class:`~treegen.lang.interpreter.TokenStream`, but the branch's state stays in its replica process,
+    so it carries the state's ``program`` (index in the batch) and ``path`` instead."""
+
+    def __init__(self, program: int, path: tuple, name: str, tokens: tuple[int, ...], tokenizer) -> None:
+        self.program, self.path, self.name, self.tokens = program, path, name, tokens
+        self._tokenizer = tokenizer
+
+    @property
+    def state(self):
+        raise AttributeError("a data-parallel replica's token stream has no state: the branch runs in its replica "
+                             "process (use .program, .path, .name, .tokens, .text)")
+
+    @property
+    def text(self) -> str:
+        return self._tokenizer.decode(list(self.tokens), skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return (f"ReplicaTokenStream(program={self.program}, path={self.path}, name={self.name!r}, "
+                f"tokens={len(self.tokens)})")
+
+
 def _replica_batch(engine, emit, indices: list[int], bodies: list[Callable], seeds: list[int], seed: int,
-                   options: dict) -> str:
-    """In a replica process: run this replica's programs as one batch, emitting each as it finishes."""
+                   options: dict, stream_tokens: bool) -> str:
+    """In a replica process: run this replica's programs as one batch, emitting each as it finishes
+    (and, with ``stream_tokens``, each branch's new tokens)."""
     from treegen.lang.batch import BatchInterrupted
     from treegen.lang.dsl import run_batch_here
 
@@ -246,8 +274,15 @@ def _replica_batch(engine, emit, indices: list[int], bodies: list[Callable], see
         return "ok"
 
     def on_result(j: int, root) -> None:
-        emit(_pack(indices[j], root, bodies[j]))
+        emit(_RESULT + _pack(indices[j], root, bodies[j]))
 
+    def on_tokens(stream) -> None:
+        st = stream.state
+        emit(_TOKENS + pickle.dumps((indices[st.program], st.path, stream.name, tuple(stream.tokens)),
+                                    protocol=pickle.HIGHEST_PROTOCOL))
+
+    if stream_tokens:
+        options = dict(options, on_tokens=on_tokens)
     try:
         run_batch_here(engine, bodies, seed=seed, seeds=seeds, on_result=on_result, **options)
     except ProgramError:
@@ -321,4 +356,5 @@ def _unpack(payload: bytes, tokenizer):
     return index, root, shipped
 
 
-__all__ = ["BALANCE", "expected_tokens", "partition", "run_batch_data_parallel", "run_batch_replicas"]
+__all__ = ["BALANCE", "ReplicaTokenStream", "expected_tokens", "partition", "run_batch_data_parallel",
+           "run_batch_replicas"]

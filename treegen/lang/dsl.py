@@ -191,7 +191,8 @@ class Program:
 
         On a data-parallel engine started from this process (``Engine.load(..., data_parallel=N)``) the
         program runs on one replica, as a batch of one (same tokens); it must pickle (see
-        :func:`treegen.lang.data_parallel.run_batch_replicas`) and ``on_tokens`` is not available."""
+        :func:`treegen.lang.data_parallel.run_batch_replicas`) and ``on_tokens`` hears a
+        :class:`~treegen.lang.data_parallel.ReplicaTokenStream`."""
         if getattr(engine, "replicas", None) is not None:
             try:
                 return run_batch(engine, [_Bound(self, args, kwargs)], seed=seed, on_tokens=on_tokens,

@@ -96,6 +96,11 @@ class TokenStream:
         return self.state.program
 
     @property
+    def path(self) -> tuple:
+        """The branch's fork indices from its program's root."""
+        return self.state.path
+
+    @property
     def text(self) -> str:
         return self.state._run.tokenizer.decode(list(self.tokens), skip_special_tokens=True)
 
