@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from bench_multi_gpu import config_of, decode_time  # benchmarks/bench_multi_gpu.py
+from treegen.runtime.cuda_graph import capture
 from treegen.runtime.distributed import init_parallel
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer
@@ -28,15 +29,8 @@ from treegen.runtime.model import LlamaFamilyModel
 
 
 def graph_ms(fn, reps: int = 20) -> float:
-    """Mean time (ms) of one replay of ``fn`` captured as a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    """Mean time (ms) of one replay of ``fn`` captured as a CUDA graph (as the engine captures steps)."""
+    g = capture(fn)
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -52,7 +52,7 @@ import types
 
 import torch
 
-from treegen.runtime.workers import WorkerError, join_or_kill
+from treegen.runtime.workers import WorkerError, join_or_kill, next_message
 
 POLL_S = 0.1  # how often the leader looks at its replicas while waiting for a message
 REPORT_S = 2.0  # how long the leader waits for a dead replica's report before naming its exit code
@@ -440,16 +440,8 @@ def _replica_main(d, model, dtype, device, implementation, tensor_parallel, opti
 def _read(inbox, local: queue.Queue, stopping: threading.Event, running: threading.Event) -> None:
     """The replica's queue reader: a ``stop`` interrupts the running task at once; exits the process
     when the leader is gone."""
-    import multiprocessing
-
     while True:
-        try:
-            message = pickle.loads(inbox.get(timeout=1.0))
-        except queue.Empty:
-            parent = multiprocessing.parent_process()
-            if parent is not None and not parent.is_alive():
-                os._exit(1)
-            continue
+        message = next_message(inbox)
         if message[0] in ("stop", "exit"):
             stopping.set()
             if running.is_set():  # a real signal: it also wakes a main thread blocked in a wait

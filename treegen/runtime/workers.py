@@ -197,21 +197,26 @@ def start_team(model, *, dtype, device: torch.device, tensor_parallel: int, opti
     return parallel, team
 
 
-def _receive(inbox):
-    """The next message from rank 0; exits the process when rank 0 is gone."""
+def next_message(inbox):
+    """The next (unpickled) message from the process that started this one; exits this process when
+    that one is gone (checked every second while waiting)."""
     import multiprocessing
 
     while True:
         try:
-            message = pickle.loads(inbox.get(timeout=1.0))
+            return pickle.loads(inbox.get(timeout=1.0))
         except queue.Empty:
             parent = multiprocessing.parent_process()
             if parent is not None and not parent.is_alive():
                 os._exit(1)
-            continue
-        if message[0] == "exit":  # (also while waiting for a callback of a call rank 0 gave up)
-            os._exit(0)
-        return message
+
+
+def _receive(inbox):
+    """The next message from rank 0; exits the process when rank 0 is gone or says ``exit``."""
+    message = next_message(inbox)
+    if message[0] == "exit":  # (also while waiting for a callback of a call rank 0 gave up)
+        os._exit(0)
+    return message
 
 
 def _worker_main(rank, world, port, model, dtype, device, options, inbox, errors) -> None:
@@ -256,4 +261,4 @@ def _worker_main(rank, world, port, model, dtype, device, options, inbox, errors
         os._exit(1)
 
 
-__all__ = ["FAULT_ENV", "Team", "WorkerError", "start_team"]
+__all__ = ["FAULT_ENV", "Team", "WorkerError", "join_or_kill", "next_message", "start_team"]
