@@ -63,13 +63,14 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 @pytest.mark.gpu
 @two_gpus
 def test_two_gpus_from_a_plain_process(checkpoint, monkeypatch):  # noqa: F811
-    """NCCL, cuda:0 and cuda:1, CUDA-graph decode phases: the tokens of one GPU (fp32); then a worker
-    that raises mid-run ends the call with its error (the NCCL groups aborted) within 30 s."""
+    """NCCL, cuda:0 and cuda:1, CUDA-graph decode phases, all-reduces over peer memory: the tokens of
+    one GPU (fp32); then (a second engine: NCCL all-reduces) a worker that raises mid-run ends the call
+    with its error (the NCCL groups aborted) within 30 s."""
     one_gpu = workload(Engine.load(str(checkpoint), device="cuda"))
     engine = Engine.load(str(checkpoint), tensor_parallel=2, device="cuda")
     try:
         assert workload(engine) == one_gpu
-        assert engine.parallel.tensor.peer is None, engine.parallel  # NCCL from a plain process (see distributed)
+        assert engine.parallel.tensor.peer is not None, engine.parallel  # the all-reduce over peer memory
     finally:
         engine.close()
     monkeypatch.setenv(FAULT_ENV, "1:2")  # (a decode phase is one call: fewer calls than on the CPU)
@@ -79,5 +80,8 @@ def test_two_gpus_from_a_plain_process(checkpoint, monkeypatch):  # noqa: F811
         with pytest.raises(WorkerError, match="(?s)worker rank 1 failed.*injected failure on rank 1"):
             workload(engine)
         assert time.perf_counter() - started < 30
+        # This process mapped peer memory for the first engine; a second rendezvous with new workers
+        # would hang (pytorch#196082), so the second engine's all-reduces went through NCCL.
+        assert engine.parallel.tensor.peer is None and "earlier group" in repr(engine.parallel)
     finally:
         engine.close()

@@ -182,9 +182,7 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
             dp_group = group
     tensor = TensorParallel(Shard(rank % tensor_parallel, tensor_parallel), tp_group)
     if tp_group is not None and device.type == "cuda":
-        # Verified under torchrun; with workers spawned by the user's process a second engine's
-        # rendezvous hung on two H200s (see peer_all_reduce): NCCL serves there.
-        tensor.peer, reason = peer_all_reduce_for(tp_group, device, allowed=launched())
+        tensor.peer, reason = peer_all_reduce_for(tp_group, device)
         tensor.all_reduce_path = reason if tensor.peer is not None else f"NCCL ({reason})"
     elif tp_group is not None:
         tensor.all_reduce_path = "gloo"

@@ -16,12 +16,11 @@ set before the buffer is made, and no ``multimem`` operation is called). Tensors
 buffer (long prefill chunks), of other dtypes than it can view, or misaligned go to NCCL. Set
 ``TREEGEN_ALL_REDUCE=nccl`` to use NCCL for everything.
 
-Used under torchrun only. From a plain process (:mod:`treegen.runtime.workers`, the user's process
-rank 0) on two H200s the first tensor-parallel engine's all-reduce over peer memory gave one GPU's
-tokens, but the second engine's rendezvous in the same process, with new worker processes, hung. That
-fits PyTorch's per-process exchange counters (pytorch/pytorch#196082: a rendezvous with peers whose
-history differs hangs). Allowing only each process's first group is the likely fix, not yet run on
-GPUs; until then NCCL serves spawned workers.
+One buffer per process: a rendezvous in a process that already made one, with peers that did not
+(a notebook's second tensor-parallel engine, whose workers are new processes), hangs — PyTorch keeps
+per-process exchange counters (pytorch/pytorch#196082); seen on two H200s. So only the first
+tensor-parallel group of each process uses peer memory, the ranks agreeing before any buffer is made;
+later groups of the same process use NCCL.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 BUFFER_BYTES = 64 * 2**20  # per rank: [8192, 4096] bf16 activations
+_MAPPED = False  # this process has made a symmetric buffer (see the module doc: one per process)
 ALIGN = 16  # bytes: the kernels' vector width
 
 
@@ -50,6 +50,8 @@ class PeerAllReduce:
         if int(getattr(handle, "multicast_ptr", 0)) != 0:
             raise RuntimeError("symmetric memory mapped a multicast object; treegen never uses NVLink multicast")
         self.nbytes = nbytes
+        global _MAPPED
+        _MAPPED = True
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -64,11 +66,11 @@ class PeerAllReduce:
         return t.copy_(view)
 
 
-def peer_all_reduce_for(group, device: torch.device, allowed: bool = True) -> tuple[PeerAllReduce | None, str]:
+def peer_all_reduce_for(group, device: torch.device) -> tuple[PeerAllReduce | None, str]:
     """The peer all-reduce for ``group`` (a tensor-parallel NCCL group, every rank calls this), or None
-    and why NCCL serves instead (``allowed=False``: processes not started by torchrun). The ranks agree
-    before any buffer is made, so none waits for a peer that declined."""
-    reason = _unusable(device, dist.get_world_size(group)) if allowed else "processes not started by torchrun"
+    and why NCCL serves instead. The ranks agree before any buffer is made, so none waits for a peer
+    that declined."""
+    reason = _unusable(device, dist.get_world_size(group))
     ok = torch.tensor([reason is None], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if not ok.item():
@@ -82,6 +84,8 @@ def _unusable(device: torch.device, size: int) -> str | None:
         return "TREEGEN_ALL_REDUCE=nccl"
     if device.type != "cuda":
         return "not CUDA"
+    if _MAPPED:
+        return "this process mapped peer memory for an earlier group (one per process)"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError:
