@@ -199,7 +199,13 @@ def run_kv_quant_point(*, batch, prefix, suffix, heads, kv, head_dim, formats=("
     key = "H200" if "H200" in name else "H100"
     flops = 4 * batch * heads * head_dim * (query_pos[0] + 1)
     rows = []
-    for kv_dtype in formats:
+    from treegen.kernels import tree_attention_triton as kernels
+
+    default = kernels.FP8_PRODUCTS
+    # an FP8 cache's products in the query dtype (bf16) or in fp16 (the default: see FP8_PRODUCTS)
+    variants = {"auto": ["bf16"], "int8": ["bf16"], "fp8": ["query", "fp16"]}
+    for kv_dtype, products in ((d, v) for d in formats for v in variants[d]):
+        kernels.FP8_PRODUCTS = products
         f = kv_format(None if kv_dtype == "auto" else kv_dtype, torch.bfloat16, "cuda")
         if f.quantized:
             (k, ks), (v, vs) = quantize_reference(k16, f), quantize_reference(v16, f)
@@ -216,11 +222,12 @@ def run_kv_quant_point(*, batch, prefix, suffix, heads, kv, head_dim, formats=("
             shared_ms = bench(lambda: tree_attention(q, k, v, shared, head_dim**-0.5, ks, vs))
         kv_bytes = sum(length) * kv * 2 * (head_dim * f.bytes_per_value + f.scale_bytes)
         floor_ms = max(flops / (PEAK_BF16_TFLOPS[key] * 1e12 * 0.8), kv_bytes / (PEAK_HBM_TBS[key] * 1e12)) * 1e3
-        rows.append({"kv_dtype": f.name, "batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads,
+        rows.append({"kv_dtype": f.name, "products": products, "batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads,
                      "kv_heads": kv, "head_dim": head_dim, "treegen_ms": ms, "triton_only_ms": triton_ms, "floor_ms": floor_ms,
                      "fraction_of_floor": floor_ms / ms, "library_chunks": plan.triton.library.chunks if plan.triton.library else 0,
                      "shared_ms": shared_ms, "leaf_ms": None if shared_ms is None else ms - shared_ms})
         print(rows[-1], flush=True)
+    kernels.FP8_PRODUCTS = default
     for r in rows:
         r["speedup_vs_bf16_kv"] = rows[0]["treegen_ms"] / r["treegen_ms"]
     q = k16 = v16 = None
@@ -267,7 +274,7 @@ def kv_quant_main(out_dir: Path, leaf_sweep: bool = False) -> None:
     for b, p, s, h, kv in points:
         rows += run_kv_quant_point(batch=b, prefix=p, suffix=s, heads=h, kv=kv, head_dim=128)
     leaf_sweep = leaf_shape_sweep() if leaf_sweep else []
-    keys = ["kv_dtype", "batch", "prefix", "suffix", "heads", "kv_heads", "treegen_ms", "triton_only_ms", "shared_ms",
+    keys = ["kv_dtype", "products", "batch", "prefix", "suffix", "heads", "kv_heads", "treegen_ms", "triton_only_ms", "shared_ms",
             "leaf_ms", "floor_ms", "fraction_of_floor", "speedup_vs_bf16_kv", "library_chunks"]
     print("\n## Tree attention over an 8-bit KV cache vs bf16 (bf16 queries, d=128)\n" + fmt(rows, keys))
     result = {

@@ -48,6 +48,12 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 _LN2 = math.log(2.0)
+# bf16 queries over an FP8 cache: the kernels' matrix products in "fp16" (e4m3 converts to fp16 in one
+# instruction per pair; queries scaled into its range by a power of two) or in the "query" dtype (bf16).
+# Measured on an H200, Llama-3-8B decode (1,024 leaves of 128 keys below 2,048, 32/8 heads): leaves' launch
+# 155 vs 170 us. INT8 keeps the query dtype: its fp16 products were slower (169 vs 152 us), also with the
+# int8 -> fp16 bit trick (``0x6400 | (x + 128)`` minus 1152: 172 us). (benchmarks/results/kv_quant_attention_h200.json)
+FP8_PRODUCTS = "fp16"
 _LOG2E = 1.0 / _LN2
 
 
@@ -171,6 +177,7 @@ if triton is not None:
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
         MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, DIRECT_ROWS: tl.constexpr, LIB_BY_ROW: tl.constexpr,
         LIB_P2: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+        F16_PRODUCTS: tl.constexpr,
     ):
         wid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -194,6 +201,17 @@ if triton is not None:
         qpos = tl.load(q_pos + qrow, mask=row_ok, other=-1)
         q = tl.load(Q + qrow[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
+        if F16_PRODUCTS:
+            # bf16 queries over an FP8 cache: the products run in fp16, to which e4m3 converts in one
+            # instruction per pair; the tile's queries are divided by a power of two that keeps them in
+            # fp16's range (exact), and the scores multiplied back through the scale
+            qf = q.to(tl.float32)
+            qmul = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), axis=1), axis=0) / 32768.0)), 0.0))
+            q = (qf / qmul).to(tl.float16)
+            if SOFTCAP:
+                pre = pre * qmul
+            else:
+                scale_log2 = scale_log2 * qmul
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -378,6 +396,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
     quant = k_scale is not None
+    f16_products = quant and q.dtype == torch.bfloat16 and k_cache.dtype != torch.int8 and FP8_PRODUCTS == "fp16"
     if plan.library is not None and (window is not None or softcap is not None):
         raise ValueError("the plan gives a segment to the library kernel, which has no window or soft cap: "
                          "plan with window/softcap (plan_tree_attention)")
@@ -414,6 +433,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             DIRECT_ROWS=launch.direct_rows, LIB_BY_ROW=plan.library.chunks if plan.library_by_row else 0,
             LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
             WINDOW=window is not None, SOFTCAP=softcap is not None,
+            F16_PRODUCTS=f16_products,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
         )
     if plan.fused_merge:
