@@ -235,33 +235,42 @@ def run_kv_quant_point(*, batch, prefix, suffix, heads, kv, head_dim, formats=("
     return rows
 
 
-def leaf_shape_sweep(batch=1024, prefix=2048, suffix=128, heads=32, kv=8, head_dim=128):
-    """The many-leaves launch's (block_n, warps, stages) per KV format at the Llama-3-8B decode shape: the
-    leaves' own keys are most of the bytes there, so this launch is where 8-bit KV must pay off."""
+def leaf_shape_sweep(batches=(256, 1024), prefix=2048, suffix=128, heads=32, kv=8, head_dim=128):
+    """The many-leaves launch's (block_n, warps, stages), with and without TMA loads, per KV format at the
+    Llama-3-8B decode shape: the leaves' own keys are most of the bytes there, so this launch is where 8-bit
+    KV must pay off. ``leaf_ms``: the whole call less the call without the leaves' launch."""
     from treegen.kernels.kv_quant import kv_format, quantize_reference
 
-    parent, length, leaves = layered_layout([(1, prefix), (batch, suffix)])
-    start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
-    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    k16, v16 = (torch.randn(slots, kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
-                  query_segment=leaves, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv,
-                  dtype=torch.bfloat16)
     out = []
-    for kv_dtype in ("auto", "int8", "fp8"):
-        f = kv_format(None if kv_dtype == "auto" else kv_dtype, torch.bfloat16, "cuda")
-        (k, ks), (v, vs) = (quantize_reference(t, f) if f.quantized else (t, None) for t in (k16, v16))
-        for shape in ((32, 1, 2), (64, 1, 2), (16, 1, 2), (32, 2, 2), (64, 2, 2), (64, 4, 3), (32, 1, 3)):
-            plan = plan_tree_attention(**common, triton_options={"leaf_shape": shape})
-            try:
-                ms = bench(lambda: tree_attention(q, k, v, plan, head_dim**-0.5, ks, vs))
-            except Exception as e:  # e.g. out of shared memory or registers
-                ms = float("nan")
-                print("leaf shape failed", shape, type(e).__name__, str(e)[:160])
-            out.append({"kv_dtype": f.name, "block_n": shape[0], "num_warps": shape[1], "num_stages": shape[2], "ms": ms})
-            print(out[-1], flush=True)
-    q = k16 = v16 = None
-    torch.cuda.empty_cache()
+    for batch in batches:
+        parent, length, leaves = layered_layout([(1, prefix), (batch, suffix)])
+        start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
+        q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        k16, v16 = (torch.randn(slots, kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                      query_segment=leaves, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv,
+                      dtype=torch.bfloat16)
+        for kv_dtype in ("auto", "int8", "fp8"):
+            f = kv_format(None if kv_dtype == "auto" else kv_dtype, torch.bfloat16, "cuda")
+            (k, ks), (v, vs) = (quantize_reference(t, f) if f.quantized else (t, None) for t in (k16, v16))
+            for tma in (True, False):
+                for shape in ((32, 1, 2), (64, 1, 2), (32, 2, 2), (64, 2, 3), (16, 1, 3), (32, 1, 3)):
+                    plan = plan_tree_attention(**common, triton_options={"leaf_shape": shape, "use_tma": tma})
+                    shared = dataclasses.replace(plan, triton=dataclasses.replace(
+                        plan.triton, launches=tuple(w for w in plan.triton.launches if w.block_m != 16)))
+                    try:
+                        ms = bench(lambda: tree_attention(q, k, v, plan, head_dim**-0.5, ks, vs))
+                        leaf_ms = ms - bench(lambda: tree_attention(q, k, v, shared, head_dim**-0.5, ks, vs))
+                    except Exception as e:  # e.g. out of shared memory or registers
+                        ms = leaf_ms = float("nan")
+                        print("leaf shape failed", shape, type(e).__name__, str(e)[:160])
+                    leaf_bytes = batch * suffix * kv * 2 * (head_dim * f.bytes_per_value + f.scale_bytes)
+                    out.append({"batch": batch, "kv_dtype": f.name, "tma": tma, "block_n": shape[0],
+                                "num_warps": shape[1], "num_stages": shape[2], "ms": ms, "leaf_ms": leaf_ms,
+                                "leaf_tb_s": leaf_bytes / leaf_ms / 1e9})
+                    print(out[-1], flush=True)
+        q = k16 = v16 = None
+        torch.cuda.empty_cache()
     return out
 
 

@@ -52,7 +52,8 @@ _LN2 = math.log(2.0)
 # instruction per pair; queries scaled into its range by a power of two) or in the "query" dtype (bf16).
 # Measured on an H200, Llama-3-8B decode (1,024 leaves of 128 keys below 2,048, 32/8 heads): leaves' launch
 # 155 vs 170 us. INT8 keeps the query dtype: its fp16 products were slower (169 vs 152 us), also with the
-# int8 -> fp16 bit trick (``0x6400 | (x + 128)`` minus 1152: 172 us). (benchmarks/results/kv_quant_attention_h200.json)
+# int8 -> fp16 bit trick (``0x6400 | (x + 128)`` minus 1152: 172 us). (benchmarks/results/kv_quant_attention_h200.json;
+# the leaves' launch without TMA: kv_quant_leaf_launch_h200.json)
 FP8_PRODUCTS = "fp16"
 _LOG2E = 1.0 / _LN2
 
@@ -411,7 +412,10 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
         lib_args = (o_part, lse_part, 1, 0, 0, 0, 0, 0, 0)
     for launch in plan.launches:
         block_n = launch.block_n // 2 if wide else launch.block_n
-        if plan.use_tma:
+        # an 8-bit cache's many-leaves launch reads with plain loads: its TMA loads were slower (H200, Llama-3-8B
+        # decode, 1,024 leaves: INT8 145 vs 174 us, FP8 137 vs 156; bf16 equal), see FP8_PRODUCTS' file
+        use_tma = plan.use_tma and not (quant and launch.block_m == 16)
+        if use_tma:
             # 2-D views [slots, kv_heads * head_dim]: one block = BLOCK_N slots x one KV head
             k_desc, v_desc = (TensorDescriptor(c, [c.shape[0], num_kv * head_dim], [c.stride(0), 1], [block_n, head_dim])
                               for c in (k_cache, v_cache))
@@ -424,7 +428,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             o_part.stride(0), o_part.stride(1),
             lse_part.stride(0), out.stride(0), out.stride(1), scale_log2, window or 0, cap, pre, *lib_args,
             GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
-            USE_TMA=plan.use_tma, WARP_SPECIALIZE=plan.warp_specialize,
+            USE_TMA=use_tma, WARP_SPECIALIZE=plan.warp_specialize,
             PRECISION="ieee" if exact else "tf32",  # fp32 inputs get full fp32 products (no TF32)
             FUSE_MERGE=plan.fused_merge and launch.block_m == 16,
             # a leaf below a 16K prefix split 32 ways: 64 branches 8/1 heads 32 us (J=8) vs 36 (4) vs 42 (1), H100;
