@@ -229,6 +229,24 @@ def test_library_segment_is_the_large_shared_one_cut_into_chunks():
     assert few.plan(8, 1, library=True).triton.library is None  # 4 tiles would need 32 chunks (over 8)
 
 
+def test_library_segment_only_for_a_power_of_two_group(monkeypatch):
+    """Where cuDNN is available, a large shared prefix goes to it for 4 query heads per KV head, but not for 3
+    (Phi-4-mini's 24/8: slower than the Triton kernels, measured), nor 6."""
+    from treegen.kernels import tree_attention as module
+
+    monkeypatch.setattr(module, "library_available", lambda device, dtype: True)
+    tree = DecodeTree([-1] + [0] * 300, [2051] + [3] * 300, list(range(1, 301)), random.Random(0))
+
+    def planned(num_heads, num_kv_heads):
+        return plan_tree_attention(segment_parent=tree.parent, segment_start=tree.start, segment_len=tree.length,
+                                   segment_pos=tree.pos, query_segment=tree.leaves, query_pos=tree.query_pos,
+                                   backend="triton", num_heads=num_heads, num_kv_heads=num_kv_heads, device="cpu",
+                                   dtype=torch.bfloat16).triton.library
+
+    assert planned(8, 2) is not None and planned(16, 2) is not None
+    assert planned(6, 2) is None and planned(12, 2) is None
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_library_partials_read_by_row_match_plain_attention(fuse):
     """A 1537-key root under 64 branches (8/1 heads): three 512-key library chunks (not a power of two)
