@@ -168,3 +168,47 @@ def test_random_ops_work_after_a_capture_that_failed():
     a = torch.randn(8, device="cuda")
     torch.manual_seed(3)
     assert torch.equal(a, torch.randn(8, device="cuda"))
+
+
+def test_a_cold_capture_records_without_running_and_replays():
+    """``capture_cold``: the graph is recorded without running ``fn`` (its effect appears at the first
+    replay), and a function that cannot be captured still raises (through the warm-up fallback)."""
+    from treegen.runtime.cuda_graph import capture_cold
+
+    x = torch.ones(4, device="cuda")
+    graph, ran = capture_cold(lambda: x.mul_(3))
+    torch.cuda.synchronize()
+    assert not ran and x.tolist() == [1.0] * 4
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [9.0] * 4
+    with pytest.raises(Exception):
+        capture_cold(lambda: (x * 2).sum().item())
+
+
+def test_later_phases_are_captured_without_a_warm_up_and_give_the_same_tokens():
+    """After an engine's first captured phase, decode phases are captured without their eager warm-up
+    step (``capture_cold``): none falls back, and sampled and greedy tokens equal an eager engine's."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192)
+    model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cuda")
+    prompt = torch.randint(0, 1000, (100,), generator=torch.Generator().manual_seed(2)).tolist()
+    outputs = {}
+    for graphs in (False, True):
+        engine = Engine(model, IdTokenizer(), cuda_graphs=graphs)
+        outputs[graphs] = []
+        for _ in range(2):  # the second run's phases are captured cold
+            run = engine.start()
+            root = run.tree.add_node(None, prompt)
+            leaves = [run.tree.add_node(root) for _ in range(12)]
+            gens = [GenRequest(leaf, SamplingParams(max_tokens=20 + 7 * (i % 5), temperature=0.8 if i % 2 else 0.0,
+                                                    ignore_eos=True), key=i) for i, leaf in enumerate(leaves)]
+            results, _ = run.execute(gens, [])
+            outputs[graphs].append([r.tokens for r in results])
+            if graphs:
+                assert run.decoder.cold_fallbacks == 0
+        if graphs:
+            assert engine.phases_captured >= 2
+    assert outputs[True] == outputs[False]

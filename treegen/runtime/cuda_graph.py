@@ -25,6 +25,23 @@ def capture(fn, pool=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def capture_cold(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, bool]:
+    """Capture ``fn`` without running it first: once its kernels are compiled and loaded (an earlier
+    capture ran the same code), the warm-up run of :func:`capture` only costs host time — as long again
+    as the recording. Should the capture fail (say a kernel variant compiled and loaded inside it), as
+    :func:`capture`. Returns ``(graph, ran)``; ``ran``: ``fn`` ran for real (the fallback), so the
+    graph's first replay would repeat it. Only for one process: ranks that must run collectives in
+    step could fall back differently."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        return graph, False
+    except Exception:
+        _end_generator_capture()
+        return capture(fn, pool), True
+
+
 def _end_generator_capture() -> None:
     """A capture that fails part way never ends the default CUDA generator's capture mode, and every
     random op after it raises ("Offset increment outside graph capture encountered unexpectedly").

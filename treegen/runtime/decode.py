@@ -32,7 +32,7 @@ import time
 import torch
 
 from treegen.runtime import swa
-from treegen.runtime.cuda_graph import capture
+from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams, sample
 from treegen.runtime.scheduler import REPLAN_FRACTION
@@ -68,6 +68,11 @@ class Decoder:
         # CUDA graph launches; on the CPU the model's work itself), "other": the loop's own Python
         self.constrained_host = dict.fromkeys(CONSTRAINED_PARTS, 0.0)
         self.captured_phases = 0  # phases run as CUDA graphs
+        # a capture may skip its warm-up run once the engine has captured a phase (its kernels compiled),
+        # in one process only (tensor-parallel ranks must run their collectives alike; see capture_cold)
+        parallel = run.engine.parallel
+        self.cold_captures = parallel is None or parallel.tp == 1
+        self.cold_fallbacks = 0  # captures without warm-up that failed and were made with it
 
     # ---------------------------------------------------------------------------------------------
     def decode_rows(self) -> list[tuple[int, int]]:
@@ -346,8 +351,8 @@ class Decoder:
 
         started = time.perf_counter()
         if capturing:
-            graph = capture(forward)  # ran step 0's forward; its logits now live in the graph's output
-            graph.replay()  # so run it again into that output (rewriting the same KV)
+            graph, _ = self._graph(forward)  # (if it ran step 0's forward, its logits are not the graph's output)
+            graph.replay()  # so run it (again) into that output (rewriting the same KV)
             upload()
             forward, pick = graph.replay, self._capture(pick, pool=graph.pool())
         else:
@@ -456,12 +461,21 @@ class Decoder:
         at = min(len(remaining) - 1, int(len(remaining) * REPLAN_FRACTION))
         return sorted(remaining)[at] >= MIN_CAPTURED_STEPS
 
-    @staticmethod
-    def _capture(step, pool=None):
-        """Capture ``step`` as a CUDA graph; returns a replay function for the phase's steps. Capturing
-        runs the step once for real, which is the phase's first step, so the first call does nothing."""
-        graph = capture(step, pool)
-        first = [True]
+    def _graph(self, fn, pool=None) -> tuple[torch.cuda.CUDAGraph, bool]:
+        """``fn`` captured as a CUDA graph, and whether capturing ran it for real: without the warm-up
+        run once this engine has captured a phase (see ``cold_captures``), else with it."""
+        engine = self.run.engine
+        cold = self.cold_captures and engine.phases_captured > 0
+        graph, ran = capture_cold(fn, pool) if cold else (capture(fn, pool), True)
+        engine.phases_captured += 1
+        self.cold_fallbacks += cold and ran
+        return graph, ran
+
+    def _capture(self, step, pool=None):
+        """Capture ``step`` as a CUDA graph; returns a replay function for the phase's steps. When
+        capturing ran the step for real, that was the phase's first step, so the first call does nothing."""
+        graph, ran = self._graph(step, pool)
+        first = [ran]
 
         def replay():
             if first[0]:

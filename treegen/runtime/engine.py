@@ -132,6 +132,7 @@ class Engine:
         self.kv_keep_history = swa.check_period(kv_keep_history, "Engine(kv_keep_history=...)")
         self.parallel = parallel
         self.workers = workers  # the tensor-parallel workers this process started (treegen.runtime.workers.Team)
+        self.phases_captured = 0  # decode graphs captured by this engine's runs (later ones skip the warm-up)
         if workers is not None:
             import weakref
 
