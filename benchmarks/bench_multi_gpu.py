@@ -10,7 +10,9 @@ not depend on the weights), tree attention, CUDA graphs. Decode tok/s = batch*(n
 
 * ``tp=1``: one GPU (rank 0; rank 1 waits);
 * ``tp=2``: the model split over both GPUs (every rank runs the same steps; one all-reduce after o and
-  after down in every layer);
+  after down in every layer), with the LM head whole on each GPU or split by vocabulary
+  (``--vocab-parallel on|off|both``; ``both``, the default, measures the two alternately at every
+  batch; each row records ``vocab_parallel``);
 * ``dp=2``: each GPU a whole model and half the branches (the prefix subtree split in two, as
   ``run_batch`` splits a batch of programs sharing one prefix); the time is the slower replica's.
 
@@ -22,6 +24,7 @@ per point: shape, batch, tp, dp, tok_s, speedup_vs_1gpu / ratio_to_none) and a P
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -72,8 +75,11 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama3-70b"], choices=["llama3-8b", "llama3-70b"])
     p.add_argument("--skip-70b", action="store_true", help="the same as --shapes llama3-8b")
+    p.add_argument("--vocab-parallel", choices=["on", "off", "both"], default="both",
+                   help="tp=2: the LM head split by vocabulary (on), whole on each GPU (off), or both, alternately")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.heads = {"on": [True], "off": [False], "both": [False, True]}[args.vocab_parallel]
 
     tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=1800)  # the two GPUs as one replica
     dp2 = init_parallel(tensor_parallel=1, data_parallel=2, device="cuda", timeout_s=1800)  # two replicas
@@ -123,16 +129,19 @@ def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
         torch.cuda.empty_cache()
     dist.barrier()
 
-    model = LlamaFamilyModel.random(cfg, device=tp2.device, tp=tp2.tensor)
-    engine = Engine(model, IdTokenizer(), parallel=tp2)
+    # both heads' models at once (8B at tp=2: ~8.5 GB a GPU each), measured alternately at every batch, so
+    # drift over the run falls on both alike
+    engines = {split: Engine(LlamaFamilyModel.random(cfg, device=tp2.device, tp=split_head(tp2, split)), IdTokenizer(),
+                             parallel=tp2) for split in args.heads}
     for batch in args.batches:
-        dist.barrier()
-        dt, total = decode_time(engine, batch, args.prefix, args.new)
-        tok_s = new_tokens(batch, dt)
-        record({"shape": "llama3-8b", "batch": batch, "tp": 2, "dp": 1, "tok_s": tok_s, "total_s": total,
-                "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
-                "all_reduce": tp2.tensor.all_reduce_path})
-    del model, engine
+        for split, engine in (engines.items() if batch % 2 == 0 else reversed(engines.items())):
+            dist.barrier()
+            dt, total = decode_time(engine, batch, args.prefix, args.new)
+            tok_s = new_tokens(batch, dt)
+            record({"shape": "llama3-8b", "batch": batch, "tp": 2, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
+                    "total_s": total, "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
+                    "all_reduce": tp2.tensor.all_reduce_path})
+    del engines
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -157,20 +166,30 @@ def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
 
 
 
+def split_head(tp2, split: bool):
+    """tp2's tensor-parallel group, the LM head split by vocabulary or whole."""
+    return dataclasses.replace(tp2.tensor, vocab_parallel=split)
+
+
 def measure_70b(args, tp2, record, new_tokens) -> None:
-    """Llama-3-70B shape at tp=2, with its attention-free ceiling at every batch."""
-    model = LlamaFamilyModel.random(config_of("llama3-70b"), device=tp2.device, tp=tp2.tensor)
-    for batch in args.batches_70b:
-        speeds = {}
-        for mode in ("none", "tree"):
-            engine = Engine(model, IdTokenizer(), attention=mode, parallel=tp2)
-            dist.barrier()
-            dt, total = decode_time(engine, batch, args.prefix, args.new)
-            speeds[mode] = new_tokens(batch, dt)
-            del engine
-        record({"shape": "llama3-70b", "batch": batch, "tp": 2, "dp": 1, "tok_s": speeds["tree"],
-                "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"],
-                "all_reduce": tp2.tensor.all_reduce_path})
+    """Llama-3-70B shape at tp=2, with its attention-free ceiling at every batch; one head after the
+    other (two 70B models do not fit two GPUs)."""
+    for split in args.heads:
+        model = LlamaFamilyModel.random(config_of("llama3-70b"), device=tp2.device, tp=split_head(tp2, split))
+        for batch in args.batches_70b:
+            speeds = {}
+            for mode in ("none", "tree"):
+                engine = Engine(model, IdTokenizer(), attention=mode, parallel=tp2)
+                dist.barrier()
+                dt, total = decode_time(engine, batch, args.prefix, args.new)
+                speeds[mode] = new_tokens(batch, dt)
+                del engine
+            record({"shape": "llama3-70b", "batch": batch, "tp": 2, "dp": 1, "vocab_parallel": split,
+                    "tok_s": speeds["tree"], "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"],
+                    "all_reduce": tp2.tensor.all_reduce_path})
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def write_json(args, rows: list[dict], out: Path) -> None:
@@ -183,7 +202,9 @@ def write_json(args, rows: list[dict], out: Path) -> None:
                            "transformers": transformers.__version__, "cuda": torch.version.cuda,
                            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "python": platform.python_version()},
               "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); greedy, EOS ignored, tree attention, CUDA graphs; "
-                        "one warm-up run per point; dp=2: half the branches per GPU, the slower replica's time",
+                        "one warm-up run per point; dp=2: half the branches per GPU, the slower replica's time; "
+                        "tp=2 rows: vocab_parallel = LM head split by vocabulary (else whole on each GPU), the 8B "
+                        "shape's two heads measured alternately at every batch",
               "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -196,17 +217,22 @@ def plot(rows: list[dict], out: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     small = [r for r in rows if r["shape"] == "llama3-8b"]
-    for tp, dp, label in ((1, 1, "one GPU"), (2, 1, "tp=2"), (1, 2, "dp=2")):
-        pts = sorted((r["batch"], r["tok_s"]) for r in small if r["tp"] == tp and r["dp"] == dp)
+    for tp, dp, split, label in ((1, 1, None, "one GPU"), (2, 1, False, "tp=2"), (2, 1, True, "tp=2, head split by vocab"),
+                                 (1, 2, None, "dp=2")):
+        pts = sorted((r["batch"], r["tok_s"]) for r in small
+                     if r["tp"] == tp and r["dp"] == dp and (tp == 1 or bool(r.get("vocab_parallel")) == split))
         if pts:
             axes[0].plot(*zip(*pts), marker="o", label=label)
     axes[0].set_title("Llama-3-8B shape")
     throughput_axes(axes[0], "batch")
-    big = sorted((r for r in rows if r["shape"] == "llama3-70b"), key=lambda r: r["batch"])
-    if big:
-        axes[1].plot([r["batch"] for r in big], [r["tok_s"] for r in big], marker="o", label="tp=2 tree")
-        axes[1].plot([r["batch"] for r in big], [r["none_tok_s"] for r in big], marker="x", ls="--",
-                     label="tp=2 no attention (ceiling)")
+    for split in (False, True):
+        big = sorted((r for r in rows if r["shape"] == "llama3-70b" and bool(r.get("vocab_parallel")) == split),
+                     key=lambda r: r["batch"])
+        if big:
+            head = ", head split" if split else ""
+            axes[1].plot([r["batch"] for r in big], [r["tok_s"] for r in big], marker="o", label=f"tp=2 tree{head}")
+            axes[1].plot([r["batch"] for r in big], [r["none_tok_s"] for r in big], marker="x", ls="--",
+                         label=f"tp=2 no attention (ceiling){head}")
     axes[1].set_title("Llama-3-70B shape, tp=2")
     throughput_axes(axes[1], "batch")
     fig.suptitle("treegen decode on 2 GPUs (prefix 2048, 128 new tokens, bf16)")

@@ -6,11 +6,15 @@ Per batch, the decode step time (ms) of the Llama-3-8B shape (random bf16 weight
 new tokens, CUDA graphs) at one GPU and at tp=2, each with tree attention and attention-free
 (``none``); the model's forward alone (no engine, no attention, captured as one CUDA graph) at tp=1
 and tp=2; and 64 all-reduces of [batch, 4096] bf16 (the two per layer of a step) captured as one graph.
+Also the LM head and the sampler alone (``head_pick_*``: ``[batch, 4096] x [4096, 128256]`` and
+:func:`~treegen.runtime.sampler.pick`, one CUDA graph), greedy / temperature / top-p, with the head
+whole on each GPU against split by vocabulary (its ``[batch, 4]`` all-gather, or for top-p the logits').
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -26,6 +30,8 @@ from treegen.runtime.distributed import init_parallel
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
+from treegen.runtime.sampler import pick
+from treegen.runtime.vocab_split import VocabSplit
 
 
 def graph_ms(fn, reps: int = 20) -> float:
@@ -47,6 +53,31 @@ def forward_ms(model: LlamaFamilyModel, batch: int) -> float:
     ids = torch.randint(0, model.vocab_size, (batch,), device=model.device)
     pos = torch.full((batch,), 2100, device=model.device)
     return graph_ms(lambda: model.forward(ids, pos, lambda i, q, k, v: q))
+
+
+def head_pick_ms(tp2, hidden: int, vocab: int, batches: list[int]) -> dict:
+    """Per batch, ms of the LM head's product and the sampler's pick, captured as one graph: the head
+    whole on this GPU, and split by vocabulary over the two (this GPU's rows and the collectives)."""
+    gen = torch.Generator(device=tp2.device).manual_seed(0)
+    whole = torch.randn(vocab, hidden, generator=gen, device=tp2.device, dtype=torch.bfloat16) * 0.02
+    split = VocabSplit(dataclasses.replace(tp2.tensor, vocab_parallel=True), vocab)
+    mine = whole[split.start:split.stop]
+    res = {}
+    for b in batches:
+        h = torch.randn(b, hidden, generator=gen, device=tp2.device, dtype=torch.bfloat16)
+        keys = torch.arange(b, device=tp2.device)
+        steps = torch.zeros(b, dtype=torch.int64, device=tp2.device)
+        row = {}
+        for kind, temp, top_p in (("greedy", 0.0, 1.0), ("temperature", 0.8, 1.0), ("top_p", 0.8, 0.95)):
+            args = dict(temperature=torch.full((b,), temp, device=tp2.device),
+                        top_p=torch.full((b,), top_p, device=tp2.device),
+                        top_k=torch.zeros(b, dtype=torch.int64, device=tp2.device), keys=keys, steps=steps,
+                        all_greedy=temp == 0, filter_needed=top_p < 1)
+            for head, w, s in (("whole", whole, None), ("split", mine, split)):
+                row[f"head_pick_{head}_{kind}_ms"] = graph_ms(
+                    lambda: pick(torch.nn.functional.linear(h, w).float(), split=s, **args))
+        res[b] = row
+    return res
 
 
 def symmetric_memory_all_reduces(tp2, hidden: int, batches: list[int]) -> dict:
@@ -116,6 +147,9 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - a diagnostic: record why
         for b in args.batches:
             rows[b]["symm_error"] = f"{type(e).__name__}: {e}"[:500]
+    heads = head_pick_ms(tp2, cfg.hidden_size, cfg.vocab_size, args.batches)
+    for b in args.batches:
+        rows[b].update(heads[b])
     if leader:
         print(json.dumps(list(rows.values())), flush=True)
     if args.allreduce_only:

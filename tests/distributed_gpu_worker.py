@@ -5,10 +5,15 @@
   (hidden 4096, 32/8 heads, MLP 14336, vocab 128256; 4 layers), within bf16 tolerance; then a
   greedy decode at tp=2 through CUDA graphs gives the same tokens on both ranks.
 * the all-reduce over peer memory gives NCCL's sums (fp32 bit for bit, bf16 within one step; the same
-  bits on both ranks), also replayed in a CUDA graph.
+  bits on both ranks), also replayed in a CUDA graph; ``TensorParallel.all_gather`` gives NCCL's
+  all-gather bit for bit (small ones over peer memory, large ones NCCL), also in a CUDA graph.
+* tp=2 with the LM head split by vocabulary vs tp=2 with the head whole (same random weights): the
+  gathered prefill logits within bf16 tolerance (and whether bit-equal is printed), and the same tokens
+  through CUDA-graph decode phases — greedy, temperature, top-p and top-k — on both ranks.
 * dp=2 vs one process: a two-level batch (sampled and greedy, fp32) gives identical tokens.
 """
 
+import dataclasses
 import os
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -54,6 +59,60 @@ def problem(s, k):
     s += treegen.gen("greedy", max_tokens=6, ignore_eos=True)
 
 
+def sampled_tokens(engine: Engine, params: SamplingParams) -> list:
+    """16 branches below one 300-token prompt, decoded in CUDA-graph phases."""
+    run = engine.start()
+    root = run.tree.add_node(None, list(range(1000, 1300)))
+    leaves = [run.tree.add_node(root, [7 + i]) for i in range(16)]
+    results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
+    assert run.decode_phases, "the branches never decoded in a phase"
+    return [list(r.tokens) for r in results]
+
+
+def split_head_matches_whole_head(tp2, cfg, whole_head: Engine) -> str:
+    """tp=2 with the LM head split by vocabulary draws the tokens of tp=2 with the head whole."""
+    model = LlamaFamilyModel.random(cfg, device=tp2.device, tp=dataclasses.replace(tp2.tensor, vocab_parallel=True))
+    split_head = Engine(model, IdTokenizer(), parallel=tp2)
+    assert model.vocab_split is not None and model.lm_head.shape[0] == 64128, model
+    assert whole_head.model.vocab_split is None and whole_head.model.lm_head.shape[0] == 128256
+    want, got = prefill_logits(whole_head), prefill_logits(split_head)
+    bit_equal = torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0.02)
+    kinds = {"greedy": SamplingParams(max_tokens=24, ignore_eos=True),
+             "temperature": SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True),
+             "top_p": SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, ignore_eos=True),
+             "top_k": SamplingParams(max_tokens=24, temperature=1.0, top_k=20, ignore_eos=True)}
+    for name, params in kinds.items():
+        a, b = sampled_tokens(whole_head, params), sampled_tokens(split_head, params)
+        assert a == b, f"{name}: the split head drew other tokens than the whole head: {a} vs {b}"
+        every = [None, None]
+        dist.all_gather_object(every, b)
+        assert every[0] == every[1], f"{name}: tp=2 ranks with a split head drew different tokens"
+    del split_head, model
+    return f"prefill logits {'bit-equal' if bit_equal else 'within bf16 tolerance (not bit-equal)'}"
+
+
+def all_gather_is_nccls(tp2) -> None:
+    """``TensorParallel.all_gather`` (peer memory for small tensors) equals NCCL's all-gather, in and out of a graph."""
+    for dtype, shape in ((torch.float32, (1024, 4)), (torch.float32, (3, 4)), (torch.bfloat16, (64, 64128)),
+                         (torch.float32, (256, 64128))):
+        x = torch.randn(*shape, device=tp2.device).to(dtype) * (1 + tp2.rank)
+        x[0, 0] = float("-inf")
+        want = torch.empty((2, *shape), dtype=dtype, device=tp2.device)
+        dist.all_gather_into_tensor(want, x, group=tp2.tensor.group)
+        assert torch.equal(tp2.tensor.all_gather(x), want), (dtype, shape)
+    x = torch.randn(512, 4, device=tp2.device) + tp2.rank
+    want = torch.empty((2, 512, 4), device=tp2.device)
+    dist.all_gather_into_tensor(want, x, group=tp2.tensor.group)
+    out = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out["y"] = tp2.tensor.all_gather(x)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(out["y"], want)
+
+
 def peer_all_reduce_is_nccls(tp2) -> None:
     """The all-reduce over peer memory gives NCCL's sums, the same bits on every rank, for the sizes and dtypes the
     model sends it (in and out of a CUDA graph); a tensor larger than its buffer goes to NCCL."""
@@ -90,6 +149,7 @@ def peer_all_reduce_is_nccls(tp2) -> None:
 def main() -> None:
     tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=600)
     peer_all_reduce_is_nccls(tp2)
+    all_gather_is_nccls(tp2)
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
     whole = Engine(LlamaFamilyModel.random(cfg, device=tp2.device), IdTokenizer())
@@ -104,7 +164,10 @@ def main() -> None:
     every = [None, None]
     dist.all_gather_object(every, tokens)
     assert every[0] == every[1], "tp=2 ranks drew different tokens"
-    del whole, split
+    del whole
+    torch.cuda.empty_cache()
+    vocab = split_head_matches_whole_head(tp2, cfg, split)
+    del split
     torch.cuda.empty_cache()
 
     dp2 = init_parallel(tensor_parallel=1, data_parallel=2, device="cuda", timeout_s=600)
@@ -118,7 +181,8 @@ def main() -> None:
     if dp2.rank == 0:
         print(f"{tp2}", flush=True)
         print("distributed GPU checks passed: peer all-reduce equals NCCL's, tp=2 logits within bf16 tolerance "
-              f"(top token agrees on {same:.0%} of rows), dp=2 tokens identical", flush=True)
+              f"(top token agrees on {same:.0%} of rows), LM head split by vocabulary draws the whole head's tokens "
+              f"({vocab}), dp=2 tokens identical", flush=True)
     dist.destroy_process_group()
 
 

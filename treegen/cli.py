@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallel: split the model over N GPUs (under torchrun, one process per GPU; "
                         "else this process starts the other ranks itself)")
+    r.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto",
+                   help="with --tp: split the LM head by vocabulary over the ranks (on: each rank computes the logits "
+                        "of its share of the tokens; the tokens drawn are the same) or keep it whole on every rank "
+                        "(off); auto (default) splits it wherever the vocabulary splits")
     r.add_argument("--dp", type=int, default=None, metavar="N",
                    help="data parallel: N model replicas, a --batch split across them by shared prefixes, results "
                         "streamed back as each program finishes (under torchrun default: the processes it started / "
@@ -197,6 +201,7 @@ def cmd_run(args) -> int:
         _quiet_transformers()
         return Engine.load(args.model, dtype=dtype, device=args.device, tensor_parallel=args.tp,
                            data_parallel=args.dp, implementation=args.implementation,
+                           vocab_parallel={"on": True, "off": False}.get(args.vocab_parallel, "auto"),
                            kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype, kv_keep=args.kv_keep)
 
     if batch is not None:

@@ -34,9 +34,9 @@ import torch
 from treegen.runtime import swa
 from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.requests import GenResult, Job
-from treegen.runtime.sampler import SamplingParams, sample
+from treegen.runtime.sampler import SamplingParams, pick
 from treegen.runtime.scheduler import REPLAN_FRACTION
-from treegen.runtime.token_masks import TokenMasks, apply_bitmask
+from treegen.runtime.token_masks import TokenMasks
 
 # a phase expected to end sooner than this many steps runs without a CUDA graph (capture costs more)
 MIN_CAPTURED_STEPS = 8
@@ -97,14 +97,12 @@ class Decoder:
             return
         device = logits.device
         steps = torch.tensor([len(self.out[b]) for b in rows], dtype=torch.int64, device=device)
-        params = _Params([self.jobs[b] for b in rows], device)
-        lse = logits.logsumexp(-1)  # the model's distribution, before a constraint's mask
+        params = _Params([self.jobs[b] for b in rows], device, self.model.vocab_split)
+        bitmask = None
         if self.masks is not None:
             bitmask = self.masks.new_bitmask(len(rows))
-            if self.masks.fill(bitmask, rows):
-                apply_bitmask(logits, bitmask.to(device))
-        nxt = params.sample(logits, torch.arange(len(rows), device=device), steps)
-        lp = logits.gather(1, nxt.unsqueeze(1)).squeeze(1) - lse
+            bitmask = bitmask.to(device) if self.masks.fill(bitmask, rows) else None
+        nxt, lp = params.pick(logits, torch.arange(len(rows), device=device), steps, bitmask)
         tokens = nxt.tolist()
         self._advance_matchers(rows, [[t] for t in tokens])
         for b, t, p in zip(rows, tokens, lp.tolist()):
@@ -151,7 +149,7 @@ class Decoder:
         # a branch done while the phase runs on keeps writing into its reservation's last slot, which
         # holds no KV (its last token's is never written): never into its written KV, never past it
         slot_limit = slots + torch.tensor(grow, device=device)
-        params = _Params([self.jobs[b] for b in live], device)
+        params = _Params([self.jobs[b] for b in live], device, model.vocab_split)
         idx = torch.arange(len(live), device=device)
         steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
         buf = torch.zeros(len(live), width, dtype=torch.int64, device=device)
@@ -169,20 +167,13 @@ class Decoder:
         logits_of = {}
 
         def forward() -> None:
-            logits_of["step"] = model.forward(input_ids, plan.query_pos, attend)
+            # (a head split by vocabulary: this rank's logits, which the sampler reads)
+            logits_of["step"] = model.forward(input_ids, plan.query_pos, attend, gather=False)
 
         def pick() -> None:
-            logits = logits_of["step"]
-            if bitmask is not None:
-                lse = logits.logsumexp(-1, keepdim=True)  # logprobs under the model, before the mask
-                apply_bitmask(logits, bitmask)
-                nxt = params.sample(logits, idx, steps)
-                lp = logits.gather(1, nxt.unsqueeze(1)) - lse
-            else:
-                nxt = params.sample(logits, idx, steps)
-                lp = logits.log_softmax(-1).gather(1, nxt.unsqueeze(1))
+            nxt, lp = params.pick(logits_of["step"], idx, steps, bitmask)
             buf.scatter_(1, column, nxt.unsqueeze(1))
-            lp_buf.scatter_(1, column, lp)
+            lp_buf.scatter_(1, column, lp.unsqueeze(1))
             input_ids.copy_(nxt)
             plan.query_pos.add_(1)
             torch.minimum(slots + 1, slot_limit, out=slots)
@@ -487,9 +478,11 @@ class Decoder:
 
 
 class _Params:
-    """The sampling parameters of some branches as device tensors, row by row."""
+    """The sampling parameters of some branches as device tensors, row by row; ``split``: the model's
+    ``vocab_split`` (the logits :meth:`pick` gets are this rank's slice) or None."""
 
-    def __init__(self, jobs: list[Job], device) -> None:
+    def __init__(self, jobs: list[Job], device, split=None) -> None:
+        self.split = split
         params: list[SamplingParams] = [j.request.params for j in jobs]
         self.temperature = torch.tensor([float(p.temperature) for p in params], device=device)
         self.top_p = torch.tensor([float(p.top_p) for p in params], device=device)
@@ -498,9 +491,11 @@ class _Params:
         self.all_greedy = all(p.temperature == 0 for p in params)
         self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
 
-    def sample(self, logits, idx, steps):
-        return sample(logits, temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
-                      keys=self.keys[idx], steps=steps, all_greedy=self.all_greedy, filter_needed=self.filter_needed)
+    def pick(self, logits, idx, steps, bitmask=None):
+        """(tokens, logprobs) of rows ``idx`` (see :func:`~treegen.runtime.sampler.pick`)."""
+        return pick(logits, temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
+                    keys=self.keys[idx], steps=steps, all_greedy=self.all_greedy, filter_needed=self.filter_needed,
+                    bitmask=bitmask, split=self.split)
 
 
 class _Column:

@@ -29,6 +29,7 @@ from treegen.runtime.peer_all_reduce import PeerAllReduce, peer_all_reduce_for
 from treegen.runtime.shard import Shard
 
 DEFAULT_TIMEOUT_S = 300.0
+SMALL_GATHER_BYTES = 1 << 20  # all-gathers up to this size (all ranks' parts) go over peer memory where it serves
 
 
 class DistributedError(ValueError):
@@ -43,6 +44,7 @@ class TensorParallel:
     group: object | None  # the ProcessGroup (None when shard.size == 1)
     peer: PeerAllReduce | None = None  # the all-reduce over peer GPU memory, where the group can use it
     all_reduce_path: str = "none (one rank)"  # which all-reduce serves, or why NCCL does
+    vocab_parallel: bool = False  # the LM head split by vocabulary over the group (see shard.py), else whole
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group, in place (every rank gets the same bits); returns ``t``."""
@@ -51,6 +53,27 @@ class TensorParallel:
                 return self.peer.all_reduce_(t)
             dist.all_reduce(t, group=self.group)
         return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t``, stacked in rank order: ``[size, *t.shape]`` (the same on every rank).
+        Captured in CUDA graphs like :meth:`all_reduce`. A small one (at most ``SMALL_GATHER_BYTES`` in all)
+        over peer memory where the group has it, as the all-reduce of a zeroed stack holding ``t`` in
+        this rank's row (``x + 0`` is ``x``: exact; the peer all-reduce's latency is NCCL's at a third),
+        else NCCL's (gloo's) all-gather."""
+        size = self.shard.size
+        if size == 1:
+            return t.unsqueeze(0)
+        t = t.contiguous()
+        out = t.new_empty((size, *t.shape))
+        if self.peer is not None and self.peer.fits(out) and out.numel() * out.element_size() <= SMALL_GATHER_BYTES:
+            out.zero_()
+            out[self.shard.rank].copy_(t)
+            return self.peer.all_reduce_(out)
+        if out.device.type == "cuda":
+            dist.all_gather_into_tensor(out, t, group=self.group)
+        else:  # (gloo)
+            dist.all_gather(list(out.unbind(0)), t, group=self.group)
+        return out
 
     def agree_min(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` of any rank of the group (host decisions every rank must share)."""
@@ -98,7 +121,8 @@ class Parallel:
         return out
 
     def __repr__(self) -> str:
-        path = f", all-reduce: {self.tensor.all_reduce_path}" if self.tp > 1 else ""
+        path = (f", all-reduce: {self.tensor.all_reduce_path}, LM head "
+                f"{'split by vocabulary' if self.tensor.vocab_parallel else 'whole'}") if self.tp > 1 else ""
         return (f"Parallel(rank {self.rank} of {self.world}: tp {self.tp_rank}/{self.tp}, "
                 f"dp {self.dp_rank}/{self.dp}{path})")
 
@@ -146,11 +170,13 @@ def join_local_group(rank: int, world: int, port: int, device: str | torch.devic
 
 
 def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
-                  device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> Parallel:
+                  device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+                  vocab_parallel: bool = False) -> Parallel:
     """Join (or make) the process group of this launch and split it into replicas of
     ``tensor_parallel`` ranks; ``data_parallel`` (None: the world size / ``tensor_parallel``) must
     match. Each rank runs on its own GPU (``cuda:LOCAL_RANK``, or ``cuda:RANK`` in a group made by
-    :func:`join_local_group`) or the CPU."""
+    :func:`join_local_group`) or the CPU. ``vocab_parallel``: models built on this layout split their
+    LM head by vocabulary (:attr:`TensorParallel.vocab_parallel`; ignored at ``tensor_parallel`` 1)."""
     device = torch.device(device)
     check_layout(tensor_parallel, data_parallel, device)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (also inherited by what this process starts)
@@ -180,7 +206,8 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s)) if dp > 1 else None
         if rank in ranks:
             dp_group = group
-    tensor = TensorParallel(Shard(rank % tensor_parallel, tensor_parallel), tp_group)
+    tensor = TensorParallel(Shard(rank % tensor_parallel, tensor_parallel), tp_group,
+                            vocab_parallel=bool(vocab_parallel) and tensor_parallel > 1)
     if tp_group is not None and device.type == "cuda":
         tensor.peer, reason = peer_all_reduce_for(tp_group, device)
         tensor.all_reduce_path = reason if tensor.peer is not None else f"NCCL ({reason})"
@@ -189,5 +216,5 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
     return Parallel(tensor_parallel, dp, rank, device, tensor, dp_group)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistributedError", "Parallel", "TensorParallel", "check_layout", "init_parallel",
+__all__ = ["DEFAULT_TIMEOUT_S", "SMALL_GATHER_BYTES", "DistributedError", "Parallel", "TensorParallel", "check_layout", "init_parallel",
            "join_local_group", "launched"]

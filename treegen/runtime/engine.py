@@ -190,7 +190,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
              implementation: str = "auto", tensor_parallel: int = 1, data_parallel: int | None = None,
-             **options) -> "Engine":
+             vocab_parallel: bool | str = "auto", **options) -> "Engine":
         """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id) on the
         path ``implementation`` names: ``"auto"`` (the fast path where it runs the model, else the generic
         path), ``"fast"`` or ``"generic"``. ``options``: ``attention``, ``cuda_graphs``, ``kv_dtype``, ...
@@ -214,20 +214,30 @@ class Engine:
           next (or the waiting) call raise :class:`~treegen.runtime.workers.WorkerError` with its error.
           :meth:`close` (or dropping the engine, or exit) ends the workers.
 
+        ``vocab_parallel`` (with ``tensor_parallel`` > 1): the LM head split by vocabulary over the ranks
+        (True: each rank holds and computes the logits of ``1 / tensor_parallel`` of the tokens; the
+        sampler combines the ranks' best tokens, gathering the whole logits only for top-p / top-k, scores
+        and prefill; the embedding stays whole, see :mod:`treegen.runtime.shard`), or whole on every
+        rank (False); ``"auto"`` splits it wherever the vocabulary splits. The tokens are the same either
+        way. True without tensor parallel is refused.
+
         A layout the model cannot split into is refused from its config, before any process group is
         made or weight is read."""
         from treegen.runtime import distributed
         from treegen.runtime.loader import load_config, load_model
-        from treegen.runtime.shard import check_tensor_parallel
+        from treegen.runtime.shard import check_tensor_parallel, vocab_parallel_for
 
         device = torch.device(device)
         distributed.check_layout(tensor_parallel, data_parallel, device)
+        vocab_parallel_for(vocab_parallel, tensor_parallel)  # (a bad value: refused before anything runs)
         if tensor_parallel == 1 and data_parallel in (None, 1) and not distributed.launched():
             return cls(*load_model(model, dtype=dtype, device=device, implementation=implementation), **options)
         if tensor_parallel > 1 and implementation == "generic":
             raise distributed.DistributedError("tensor_parallel > 1 runs treegen's fast path only (its split "
                                                "forward); the generic path runs on one GPU per replica")
-        check_tensor_parallel(load_config(model), tensor_parallel)
+        config = load_config(model)
+        check_tensor_parallel(config, tensor_parallel)
+        split_vocab = vocab_parallel_for(vocab_parallel, tensor_parallel, int(config.vocab_size))
         if not distributed.launched():
             if data_parallel not in (None, 1):
                 from treegen.runtime.loader import load_tokenizer
@@ -237,7 +247,8 @@ class Engine:
                 tokenizer = load_tokenizer(model)
                 fmt = kv_format(options.get("kv_dtype"), dtype)  # (the bytes; each replica checks its GPU)
                 replicas = start_replicas(model, dtype=dtype, device=device, implementation=implementation,
-                                          tensor_parallel=tensor_parallel, data_parallel=data_parallel, options=options)
+                                          tensor_parallel=tensor_parallel, data_parallel=data_parallel,
+                                          options=dict(options, vocab_parallel=vocab_parallel))
                 return ReplicatedEngine(tokenizer, replicas, model_name=str(model or "SmolLM2-135M-Instruct (embedded)"),
                                         kv_shape=KVShape.from_config(load_config(model), fmt.bytes_per_value,
                                                                      fmt.scale_bytes),
@@ -245,14 +256,15 @@ class Engine:
             from treegen.runtime.workers import start_team
 
             parallel, team = start_team(model, dtype=dtype, device=device, tensor_parallel=tensor_parallel,
-                                        options=options)
+                                        options=options, vocab_parallel=split_vocab)
             try:
                 return cls(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor),
                            parallel=parallel, workers=team, **options)
             except BaseException:
                 team.close()
                 raise
-        parallel = distributed.init_parallel(tensor_parallel=tensor_parallel, data_parallel=data_parallel, device=device)
+        parallel = distributed.init_parallel(tensor_parallel=tensor_parallel, data_parallel=data_parallel, device=device,
+                                             vocab_parallel=split_vocab)
         return cls(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor,
                                implementation=implementation if tensor_parallel == 1 else "fast"),
                    parallel=parallel, **options)
@@ -445,7 +457,8 @@ class TreeRun:
         per_score = [score_rows(tree, j) for j in scores]
         for rs in per_score:
             wanted += [row_of[r] for choice in rs for r in choice]
-        logits = self._forward(rows, wanted)
+        split = self.model.vocab_split  # (a head split by vocabulary: the sampler reads this rank's logits)
+        logits = self._forward(rows, wanted, gather=split is None)
         self.mixed_steps += 1
         dec.draw(logits[: len(decode_rows) + len(gens)], gens)
         if not scores:
@@ -454,7 +467,8 @@ class TreeRun:
         at = len(decode_rows) + len(gens)
         targets = torch.tensor([t for job in scores for c in job.request.choices for t in tree.tokens(c)],
                                device=logits.device)
-        picked = logits[at:].log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        chosen = logits[at:] if split is None else split.gather(logits[at:])
+        picked = chosen.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
         sizes = [len(choice_rows) for rs in per_score for choice_rows in rs]
         means = iter(torch.stack([part.mean() for part in picked.split(sizes)]).tolist())
         for job in scores:
@@ -557,24 +571,28 @@ class TreeRun:
         attend.cache = cache
         return attend
 
-    def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int]) -> torch.Tensor:
+    def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int], gather: bool = True) -> torch.Tensor:
         """Run the model on the (node, index) token rows → fp32 logits [len(logits_rows), vocab].
 
         Rows are taken in order (parents before children) in chunks of at most
-        ``engine.max_prefill_tokens``, so activations stay bounded however large the prefill."""
+        ``engine.max_prefill_tokens``, so activations stay bounded however large the prefill.
+        ``gather=False``: of a head split by vocabulary, this rank's columns only (``model.forward``)."""
         chunk = self.engine.max_prefill_tokens
         parts, taken = [], []
         for begin in range(0, len(rows), chunk):
             input_ids, slots, plan = self.plan_rows(rows[begin : begin + chunk])
             mine = [i for i, r in enumerate(logits_rows) if begin <= r < begin + chunk]
             wanted = torch.tensor([logits_rows[i] - begin for i in mine], dtype=torch.int64, device=self.model.device)
-            parts.append(self.model.forward(input_ids, plan.query_pos, self.attend_fn(plan, slots), wanted))
+            parts.append(self.model.forward(input_ids, plan.query_pos, self.attend_fn(plan, slots), wanted,
+                                            gather=gather))
             self.kv.wait_restores()  # (every layer waited already; nothing is pending afterwards)
             taken += mine
             self.forward_passes += 1
         if len(taken) != len(logits_rows):
             raise ValueError("logits_rows must name rows of this forward pass")
-        logits = torch.cat(parts) if parts else torch.empty(0, self.model.vocab_size, device=self.model.device)
+        split = self.model.vocab_split
+        width = self.model.vocab_size if gather or split is None else split.width
+        logits = torch.cat(parts) if parts else torch.empty(0, width, device=self.model.device)
         out = torch.empty_like(logits)
         out[torch.tensor(taken, dtype=torch.int64, device=logits.device)] = logits
         return out

@@ -123,6 +123,7 @@ class GenericModel:
     """
 
     implementation = "generic"
+    vocab_split = None  # (the LM head is never split by vocabulary on this path)
 
     def __init__(self, hf_model, *, eos_token_ids=frozenset(),
                  reason: str = "built from a transformers model directly") -> None:
@@ -227,10 +228,11 @@ class GenericModel:
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attend: AttendFn,
-                logits_rows: Tensor | None = None) -> Tensor:
+                logits_rows: Tensor | None = None, gather: bool = True) -> Tensor:
         """As :meth:`LlamaFamilyModel.forward`: packed tokens ``[T]`` at ``positions [T]``, ``attend``
         called once per layer with the new tokens' q ``[T, H, D]`` (RoPE'd) and k, v ``[T, Hkv, D]``;
-        returns fp32 logits ``[R, vocab]`` of ``logits_rows`` (default: all rows)."""
+        returns fp32 logits ``[R, vocab]`` of ``logits_rows`` (default: all rows). ``gather``: ignored
+        (this path never splits the vocabulary: ``vocab_split`` is None)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be [T]; got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")

@@ -31,6 +31,7 @@ from treegen.kernels.fused_ops import (add_rms_norm, fused_ops_available, rms_no
 
 from .families import FAMILIES, SUPPORTED_MODEL_TYPES, TEXT_ONLY, Family
 from .shard import Part, Shard, check_tensor_parallel, part_shape, take
+from .vocab_split import VocabSplit
 
 rms_norm = rms_norm_reference
 
@@ -304,10 +305,13 @@ def _dims(config) -> _Dims:
                  int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers))
 
 
-def _build(config, family: Family, get: WeightGetter, *, tied: bool, shard: Shard = Shard()):
+def _build(config, family: Family, get: WeightGetter, *, tied: bool, shard: Shard = Shard(),
+           vocab_parallel: bool = False):
     """(embed, layers, final norm, lm_head) from checkpoint tensors named as HF's ``*ForCausalLM``
     names them (``model.layers.{i}.self_attn.q_proj.weight``, ...), read through ``get``; of a
-    tensor-parallel ``shard``, only its slices (see :mod:`treegen.runtime.shard`).
+    tensor-parallel ``shard``, only its slices (see :mod:`treegen.runtime.shard`); with
+    ``vocab_parallel``, ``lm_head`` holds only the shard's vocabulary rows (a tied model's: a view of
+    the embedding's, which every rank keeps whole).
 
     q/k/v and gate/up are fused here (one copy while the layer is built) unless the checkpoint
     already stores them fused (Phi-3's ``qkv_proj`` / ``gate_up_proj``: views, no copy)."""
@@ -373,7 +377,12 @@ def _build(config, family: Family, get: WeightGetter, *, tied: bool, shard: Shar
             k_norm=norm(family.qk_norm and a + "k_norm.weight", qn[1]),
         ))
     embed = get("model.embed_tokens.weight", (None, d.hidden), False, None)
-    lm_head = embed if tied else get("lm_head.weight", (None, d.hidden), False, None)
+    if vocab_parallel and shard.size > 1:
+        vocab = int(embed.shape[0]) if tied else int(config.vocab_size)
+        start, stop = shard.vocab(vocab)
+        lm_head = embed[start:stop] if tied else get("lm_head.weight", (vocab, d.hidden), False, (0, [(start, stop)]))
+    else:
+        lm_head = embed if tied else get("lm_head.weight", (None, d.hidden), False, None)
     if get("lm_head.bias", (None,), True, None) is not None:
         raise UnsupportedModelError("lm_head with a bias is not supported")
     return embed, layers, norm("model.norm.weight", d.hidden), lm_head
@@ -415,17 +424,28 @@ class LlamaFamilyModel:
     Tensor parallel: ``tp`` (a :class:`~treegen.runtime.distributed.TensorParallel`, None: the whole
     model) names this rank's :class:`~treegen.runtime.shard.Shard` and all-reduces the row-parallel
     outputs; ``num_heads`` / ``num_kv_heads`` are then **this rank's** heads (so its KV store holds
-    only its KV heads) and the layers hold only its slices.
+    only its KV heads) and the layers hold only its slices. With ``tp.vocab_parallel`` the LM head
+    holds only this rank's vocabulary rows: ``vocab_split`` (a
+    :class:`~treegen.runtime.vocab_split.VocabSplit`, else None) names them, ``vocab_size`` stays the
+    whole vocabulary's, and :meth:`forward` gathers the whole logits unless asked for this rank's slice.
     """
 
     implementation = "fast"
 
     def __init__(self, config, embed: Tensor, layers: list[_Layer], norm: Tensor,
-                 lm_head: Tensor, eos_token_ids: set[int], tp=None):
+                 lm_head: Tensor, eos_token_ids: set[int], tp=None, vocab_size: int | None = None):
+        """``vocab_size``: the whole vocabulary when ``tp.vocab_parallel`` (``lm_head`` then holds this
+        rank's rows of it, see :meth:`~treegen.runtime.shard.Shard.vocab`); else ``lm_head``'s rows."""
         check_supported(config)
         self.tp = tp
         self.shard = tp.shard if tp is not None else Shard()
         check_tensor_parallel(config, self.shard.size)
+        split = tp is not None and tp.vocab_parallel and self.shard.size > 1
+        if split and vocab_size is None:
+            raise ValueError("a head split by vocabulary needs the whole vocabulary's size (vocab_size)")
+        self.vocab_split = VocabSplit(tp, int(vocab_size)) if split else None
+        if split and lm_head.shape[0] != self.vocab_split.width:
+            raise ValueError(f"lm_head holds {lm_head.shape[0]} rows, this rank's vocabulary slice is {self.vocab_split}")
         self.config = config
         self.family = family = family_for(config.model_type)
         self.embed = embed  # [vocab, hidden]
@@ -440,7 +460,7 @@ class LlamaFamilyModel:
         self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)  # this rank's
         self.head_dim = _head_dim(config)
         self.hidden_size = int(config.hidden_size)
-        self.vocab_size = int(lm_head.shape[0])
+        self.vocab_size = self.vocab_split.size if split else int(lm_head.shape[0])
         self.dtype = embed.dtype
         self.device = embed.device
         self.eps = float(config.rms_norm_eps)
@@ -496,8 +516,11 @@ class LlamaFamilyModel:
         shard = tp.shard if tp is not None else Shard()
         check_tensor_parallel(config, shard.size)
         family = family_for(config.model_type)
-        embed, layers, norm, lm_head = _build(config, family, get, tied=tied, shard=shard)
-        return cls(config, embed, layers, norm, lm_head, set(eos_token_ids) | eos_ids_of(config), tp=tp)
+        split = tp is not None and tp.vocab_parallel and shard.size > 1
+        embed, layers, norm, lm_head = _build(config, family, get, tied=tied, shard=shard, vocab_parallel=split)
+        vocab = (int(embed.shape[0]) if tied else int(config.vocab_size)) if split else None
+        return cls(config, embed, layers, norm, lm_head, set(eos_token_ids) | eos_ids_of(config), tp=tp,
+                   vocab_size=vocab)
 
     @classmethod
     def from_hf(cls, hf_model, *, device: str | torch.device | None = None,
@@ -572,7 +595,7 @@ class LlamaFamilyModel:
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attend: AttendFn,
-                logits_rows: Tensor | None = None) -> Tensor:
+                logits_rows: Tensor | None = None, gather: bool = True) -> Tensor:
         """Run all layers over packed tokens and return fp32 logits.
 
         input_ids [T] int64: flat tokens of many sequences.
@@ -583,6 +606,9 @@ class LlamaFamilyModel:
             If ``attend.cache(layer_idx)`` exists and returns ``(k_cache, v_cache, slots)``, the
             fused CUDA path writes the keys/values there itself and calls ``attend(i, q, None, None)``.
         logits_rows [R] int64 (optional): rows of T whose logits are wanted (default: all).
+        gather: with a head split by vocabulary (``vocab_split``), all-gather the whole logits (every rank
+        must call alike); False: this rank's slice ``[R, vocab_split.width]`` (the sampler's input,
+        :func:`~treegen.runtime.sampler.pick`). Without a split: ignored.
         Returns [R, vocab] float32.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
@@ -632,6 +658,8 @@ class LlamaFamilyModel:
         logits = F.linear(self._norm(h, self.norm), self.lm_head)  # [R, vocab], model dtype
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if gather and self.vocab_split is not None:
+            logits = self.vocab_split.gather(logits)  # (in the model dtype: half the bytes of fp32, same values)
         return logits.float()
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
@@ -673,6 +701,8 @@ class LlamaFamilyModel:
     def __repr__(self) -> str:
         fused = [name for name, on in self.fused_ops._asdict().items() if on]
         split = f", tensor_parallel={self.shard.rank}/{self.shard.size}" if self.shard.size > 1 else ""
+        if self.vocab_split is not None:
+            split += f", lm_head tokens [{self.vocab_split.start}, {self.vocab_split.stop})"
         return (f"LlamaFamilyModel({self.config.model_type}{split}, layers={self.num_layers}, "
                 f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, hidden={self.hidden_size}, "
                 f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device}, "

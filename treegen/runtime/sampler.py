@@ -6,6 +6,12 @@ tree. So a branch draws the same tokens whatever else is in the batch and in wha
 scheduled, and sampling needs no per-branch generator objects or Python loop over branches.
 Sampling is Gumbel-max over the temperature-scaled, top-k / top-p filtered logits, which draws
 exactly from the filtered softmax distribution. ``temperature == 0`` is greedy (argmax).
+
+:func:`pick` draws a step's tokens and their log-probabilities, also from logits split by vocabulary
+over tensor-parallel ranks (:mod:`treegen.runtime.vocab_split`): since a token's noise depends only
+on ``(key, step, token id)``, each rank scores its own tokens, and the best score of all ranks (the
+lowest token id among equal ones, as ``argmax`` over the whole row) is the token ``sample`` draws
+from the whole logits. Top-p / top-k need the whole distribution: the logits are then gathered.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import Tensor
 
 from treegen.runtime.constraint import Constraint
 from treegen.runtime.swa import check_kv_keep
+from treegen.runtime.token_masks import apply_bitmask
 
 _MASK32 = 0xFFFFFFFF
 
@@ -99,9 +106,10 @@ def _hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(keys: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
-    """Counter-based uniforms in (0, 1). keys, steps: [B] int64 → [B, vocab_size] float32."""
-    ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+def uniform_noise(keys: Tensor, steps: Tensor, vocab_size: int, start: int = 0) -> Tensor:
+    """Counter-based uniforms in (0, 1). keys, steps: [B] int64 → [B, vocab_size] float32, of token
+    ids ``start .. start + vocab_size - 1`` (a slice of the vocabulary gets that slice's noise)."""
+    ids = torch.arange(start, start + vocab_size, device=keys.device, dtype=torch.int64)
     x = _hash32((keys.unsqueeze(1) * 0x9E3779B1 + steps.unsqueeze(1)) & _MASK32)
     x = _hash32((x ^ ids.unsqueeze(0)) & _MASK32)
     return unit_interval(_hash32((x + 0x632BE5AB) & _MASK32))
@@ -138,3 +146,56 @@ def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor,
     gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, logits.shape[1])))
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)
+
+
+def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, steps: Tensor,
+         all_greedy: bool = False, filter_needed: bool = True, bitmask: Tensor | None = None,
+         split=None) -> tuple[Tensor, Tensor]:
+    """A step's tokens and their log-probabilities under the model (before a constraint's mask):
+    ``(tokens [B] int64, logprobs [B] float32)``; the tokens are :func:`sample`'s.
+
+    logits: [B, V] fp32, the whole vocabulary's; or, with ``split`` (a
+    :class:`~treegen.runtime.vocab_split.VocabSplit`), this rank's slice ``[B, split.width]``: every
+    rank of the group calls this alike and gets the same tokens, those :func:`sample` draws from the
+    whole logits. bitmask: ``[B, ceil(V / 32)]`` int32 on the logits' device (the whole vocabulary's:
+    a constraint's allowed tokens, :func:`~treegen.runtime.token_masks.apply_bitmask`) or None; it is
+    applied to ``logits`` in place. The other arguments are :func:`sample`'s. No host sync (a CUDA
+    graph captures it, collectives included)."""
+    args = dict(temperature=temperature, top_p=top_p, top_k=top_k, keys=keys, steps=steps, all_greedy=all_greedy,
+                filter_needed=filter_needed)
+    if split is not None and filter_needed and not all_greedy:  # top-p / top-k sort the whole distribution
+        logits, split = split.gather(logits), None
+    if split is not None:
+        return _pick_split(logits, split, bitmask, **args)
+    if bitmask is None:
+        tokens = sample(logits, **args)
+        return tokens, logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    lse = logits.logsumexp(-1)
+    apply_bitmask(logits, bitmask)
+    tokens = sample(logits, **args)
+    return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+
+
+def _pick_split(logits: Tensor, split, bitmask: Tensor | None, *, temperature: Tensor, top_p: Tensor,
+                top_k: Tensor, keys: Tensor, steps: Tensor, all_greedy: bool, filter_needed: bool
+                ) -> tuple[Tensor, Tensor]:
+    """:func:`pick` of unfiltered rows from this rank's slice of the logits. Each rank finds its best
+    token by the score whose argmax :func:`sample` takes (the logit for greedy rows, the scaled logit
+    plus its Gumbel noise for the others) and sends, per row, (score, token id, its logit, the
+    log-sum-exp of its slice): one all-gather of ``[B, 4]`` fp32. The token of the best score (the
+    lowest rank among equal ones) is the whole row's argmax; its log-probability is its logit less the
+    log-sum-exp over the ranks' log-sum-exps."""
+    lse = logits.logsumexp(-1, keepdim=True)  # this rank's part of the normaliser, before the mask
+    if bitmask is not None:
+        apply_bitmask(logits, split.bitmask(bitmask))
+    score = logits
+    if not all_greedy:
+        scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+        gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, split.width, start=split.start)))
+        score = torch.where((temperature == 0).unsqueeze(1), logits, scaled + gumbel)
+    best = score.argmax(-1, keepdim=True)  # [B, 1]: the lowest id among equal scores, as argmax of the whole row
+    mine = torch.cat([score.gather(1, best), (best + split.start).float(), logits.gather(1, best), lse], dim=1)
+    every = split.tp.all_gather(mine)  # [ranks, B, 4]
+    winner = every[:, :, 0].argmax(0)  # [B]: the first rank among equal best scores
+    row = every.gather(0, winner.view(1, -1, 1).expand(1, -1, every.shape[2])).squeeze(0)  # [B, 4]
+    return row[:, 1].long(), row[:, 2] - every[:, :, 3].logsumexp(0)

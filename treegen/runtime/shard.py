@@ -8,9 +8,18 @@ A model split over ``size`` ranks keeps, on rank ``rank``:
 * q/k/v and gate/up **by rows** (column-parallel: each rank computes its heads' / its slice of the
   MLP's channels from the whole hidden state); o and down **by columns** (row-parallel: each rank's
   product is a partial sum of the whole output, completed by one all-reduce after each);
-* the output biases of o and down on rank 0 only (added once by the all-reduce's sum), everything
-  else (norms, embedding, LM head) whole on every rank, so every rank computes the same logits from
-  the same all-reduced hidden state and samples the same tokens.
+* the output biases of o and down on rank 0 only (added once by the all-reduce's sum), the norms and
+  the embedding whole on every rank;
+* the LM head whole on every rank (every rank computes the same logits from the same all-reduced
+  hidden state), or, with ``vocab_parallel``, **by vocabulary**: rank ``r`` holds the rows of tokens
+  :meth:`Shard.vocab` gives it (``ceil(V / size)`` rounded up to a multiple of ``VOCAB_ALIGN``, the
+  last rank the rest) and computes only those logits; :mod:`treegen.runtime.vocab_split` gathers
+  them, and the sampler draws from them exactly as from the whole logits.
+
+The embedding stays whole even with a split head: a lookup of a few rows costs nothing, while a
+split one needs an all-reduce of ``[tokens, hidden]`` in every forward (one more per decode step
+besides the two per layer), to save ``(size - 1) / size`` of ``V x hidden`` per rank (0.5 GB of
+Llama-3-8B's bf16 embedding at ``size`` 2). A tied model's head is then a view of the embedding's rows.
 
 A slice is a :data:`Part`: ``(axis, [(start, stop), ...])`` — the weight's ranges along ``axis``,
 concatenated. Example: rank 1 of 2 of a fused q/k/v weight with 4 query and 2 KV heads of dim 8
@@ -25,6 +34,10 @@ import torch
 from torch import Tensor
 
 Part = tuple[int, list[tuple[int, int]]]
+
+# the tokens per rank of a split LM head are a multiple of this: a constraint's token bitmask (32 tokens
+# per int32 word) then splits along whole words
+VOCAB_ALIGN = 32
 
 
 class TensorParallelError(ValueError):
@@ -56,7 +69,41 @@ class Shard:
         per = n // self.size
         return self.rank * per, (self.rank + 1) * per
 
+    def vocab(self, n: int) -> tuple[int, int]:
+        """This rank's ``[start, stop)`` of a vocabulary of ``n`` tokens split over the ranks: ``vocab_per_rank``
+        tokens each, the last rank the rest (fewer: uneven slices, never padded weights)."""
+        per = vocab_per_rank(n, self.size)
+        start = min(self.rank * per, n)
+        return start, min(start + per, n)
 
+
+def vocab_per_rank(n: int, size: int) -> int:
+    """Tokens per rank of a vocabulary of ``n`` split over ``size`` ranks (the last rank may hold fewer)."""
+    per = -(-n // size)
+    return -(-per // VOCAB_ALIGN) * VOCAB_ALIGN
+
+
+VOCAB_PARALLEL_CHOICES = (True, False, "auto")
+
+
+def vocab_parallel_for(value, size: int, vocab_size: int | None = None) -> bool:
+    """Whether the LM head is split by vocabulary: ``value`` is True, False or ``"auto"`` (split
+    whenever the model is tensor parallel and its vocabulary splits into a non-empty slice per rank).
+    Raises :class:`TensorParallelError` for another value, for True without tensor parallel, or for True
+    with a vocabulary too small to split (``vocab_size`` None: not checked yet). Cheap: before any weight."""
+    if not any(value is c or (isinstance(value, str) and value == c) for c in VOCAB_PARALLEL_CHOICES):
+        raise TensorParallelError(f"vocab_parallel must be True, False or 'auto', got {value!r}")
+    if value is False or size == 1:
+        if value is True:
+            raise TensorParallelError("vocab_parallel=True splits the LM head over tensor-parallel ranks: it needs "
+                                      "tensor_parallel > 1")
+        return False
+    fits = vocab_size is None or vocab_per_rank(vocab_size, size) * (size - 1) < vocab_size
+    if value is True and not fits:
+        raise TensorParallelError(f"a vocabulary of {vocab_size} tokens is too small to split over {size} ranks "
+                                  f"({vocab_per_rank(vocab_size, size)} tokens each would leave the last rank none); "
+                                  f"use vocab_parallel=False")
+    return fits
 def check_tensor_parallel(config, size: int) -> None:
     """Raise :class:`TensorParallelError` unless a model of ``config`` splits over ``size`` ranks.
     Cheap (the config only): runs before any weight is read."""
@@ -103,4 +150,5 @@ def part_shape(shape: tuple, part: Part | None) -> tuple:
     return tuple(out)
 
 
-__all__ = ["Part", "Shard", "TensorParallelError", "check_tensor_parallel", "part_shape", "take"]
+__all__ = ["Part", "Shard", "TensorParallelError", "VOCAB_ALIGN", "VOCAB_PARALLEL_CHOICES", "check_tensor_parallel",
+           "part_shape", "take", "vocab_parallel_for", "vocab_per_rank"]

@@ -171,8 +171,10 @@ def _abort_collectives() -> None:
             pass
 
 
-def start_team(model, *, dtype, device: torch.device, tensor_parallel: int, options: dict):
-    """Start ranks 1..tensor_parallel-1, make the group with them; returns ``(parallel, team)``."""
+def start_team(model, *, dtype, device: torch.device, tensor_parallel: int, options: dict,
+               vocab_parallel: bool = False):
+    """Start ranks 1..tensor_parallel-1, make the group with them; returns ``(parallel, team)``.
+    ``vocab_parallel``: every rank's model splits its LM head by vocabulary."""
     import torch.multiprocessing as mp
 
     from treegen.runtime.distributed import init_parallel, join_local_group
@@ -182,7 +184,8 @@ def start_team(model, *, dtype, device: torch.device, tensor_parallel: int, opti
     errors = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(1, tensor_parallel)]
     processes = [ctx.Process(target=_worker_main, name=f"treegen-tp-rank{r}", daemon=True,
-                             args=(r, tensor_parallel, port, model, dtype, str(device), options, inboxes[r - 1], errors))
+                             args=(r, tensor_parallel, port, model, dtype, str(device), options, vocab_parallel,
+                                   inboxes[r - 1], errors))
                  for r in range(1, tensor_parallel)]
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # (inherited by the workers)
     for p in processes:
@@ -190,7 +193,8 @@ def start_team(model, *, dtype, device: torch.device, tensor_parallel: int, opti
     team = Team(processes, inboxes, errors)
     try:
         join_local_group(0, tensor_parallel, port, device)
-        parallel = init_parallel(tensor_parallel=tensor_parallel, data_parallel=1, device=device)
+        parallel = init_parallel(tensor_parallel=tensor_parallel, data_parallel=1, device=device,
+                                 vocab_parallel=vocab_parallel)
     except BaseException as e:
         team.fail_from(e, "making the process group failed on rank 0")
         raise
@@ -219,7 +223,7 @@ def _receive(inbox):
     return message
 
 
-def _worker_main(rank, world, port, model, dtype, device, options, inbox, errors) -> None:
+def _worker_main(rank, world, port, model, dtype, device, options, vocab_parallel, inbox, errors) -> None:
     try:
         from treegen.runtime.distributed import init_parallel, join_local_group
         from treegen.runtime.engine import Engine
@@ -228,7 +232,7 @@ def _worker_main(rank, world, port, model, dtype, device, options, inbox, errors
 
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
         join_local_group(rank, world, port, device)
-        parallel = init_parallel(tensor_parallel=world, data_parallel=1, device=device)
+        parallel = init_parallel(tensor_parallel=world, data_parallel=1, device=device, vocab_parallel=vocab_parallel)
         engine = Engine(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor),
                         parallel=parallel, **options)
         fault = os.environ.get(FAULT_ENV, "")
