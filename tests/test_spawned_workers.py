@@ -28,6 +28,29 @@ def test_a_plain_process_drives_two_ranks_to_the_tokens_of_one(checkpoint, one_p
     assert not torch.distributed.is_initialized()
 
 
+def test_a_static_execute_through_the_workers_gives_the_tokens_of_one_process(checkpoint):  # noqa: F811
+    """``TreeRun.execute`` (the static path: everything submitted, then advanced to the end) mirrors its
+    submissions and steps one by one, so it runs through spawned workers too."""
+    from treegen.runtime.engine import GenRequest
+    from treegen.runtime.sampler import SamplingParams
+
+    def static(engine):
+        run = engine.start()
+        root = run.tree.add_node(None, engine.tokenizer.encode("The capital of France is"))
+        leaves = [run.tree.add_node(root) for _ in range(3)]
+        gens = [GenRequest(leaf, SamplingParams(max_tokens=6, temperature=0.9 if i else 0.0, ignore_eos=True), key=i)
+                for i, leaf in enumerate(leaves)]
+        return [r.tokens for r in run.execute(gens, [])[0]]
+
+    want = static(Engine.load(str(checkpoint)))
+    engine = Engine.load(str(checkpoint), tensor_parallel=2)
+    try:
+        assert static(engine) == want
+        assert static(engine) == want  # and again: the mirrors stay in step
+    finally:
+        engine.close()
+
+
 def test_a_worker_that_raises_fails_the_users_call_promptly(checkpoint, monkeypatch):  # noqa: F811
     monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 raises at its third call
     engine = Engine.load(str(checkpoint), tensor_parallel=2)

@@ -163,7 +163,8 @@ class LeaderRun(TreeRun):
         return self._call("prefill", list(nodes))
 
     def execute(self, gens, scores):
-        return self._call("execute", list(gens), list(scores))
+        # not one mirrored call: TreeRun.execute submits (each logged) and advances (each a mirrored call)
+        return TreeRun.execute(self, gens, scores)
 
 
 class Mirror:
