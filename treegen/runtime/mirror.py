@@ -8,8 +8,8 @@ so each worker keeps a mirror run and replays rank 0's:
 * **operations** — ``submit``, ``cancel``, ``free`` and ``kv.free``, made by program code between
   calls or by a job's callback during one — are logged on rank 0 (a :class:`LeaderRun`) and shipped
   in order; the sharing tree (which the language layer edits freely) is shipped whole with them;
-* **calls** that run forward passes — ``advance``, ``prefill``, ``execute`` — start on every rank at
-  once; the model's all-reduces keep them in step;
+* **calls** that run forward passes — ``advance``, ``prefill`` — start on every rank at once; the
+  model's all-reduces keep them in step (``execute`` is its submissions and advances, each mirrored);
 * **callbacks** (``on_done`` / ``on_tokens`` of a job, where rank 0's language layer resumes
   programs and queues work) happen at the same point on every rank: rank 0 runs its callback and
   sends what it did (operations, tree, or the exception it raised); the worker's stand-in callback
