@@ -350,7 +350,7 @@ class Decoder:
             forward()
             upload()
         run.host_seconds["capture"] += time.perf_counter() - started
-        done_steps, block = 0, None
+        done_steps, block, step_tokens = 0, None, None
         loop_started, known = clock(), sum(parts.values()) - parts["other"]
         try:
             for t in range(width):

@@ -115,6 +115,11 @@ def uniform_noise(keys: Tensor, steps: Tensor, vocab_size: int, start: int = 0) 
     return unit_interval(_hash32((x + 0x632BE5AB) & _MASK32))
 
 
+def gumbel_noise(keys: Tensor, steps: Tensor, vocab_size: int, start: int = 0) -> Tensor:
+    """Gumbel noise ``-log(-log(u))`` of :func:`uniform_noise`'s uniforms: [B, vocab_size] float32."""
+    return -torch.log(-torch.log(uniform_noise(keys, steps, vocab_size, start)))
+
+
 def unit_interval(x: Tensor) -> Tensor:
     """32-bit hashes (int64) → float32 uniforms strictly inside (0, 1): the top 24 bits, centred in
     their cell. The largest, (2^24 - 0.5) / 2^24, rounds to 1.0 in float32, whose Gumbel noise is +inf
@@ -143,8 +148,7 @@ def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor,
         drop = (mass_before >= top_p.unsqueeze(1)) | ((top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1)))
         drop[:, 0] = False
         scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, logits.shape[1])))
-    sampled = (scaled + gumbel).argmax(dim=-1)
+    sampled = (scaled + gumbel_noise(keys, steps, logits.shape[1])).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)
 
 
@@ -191,8 +195,8 @@ def _pick_split(logits: Tensor, split, bitmask: Tensor | None, *, temperature: T
     score = logits
     if not all_greedy:
         scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
-        gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, split.width, start=split.start)))
-        score = torch.where((temperature == 0).unsqueeze(1), logits, scaled + gumbel)
+        score = torch.where((temperature == 0).unsqueeze(1), logits,
+                            scaled + gumbel_noise(keys, steps, split.width, start=split.start))
     best = score.argmax(-1, keepdim=True)  # [B, 1]: the lowest id among equal scores, as argmax of the whole row
     mine = torch.cat([score.gather(1, best), (best + split.start).float(), logits.gather(1, best), lse], dim=1)
     every = split.tp.all_gather(mine)  # [ranks, B, 4]

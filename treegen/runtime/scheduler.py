@@ -340,7 +340,7 @@ class Scheduler:
     def _never_fits(self, job: Job, slots: int, total: int, budget: KVBudget) -> MemoryError:
         """Why ``job`` can never be admitted while nothing runs (the memory is held by idle nodes)."""
         free = total - self.kv.slots_reserved()
-        held = (f"the rest is held by branches that continue afterwards (not final), so waiting would never "
+        held = ("the rest is held by branches that continue afterwards (not final), so waiting would never "
                 f"free it")
         if self.offload.mode == "host":
             per = budget.bytes_per_token

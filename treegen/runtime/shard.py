@@ -91,7 +91,7 @@ def vocab_parallel_for(value, size: int, vocab_size: int | None = None) -> bool:
     whenever the model is tensor parallel and its vocabulary splits into a non-empty slice per rank).
     Raises :class:`TensorParallelError` for another value, for True without tensor parallel, or for True
     with a vocabulary too small to split (``vocab_size`` None: not checked yet). Cheap: before any weight."""
-    if not any(value is c or (isinstance(value, str) and value == c) for c in VOCAB_PARALLEL_CHOICES):
+    if not (value is True or value is False or (isinstance(value, str) and value == "auto")):
         raise TensorParallelError(f"vocab_parallel must be True, False or 'auto', got {value!r}")
     if value is False or size == 1:
         if value is True:
@@ -104,6 +104,8 @@ def vocab_parallel_for(value, size: int, vocab_size: int | None = None) -> bool:
                                   f"({vocab_per_rank(vocab_size, size)} tokens each would leave the last rank none); "
                                   f"use vocab_parallel=False")
     return fits
+
+
 def check_tensor_parallel(config, size: int) -> None:
     """Raise :class:`TensorParallelError` unless a model of ``config`` splits over ``size`` ranks.
     Cheap (the config only): runs before any weight is read."""

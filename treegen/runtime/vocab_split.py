@@ -11,32 +11,26 @@ log-probability needs only a few numbers per row and rank (:func:`treegen.runtim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from treegen.runtime.shard import vocab_per_rank
 
 
-@dataclass(frozen=True, eq=False)
 class VocabSplit:
     """This rank's slice ``[start, stop)`` of a vocabulary of ``size`` tokens split over ``tp``'s group
     (a :class:`~treegen.runtime.distributed.TensorParallel`: its ``shard`` and ``all_gather``)."""
 
-    tp: object
-    size: int
-
-    def __post_init__(self) -> None:
-        start, stop = self.tp.shard.vocab(self.size)
-        object.__setattr__(self, "start", start)
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "per", vocab_per_rank(self.size, self.tp.shard.size))
-        if self.size > 1 << 24:  # (the sampler sends token ids as fp32, exact up to 2^24)
-            raise ValueError(f"a vocabulary of {self.size} tokens is too large to split (at most 2^24)")
+    def __init__(self, tp, size: int) -> None:
+        if size > 1 << 24:  # (the sampler sends token ids as fp32, exact up to 2^24)
+            raise ValueError(f"a vocabulary of {size} tokens is too large to split (at most 2^24)")
+        self.tp = tp
+        self.size = size
+        self.start, self.stop = tp.shard.vocab(size)
+        self.per = vocab_per_rank(size, tp.shard.size)
         if self.width < 1:
-            raise ValueError(f"rank {self.tp.shard.rank} of {self.tp.shard.size} gets no token of a "
-                             f"{self.size}-token vocabulary")
+            raise ValueError(f"rank {tp.shard.rank} of {tp.shard.size} gets no token of a "
+                             f"{size}-token vocabulary")
 
     @property
     def width(self) -> int:
