@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treegen.kernels.kv_quant import STORAGE_QMAX
+from treegen.kernels.launch import Launcher
 
 try:
     import triton
@@ -148,6 +149,10 @@ if triton is not None:
         tl.store(OUT + row * stride_o + offs, (act * u).to(dt), mask=ok)
 
 
+# each kernel's launcher: Triton's per-call Python skipped once a variant is known (treegen.kernels.launch)
+_LAUNCH = {k.fn.__name__: Launcher(k) for k in (_add_rms_norm_kernel, _rope_kernel, _silu_mul_kernel)} if triton is not None else {}
+
+
 def _check_rows(name: str, t: Tensor) -> None:
     if t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"{name} must be [rows, features] with contiguous features, got shape "
@@ -163,7 +168,7 @@ def add_rms_norm(h: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Ten
             raise ValueError(f"add_rms_norm: y {tuple(y.shape)} must match h {tuple(h.shape)}")
     x = torch.empty_like(h)
     if h.shape[0]:
-        _add_rms_norm_kernel[(h.shape[0],)](
+        _LAUNCH["_add_rms_norm_kernel"][(h.shape[0],)](
             h, y if y is not None else h, weight, x, h.shape[1], h.stride(0),
             (y if y is not None else h).stride(0), x.stride(0), eps,
             HAS_Y=y is not None, BLOCK=triton.next_power_of_2(h.shape[1]), num_warps=4 if h.shape[1] <= 4096 else 8)
@@ -215,7 +220,7 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads:
     else:
         k_cache = v_cache = slots = k_scale = v_scale = qkv  # unused
     if qkv.shape[0]:
-        _rope_kernel[(qkv.shape[0],)](
+        _LAUNCH["_rope_kernel"][(qkv.shape[0],)](
             qkv, cos, sin, k_cache, v_cache, slots, k_scale, v_scale, num_q_heads, num_kv_heads, qkv.stride(0),
             qkv.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0),
             HEAD_DIM=qkv.shape[2], ROT_DIM=cos.shape[1], BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
@@ -233,7 +238,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     if gate_up.shape[0]:
         block = 1024
-        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
+        _LAUNCH["_silu_mul_kernel"][(gate_up.shape[0], triton.cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treegen.kernels.launch import Launcher
 try:
     import triton
     import triton.language as tl
@@ -117,6 +118,10 @@ if triton is not None:
         tl.store(OUT + offs, (x * s[:, None]).to(OUT.dtype.element_ty), mask=ok)
 
 
+# each kernel's launcher: Triton's per-call Python skipped once a variant is known (treegen.kernels.launch)
+_LAUNCH = {k.fn.__name__: Launcher(k) for k in (_dequantize_kernel,)} if triton is not None else {}
+
+
 def dequantize(stored: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``dequantize_reference(stored, scale).to(dtype)`` — one kernel on CUDA (same rounding: the fp32
     product rounded once). stored [..., head_dim] contiguous, scale [...] contiguous fp32."""
@@ -127,7 +132,7 @@ def dequantize(stored: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     out = torch.empty(stored.shape, dtype=dtype, device=stored.device)
     rows, block = scale.numel(), 64
     if rows:
-        _dequantize_kernel[(triton.cdiv(rows, block),)](stored, scale, out, rows, HEAD_DIM=head_dim,
+        _LAUNCH["_dequantize_kernel"][(triton.cdiv(rows, block),)](stored, scale, out, rows, HEAD_DIM=head_dim,
                                                        BLOCK_R=block, num_warps=4)
     return out
 

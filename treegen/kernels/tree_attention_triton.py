@@ -37,6 +37,7 @@ import math
 import torch
 from torch import Tensor
 
+from treegen.kernels.launch import Launcher
 from treegen.kernels.library_attention import segment_attention
 from treegen.kernels.triton_plan import TritonPlan
 
@@ -367,6 +368,10 @@ if triton is not None:
                  out.to(Out.dtype.element_ty), mask=h_ok[:, None])
 
 
+# each kernel's launcher: Triton's per-call Python skipped once a variant is known (treegen.kernels.launch)
+_LAUNCH = {k.fn.__name__: Launcher(k) for k in (_segment_attention_kernel, _merge_kernel)} if triton is not None else {}
+
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -421,7 +426,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
                               for c in (k_cache, v_cache))
         else:
             k_desc = v_desc = k_cache  # unused
-        _segment_attention_kernel[(launch.work.shape[0], num_kv)](
+        _LAUNCH["_segment_attention_kernel"][(launch.work.shape[0], num_kv)](
             q, k_cache, v_cache, k_desc, v_desc, k_scale if quant else k_cache, v_scale if quant else v_cache,
             o_part, lse_part, launch.work, plan.rows, query_pos, plan.merge_ptr, plan.merge_idx, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if quant else 0,
@@ -442,7 +447,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
         )
     if plan.fused_merge:
         return out
-    _merge_kernel[(num_q,)](
+    _LAUNCH["_merge_kernel"][(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,
         num_heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1), *lib_args,
         BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, HAS_LIB=plan.library is not None, num_warps=4,
