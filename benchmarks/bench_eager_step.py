@@ -126,6 +126,63 @@ def host_costs(model, batch: int, prefix: int, calls: int = 400) -> dict:
     return out
 
 
+def capture_costs(model, batch: int, prefix: int, rounds: int = 5) -> dict:
+    """Host milliseconds of one decode forward (``batch`` rows below a ``prefix``-token segment, the
+    fused path writing the KV): run eagerly, recorded into a CUDA graph (the Python forward while
+    capturing), the graph's instantiation (``capture_end``), and a replay (GPU time). Medians of
+    ``rounds``; the graphs are captured as a phase's are (no warm-up run: kernels compiled before)."""
+    import statistics
+
+    from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
+
+    dev, dt = model.device, model.dtype
+    nkv, hd = model.num_kv_heads, model.head_dim
+    slots_n = prefix + batch
+    k_cache = torch.zeros(model.num_layers, slots_n, nkv, hd, device=dev, dtype=dt)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(prefix, prefix + batch, device=dev)
+    plan = plan_tree_attention(segment_parent=[-1] + [0] * batch, segment_start=[0] + list(range(prefix, prefix + batch)),
+                               segment_len=[prefix] + [1] * batch, segment_pos=[0] + [prefix] * batch,
+                               query_segment=list(range(1, batch + 1)), query_pos=[prefix] * batch, device=dev,
+                               backend="triton", num_heads=model.num_heads, num_kv_heads=nkv, dtype=dt)
+    ids = torch.randint(0, model.vocab_size, (batch,), device=dev)
+
+    def attend(i, q, k, v):
+        return tree_attention(q, k_cache[i], v_cache[i], plan, model.attn_scale)
+
+    attend.cache = lambda i: (k_cache[i], v_cache[i], slots)
+
+    def forward():
+        return model.forward(ids, plan.query_pos, attend)
+
+    times = {"eager_ms": [], "record_ms": [], "instantiate_ms": [], "replay_ms": []}
+    forward()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        forward()
+        times["eager_ms"].append((time.perf_counter() - t0) * 1e3)  # (the host's part: no sync)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        ctx = torch.cuda.graph(graph)
+        ctx.__enter__()
+        t0 = time.perf_counter()
+        forward()
+        t1 = time.perf_counter()
+        ctx.__exit__(None, None, None)
+        t2 = time.perf_counter()
+        times["record_ms"].append((t1 - t0) * 1e3)
+        times["instantiate_ms"].append((t2 - t1) * 1e3)
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times["replay_ms"].append((time.perf_counter() - t0) * 1e3)
+        del graph
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def medians(rows: list[dict]) -> list[dict]:
     """Per launch mode and batch, the median over the rounds of the step times and their ratio."""
     import statistics
@@ -189,7 +246,7 @@ def main() -> None:
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
     prompt = torch.randint(0, model.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     graphed, eager = Engine(model, IdTokenizer()), Engine(model, IdTokenizer(), cuda_graphs=False)
-    rows, costs, prof = [], {}, None
+    rows, costs, captures, prof = [], {}, {}, None
     modes = ["fast", "triton"] if args.launch == "both" else [args.launch]
     for launch in modes * args.repeats:  # (interleaved: the host's speed drifts between runs)
         set_fast_launch(launch == "fast")
@@ -202,6 +259,9 @@ def main() -> None:
                   flush=True)
         print(f"host microseconds per call, batch {args.profile_batch}, {launch} launches:")
         costs.setdefault(launch, []).append(host_costs(model, args.profile_batch, args.prefix))
+        if launch not in captures:
+            captures[launch] = {b: capture_costs(model, b, args.prefix) for b in args.batches}
+            print(f"capture costs, {launch} launches: {captures[launch]}", flush=True)
         if prof is None:
             prof = profile_eager(eager, args.profile_batch, prompt, 16, args.top)
     forwards = 16  # one per token (the run's first token comes from the prefill's forward)
@@ -216,7 +276,7 @@ def main() -> None:
         "method": "step = (t(new) - t(1)) / (new - 1) of a whole run (shared prompt, batch branches, greedy, EOS "
                   "ignored); graphed = Engine default, eager = cuda_graphs=False; profile: cProfile of one eager run",
         "prefix": args.prefix, "new": args.new, "rows": rows, "medians": medians(rows),
-        "profile_batch": args.profile_batch, "host_us_per_call": costs, "triton_launches_per_forward": prof["triton_launches"] / forwards,
+        "profile_batch": args.profile_batch, "host_us_per_call": costs, "capture_ms": captures, "triton_launches_per_forward": prof["triton_launches"] / forwards,
         "profile_top": prof["profile"].splitlines()[:args.top + 12],
     }
     args.out.mkdir(parents=True, exist_ok=True)
