@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="rounds of the launch modes, interleaved")
     ap.add_argument("--label", default="", help="appended to the JSON name (an A/B variant)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--captures-only", action="store_true",
+                    help="only the eager forward / capture host costs, printed as JSON (A/B of two checkouts)")
     ap.add_argument("--plot", type=Path, help="only plot this JSON result (adds its medians if missing)")
     args = ap.parse_args()
     if args.plot is not None:
@@ -245,6 +247,9 @@ def main() -> None:
     config = config_of(args.shape)
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
     prompt = torch.randint(0, model.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.captures_only:
+        print(json.dumps({b: capture_costs(model, b, args.prefix, rounds=9) for b in args.batches}))
+        return
     graphed, eager = Engine(model, IdTokenizer()), Engine(model, IdTokenizer(), cuda_graphs=False)
     rows, costs, captures, prof = [], {}, {}, None
     modes = ["fast", "triton"] if args.launch == "both" else [args.launch]

@@ -9,7 +9,7 @@ partials each query row merges, and optionally the one large shared segment give
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -88,6 +88,9 @@ class TritonPlan:
     fused_merge: bool = False
     library: LibrarySegment | None = None
     library_by_row: bool = False
+    # the kernels' TMA descriptors of the caches this plan has read, by (pointers, slots, stride, block):
+    # made once per layer and plan, not per launch (host time of un-captured steps)
+    descriptors: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device):

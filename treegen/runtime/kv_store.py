@@ -93,6 +93,7 @@ class KVStore:
         self.format = fmt or kv_format(None, dtype)
         self.dtype, self.device = self.format.storage, torch.device(device)
         self.k = self.v = self.k_scale = self.v_scale = None
+        self._layer_views: list[tuple] | None = None  # layer(i)'s tensors, made once per pool (see layer)
         self._allocate_pool(initial_slots)
         self.segments: dict[int, Segment] = {}
         self._free: list[tuple[int, int]] = [(0, initial_slots)]  # (start, length), sorted by start
@@ -116,6 +117,7 @@ class KVStore:
         return torch.zeros((self.num_layers, slots, self.num_kv_heads), dtype=torch.float32, device=self.device)
 
     def _allocate_pool(self, slots: int) -> None:
+        self._layer_views = None
         for name in ("k", "v", *(("k_scale", "v_scale") if self.format.quantized else ())):
             setattr(self, name, self._zeros(name, slots))
 
@@ -130,8 +132,13 @@ class KVStore:
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def layer(self, layer: int) -> tuple:
-        """``(k, v, k_scale, v_scale)`` of one layer (scales None for an unquantized format)."""
-        return tuple(None if t is None else t[layer] for t in (self.k, self.v, self.k_scale, self.v_scale))
+        """``(k, v, k_scale, v_scale)`` of one layer (scales None for an unquantized format). The views are
+        made once per pool (a decode step asks for every layer's twice; indexing costs host time) and
+        dropped whenever the pool is replaced."""
+        if self._layer_views is None:
+            pools = (self.k, self.v, self.k_scale, self.v_scale)
+            self._layer_views = [tuple(None if t is None else t[i] for t in pools) for i in range(self.num_layers)]
+        return self._layer_views[layer]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values ``[T, kv_heads, head_dim]`` (model dtype) at ``slots [T]``, quantizing
@@ -421,10 +428,11 @@ class KVStore:
         new = old + length if self.device.type == "cuda" else max(2 * old, old + length)
         if not self.written():
             # nothing written yet: drop the old pool first instead of copying it (no transient 2x)
-            self.k = self.v = self.k_scale = self.v_scale = None
+            self.k = self.v = self.k_scale = self.v_scale = self._layer_views = None
             self._allocate_pool(new)
             self._release(old, new - old)
             return
+        self._layer_views = None
         for name in self._pools():
             setattr(self, name, torch.cat([getattr(self, name), self._zeros(name, new - old)], dim=1))
         self._release(old, new - old)

@@ -618,6 +618,7 @@ class LlamaFamilyModel:
         fused, inter = self.fused_ops, self.intermediate_size
         cache = getattr(attend, "cache", None)
         tables = {key: self.rope_cos_sin(positions, key) for key in self.inv_freq}  # each ([T, 1, R], [T, 1, R])
+        flat_tables = {key: (cos[:, 0], sin[:, 0]) for key, (cos, sin) in tables.items()}  # [T, R]: the fused kernel's
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -629,11 +630,11 @@ class LlamaFamilyModel:
                 self._qk_norm_(qkv, L)
             cos, sin = tables[self.rope_keys[i]]
             if fused.rope and cache is not None:  # RoPE and the KV cache write in one kernel
-                rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv, store=cache(i))
+                rope_(qkv, *flat_tables[self.rope_keys[i]], nh, nkv, store=cache(i))
                 o = attend(i, qkv[:, :nh], None, None)
             else:
                 if fused.rope:
-                    rope_(qkv, cos[:, 0], sin[:, 0], nh, nkv)
+                    rope_(qkv, *flat_tables[self.rope_keys[i]], nh, nkv)
                     q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
                 else:
                     q, k = self._rope(qkv[:, :nh], cos, sin), self._rope(qkv[:, nh : nh + nkv], cos, sin)
