@@ -69,3 +69,60 @@ def test_register_view_checks_its_arguments():
         views.register_view("tree", str, str)
     with pytest.raises(TypeError, match="callables"):
         views.register_view("program", "<b>", str)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every treegen module (packages' ``__init__`` left out: they re-export) → the treegen modules it
+    imports, lazily or not."""
+    root = LANG.parent
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts): p for p in root.rglob("*.py")
+               if p.name != "__init__.py"}
+    return {name: {m for _, m in imported_modules(path, name.rsplit(".", 1)[0]) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, groups, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_import_cycles_are_found():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_through_others():
+    """Imports go one way (lang → tree → runtime → kernels, display on top), lazy imports included: a
+    process-starting module gets the engine class passed in, not imported."""
+    graph = module_imports()
+    assert "treegen.runtime.engine" in graph and "treegen.lang.dsl" in graph
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(
+        " ".join(c) + ": " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) for c in cycles)

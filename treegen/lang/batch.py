@@ -3,8 +3,8 @@
 Each program body runs in its own thread, but **only one runs at a time** (the driver's, or one
 program's), so a batch run is as deterministic as a single one. A program that needs a generated
 value (it reads one, or forks a state with queued work) pauses; its queued ``gen`` / ``select`` ops
-are already jobs of the engine (:class:`~treegen.runtime.engine.TreeRun`). The driver runs the
-engine's loop (:meth:`~treegen.runtime.engine.TreeRun.advance`), which returns whenever some jobs
+are already jobs of the engine (:class:`~treegen.runtime.tree_run.TreeRun`). The driver runs the
+engine's loop (:meth:`~treegen.runtime.tree_run.TreeRun.advance`), which returns whenever some jobs
 complete, and resumes — in program order — every paused program whose own work is done, while the
 GPU keeps decoding the others' branches. Before anything runs, the roots of all programs are merged
 by common token prefix (:func:`treegen.tree.passes.share_prefixes`) and the tree is simplified
@@ -23,9 +23,16 @@ or however the engine schedules it.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
+
+from treegen.lang.interpreter import ProgramRun, State, TokenStream
+from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
+
+# a program that keeps generating without end is stopped here (its own error; the others go on)
+DEFAULT_MAX_PROGRAM_TOKENS = 1_000_000
 
 
 class ProgramError(RuntimeError):
@@ -154,3 +161,47 @@ class Cooperative:
             if not run.program_busy(w.index):  # nothing to wait for after all: look at it again
                 run.touched.add(w.index)
         run.tree_run.host_seconds["programs"] += time.perf_counter() - started
+
+
+def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
+                   share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
+                   on_programs: Callable[[int, int], None] | None = None,
+                   on_result: Callable[[int, State], None] | None = None,
+                   on_tokens: Callable[[TokenStream], None] | None = None,
+                   max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS,
+                   describe: Callable[[int], str] = str) -> list[State]:
+    """:func:`run_batch` on this process's engine alone (one replica; data parallel runs this on each)."""
+    if seeds is not None and len(seeds) != len(bodies):
+        raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
+    run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
+    run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
+    run.on_programs = check_callback("run_batch", "on_programs", on_programs, "(done, total)")
+    run.on_result = check_callback("run_batch", "on_result", on_result, "(index, root)")
+    run.on_tokens = check_callback("run_batch", "on_tokens", on_tokens, "(stream)")
+    roots = [run.root(seeds[i] if seeds is not None else None) for i in range(len(bodies))]
+    if on_programs is not None:
+        on_programs(0, len(roots))
+
+    def program(body, root):
+        run.program_returned(root, body(root))
+
+    scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)])
+    run.scheduler = scheduler
+    try:
+        scheduler.run(run)
+    except KeyboardInterrupt:
+        raise BatchInterrupted([r if run.is_done(r.program) and r.error is None else None for r in roots]) from None
+    finally:
+        run.scheduler = None
+    run.finish()
+    errors = {r.program: r.error for r in roots if r.error is not None}
+    if errors:
+        raise ProgramError(errors, roots, describe) from errors[min(errors)]
+    return roots
+
+
+def check_callback(where: str, name: str, fn, signature: str = "(stream)"):
+    """``fn`` if it is None or callable; else a TypeError naming ``where``'s parameter ``name``."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{where}: {name} must be a function {signature}, got {type(fn).__name__}")
+    return fn

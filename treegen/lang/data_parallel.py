@@ -28,7 +28,7 @@ import io
 import pickle
 from typing import Callable
 
-from treegen.lang.batch import ProgramError
+from treegen.lang.batch import ProgramError, run_batch_here
 from treegen.lang.interpreter import ProgramRun, StopTrace
 
 BALANCE = 1.1  # the most loaded replica may carry this times its even share before a unit is split
@@ -108,8 +108,6 @@ def run_batch_data_parallel(engine, bodies: list[Callable], *, seed: int, seeds:
     """:func:`treegen.lang.dsl.run_batch` over the replicas of ``engine.parallel`` (see the module doc).
     ``on_result(index, root)`` is called with input indices: for this replica's programs as they finish,
     for the others' when they arrive; ``on_programs(done, total)`` counts this replica's programs."""
-    from treegen.lang.dsl import run_batch_here
-
     par = engine.parallel
     mine = partition(bodies, engine.tokenizer, par.dp)[par.dp_rank]
     local_seeds = [seeds[i] if seeds is not None else seed for i in mine]
@@ -268,8 +266,6 @@ def _replica_batch(engine, emit, indices: list[int], bodies: list[Callable], see
     """In a replica process: run this replica's programs as one batch, emitting each as it finishes
     (and, with ``stream_tokens``, each branch's new tokens)."""
     from treegen.lang.batch import BatchInterrupted
-    from treegen.lang.dsl import run_batch_here
-
     if not bodies:
         return "ok"
 

@@ -24,7 +24,7 @@ import inspect
 from typing import Any, Callable
 
 from treegen.lang import views
-from treegen.lang.batch import BatchInterrupted, Cooperative, ProgramError
+from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, check_callback, run_batch_here
 from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.constraint import Constraint
@@ -32,8 +32,6 @@ from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
 
-# a program that keeps generating without end is stopped here (its own error; the others go on)
-DEFAULT_MAX_PROGRAM_TOKENS = 1_000_000
 
 
 def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -201,7 +199,7 @@ class Program:
             except ProgramError as e:  # one program: its own error, as a run in this process raises it
                 raise e.errors[0] from None
         run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
-        run.on_tokens = _check_callback("run", "on_tokens", on_tokens)
+        run.on_tokens = check_callback("run", "on_tokens", on_tokens)
         state = run.root()
         value = self.fn(state, *args, **kwargs)
         run.program_returned(state, value)
@@ -381,49 +379,6 @@ def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, se
     return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
                           min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
                           on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
-
-
-def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
-                   share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
-                   on_programs: Callable[[int, int], None] | None = None,
-                   on_result: Callable[[int, State], None] | None = None,
-                   on_tokens: Callable[[TokenStream], None] | None = None,
-                   max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS,
-                   describe: Callable[[int], str] = str) -> list[State]:
-    """:func:`run_batch` on this process's engine alone (one replica; data parallel runs this on each)."""
-    if seeds is not None and len(seeds) != len(bodies):
-        raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
-    run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
-    run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
-    run.on_programs = _check_callback("run_batch", "on_programs", on_programs, "(done, total)")
-    run.on_result = _check_callback("run_batch", "on_result", on_result, "(index, root)")
-    run.on_tokens = _check_callback("run_batch", "on_tokens", on_tokens, "(stream)")
-    roots = [run.root(seeds[i] if seeds is not None else None) for i in range(len(bodies))]
-    if on_programs is not None:
-        on_programs(0, len(roots))
-
-    def program(body, root):
-        run.program_returned(root, body(root))
-
-    scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)])
-    run.scheduler = scheduler
-    try:
-        scheduler.run(run)
-    except KeyboardInterrupt:
-        raise BatchInterrupted([r if run.is_done(r.program) and r.error is None else None for r in roots]) from None
-    finally:
-        run.scheduler = None
-    run.finish()
-    errors = {r.program: r.error for r in roots if r.error is not None}
-    if errors:
-        raise ProgramError(errors, roots, describe) from errors[min(errors)]
-    return roots
-
-
-def _check_callback(where: str, name: str, fn, signature: str = "(stream)"):
-    if fn is not None and not callable(fn):
-        raise TypeError(f"{where}: {name} must be a function {signature}, got {type(fn).__name__}")
-    return fn
 
 
 def program(fn: Callable[..., Any]) -> Program:

@@ -2,7 +2,7 @@
 
 Each :class:`State` points at a node of the run's sharing tree. Text ops are applied at once; ``gen``
 and ``select`` are queued on the state (with anything appended after them). Once submitted, a state's
-next queued op becomes a job of the engine's run (:meth:`~treegen.runtime.engine.TreeRun.submit`) and
+next queued op becomes a job of the engine's run (:meth:`~treegen.runtime.tree_run.TreeRun.submit`) and
 the one after it is submitted when that job completes; reading a value waits for the reading program's
 own states only (:meth:`ProgramRun.flush`).
 
@@ -112,7 +112,7 @@ class ProgramRun:
     """One execution (or trace) of one or many programs: tokenizer, tree, engine run, and the states.
 
     Queued ``gen`` / ``select`` ops become jobs of the engine's run (:meth:`TreeRun.submit
-    <treegen.runtime.engine.TreeRun.submit>`), a state's next op submitted as soon as its previous
+    <treegen.runtime.tree_run.TreeRun.submit>`), a state's next op submitted as soon as its previous
     one completes. A program that needs a value waits for **its own** states only: in a batch its
     thread pauses while the engine keeps running everything else (:mod:`treegen.lang.batch`).
     """

@@ -47,7 +47,7 @@ CLOCK = time.perf_counter
 
 
 class Decoder:
-    """The generating branches of one :class:`~treegen.runtime.engine.TreeRun` (see module doc)."""
+    """The generating branches of one :class:`~treegen.runtime.tree_run.TreeRun` (see module doc)."""
 
     def __init__(self, run) -> None:
         self.run = run

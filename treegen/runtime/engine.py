@@ -1,49 +1,26 @@
-"""Runs a model over a sharing tree, continuously: jobs arrive at any time and complete on their own.
+"""The engine: a loaded model and tokenizer, and how runs over sharing trees are made.
 
-An :class:`Engine` holds a loaded model and tokenizer. :meth:`Engine.start` opens a :class:`TreeRun`:
-a sharing tree plus the KV store for its nodes. The language layer grows the tree and submits
-generation and scoring requests (:meth:`TreeRun.submit`); :meth:`TreeRun.advance` runs the engine's
-loop until at least one job completes, so a program resumes as soon as its own work is done while
-the others keep decoding. Each step of the loop is decided by the
-:class:`~treegen.runtime.scheduler.Scheduler` (admission by KV memory, which new tokens to prefill)
-and run here:
-
-* a step with new work is one forward pass over every live branch's next token **and** the new
-  tokens of admitted jobs' nodes (each node prefilled once however many branches lie below it; a
-  child's tokens attend to their ancestors' KV through the tree-attention decomposition); new gens
-  draw their first token from it, ``select`` choices are scored from it (length-normalised
-  log-probability);
-* otherwise the live branches decode in phases planned once and captured as CUDA graphs
-  (:mod:`~treegen.runtime.decode`); finished branches leave, new work joins when the scheduler ends
-  the phase.
-
-The last sampled token of a branch is appended to its node without KV; it is computed when the
-branch continues. When a request's conditioning token already has KV (e.g. a fork after a finished
-phase), that token is run again as a query and writes the identical KV into its own slot.
-:meth:`TreeRun.execute` is the static special case: submit everything, run until all is done.
+An :class:`Engine` holds the model (loaded once: :meth:`Engine.load`, also split over tensor-parallel
+ranks or replicated over data-parallel processes) and its settings (attention mode, CUDA graphs, KV
+format and memory, offload, sparse window attention). :meth:`Engine.start` opens a
+:class:`~treegen.runtime.tree_run.TreeRun`, which runs the engine's loop over one sharing tree (see
+:mod:`treegen.runtime.tree_run`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
-from dataclasses import dataclass
 
-import networkx as nx
 import torch
 
 from treegen.kernels.kv_quant import kv_format
-from treegen.kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 from treegen.runtime import swa
 from treegen.runtime.constraint import Grammars
-from treegen.runtime.decode import Decoder
-from treegen.runtime.kv_store import KVStore
 from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
-from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
-from treegen.tree.sharing_tree import KVShape, SharingTree
+from treegen.runtime.tree_run import PassPlan, TreeRun
+from treegen.tree.sharing_tree import KVShape
 
 __all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "PassPlan", "ScoreRequest", "TreeRun"]
 
@@ -246,7 +223,7 @@ class Engine:
 
                 tokenizer = load_tokenizer(model)
                 fmt = kv_format(options.get("kv_dtype"), dtype)  # (the bytes; each replica checks its GPU)
-                replicas = start_replicas(model, dtype=dtype, device=device, implementation=implementation,
+                replicas = start_replicas(cls, model, dtype=dtype, device=device, implementation=implementation,
                                           tensor_parallel=tensor_parallel, data_parallel=data_parallel,
                                           options=dict(options, vocab_parallel=vocab_parallel))
                 return ReplicatedEngine(tokenizer, replicas, model_name=str(model or "SmolLM2-135M-Instruct (embedded)"),
@@ -255,7 +232,7 @@ class Engine:
                                         attention=options.get("attention", "tree"), device=device)
             from treegen.runtime.workers import start_team
 
-            parallel, team = start_team(model, dtype=dtype, device=device, tensor_parallel=tensor_parallel,
+            parallel, team = start_team(cls, model, dtype=dtype, device=device, tensor_parallel=tensor_parallel,
                                         options=options, vocab_parallel=split_vocab)
             try:
                 return cls(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor),
@@ -288,350 +265,3 @@ class Engine:
         where = f", {self.parallel!r}" if self.parallel is not None else ""
         return (f"Engine({self.model!r}, path={self.implementation!r}, attention={self.attention!r} ({backend}), "
                 f"kv={self.kv_format.name}, cuda_graphs={self.cuda_graphs}{graphs}{where})")
-
-
-
-@dataclass(frozen=True)
-class PassPlan:
-    """The tree-attention plans of one forward pass: one per kind of attention among the model's layers
-    (full, or a sliding window of some size: Mistral, Gemma 2/3's local layers), all sharing one
-    ``query_pos`` tensor, which a decode phase advances in place between steps.
-
-    ``by_window``: window (None: full attention) → plan; ``layer_window[i]``: layer i's window."""
-
-    by_window: dict[int | None, TreeAttentionPlan]
-    layer_window: tuple[int | None, ...]
-
-    @property
-    def query_pos(self) -> torch.Tensor:
-        return next(iter(self.by_window.values())).query_pos
-
-    @property
-    def backend(self) -> str:
-        return next(iter(self.by_window.values())).backend
-
-    def layer(self, i: int) -> TreeAttentionPlan:
-        return self.by_window[self.layer_window[i]]
-
-
-class TreeRun:
-    """One sharing tree, the KV of its nodes, and the jobs running over it (see the module doc)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.model = engine.model
-        self.tree = SharingTree()
-        m = self.model
-        self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                          dtype=m.dtype, device=m.device, fmt=engine.kv_format)
-        self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens, engine.max_batch,
-                                   offload=engine.offload_policy(), kv_keep_every=engine.kv_keep_every)
-        self.decoder = Decoder(self)
-        self.forward_passes = 0
-        self.decode_phases: list[int] = []  # live branches of each decode phase, in order
-        self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
-        self._phase = None  # the running decode phase (a generator), if any
-        self._just_mixed = False  # the last step prefilled new work (see advance)
-        # host time by kind (seconds): scheduling, planning phases, capturing their CUDA graphs (which
-        # runs the first step), reading sampled tokens, running program code (batch driver)
-        self.host_seconds = {"schedule": 0.0, "plan": 0.0, "capture": 0.0, "accept": 0.0, "programs": 0.0,
-                             "swa": 0.0}
-        # sparse window attention: compactions run, KV tokens dropped; swa_log (None: off) = {} records
-        # each compaction as node -> [(tokens accounted for, token indices kept), ...]
-        self.swa_compactions = self.swa_dropped = 0
-        self.swa_log: dict | None = None
-        self._completed: list[Job] = []
-
-    # jobs ----------------------------------------------------------------------------------------
-    def submit(self, request: GenRequest | ScoreRequest, on_done=None, on_tokens=None) -> Job:
-        """Queue a request; it runs when :meth:`advance` is called. Returns its :class:`Job`.
-        Raises at once for a request that can never run (a gen into a node with children, or past
-        the model's context)."""
-        if isinstance(request, GenRequest):
-            tree = self.tree
-            if tree.children(request.node):
-                raise RuntimeError(f"gen into node {request.node}, which has children")
-            total = len(tree.path_tokens(request.node)) + request.params.max_tokens
-            if total > self.model.max_context:
-                raise ValueError(f"a branch would reach {total} tokens (prompt + max_tokens={request.params.max_tokens}), "
-                                 f"past the model's context of {self.model.max_context}")
-            if request.params.constraint is not None:
-                if not self.model.eos_token_ids:
-                    raise ValueError(f"a constrained gen ({request.params.constraint}) ends on an EOS token, "
-                                     "and this model has none")
-                self.engine.grammars.compile(request.params.constraint)  # once per constraint, before it runs
-            if request.params.kv_keep is None and self.engine.kv_keep is not None:  # the engine's default
-                request = dataclasses.replace(request, params=dataclasses.replace(request.params,
-                                                                                  kv_keep=self.engine.kv_keep))
-            if request.params.kv_keep is not None:
-                self.engine.check_swa(f"gen into node {request.node} with kv_keep={request.params.kv_keep}")
-        elif not isinstance(request, ScoreRequest):
-            raise TypeError(f"submit expects a GenRequest or ScoreRequest, got {type(request).__name__}")
-        job = Job(request, on_done=on_done, on_tokens=on_tokens)
-        self.scheduler.submit(job)
-        return job
-
-    def busy(self) -> bool:
-        """Jobs are waiting, prefilling or decoding."""
-        return self._phase is not None or bool(self.decoder.live) or self.scheduler.has_work()
-
-    def advance(self) -> list[Job]:
-        """Run the engine's loop until at least one job completes; returns the jobs that did (their
-        ``on_done`` already called). An empty list: nothing is left to run."""
-        while not self._completed:
-            if self._phase is not None:
-                try:
-                    next(self._phase)
-                except StopIteration:
-                    self._phase = None
-                continue
-            live = len(self.decoder.live)
-            if self._just_mixed and live and not self.scheduler.phase_should_end(live, live):
-                # new work arrived during the last mixed step, too little to be worth another
-                # uncaptured step before the live branches decode on: it joins when the phase ends
-                self._just_mixed = False
-                self._phase = self.decoder.phase()
-                continue
-            t0 = time.perf_counter()
-            step = self.scheduler.next_step(live, [self.decoder.jobs[b].request.node for b in self.decoder.live])
-            self.host_seconds["schedule"] += time.perf_counter() - t0
-            for job in step.refused:
-                self.complete(job, None)
-            self._just_mixed = step.runs_model
-            if step.runs_model:
-                self._run_step(step)
-            elif self.decoder.live:
-                self._phase = self.decoder.phase()
-            elif not step.refused:
-                if self.scheduler.has_work():  # the scheduler refuses what cannot fit when nothing runs
-                    raise RuntimeError("the engine has waiting jobs but nothing it can run (a scheduler bug)")
-                break
-        done, self._completed = self._completed, []
-        return done
-
-    @property
-    def offload_stats(self) -> dict:
-        """KV moved to the host and back, dropped and recomputed during this run, and the time it took
-        (:class:`~treegen.runtime.kv_store.OffloadCounters`)."""
-        return self.kv.counters.as_dict()
-
-    def cancel(self, job: Job) -> None:
-        """Drop a job that is not done: a waiting or admitted one leaves the queue, a decoding
-        branch leaves the batch (a running phase computes its row until it ends, unread). Its
-        ``on_done`` is not called; the KV it holds stays until its owner frees it."""
-        if job.done:
-            return
-        job.done = True
-        job.error = RuntimeError("cancelled")
-        if not self.scheduler.cancel(job):
-            self.decoder.cancel(job)
-
-    def complete(self, job: Job, result) -> None:
-        """Record a job's result (``job.error`` set: refused) and tell its submitter."""
-        job.result, job.done = result, True
-        self._completed.append(job)
-        if job.on_done is not None:
-            job.on_done(job)
-
-    def execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
-        """Run these requests to completion (the static case: everything known up front); returns
-        the generations and the choice scores in request order. A refused request raises its error."""
-        jobs = [self.submit(r) for r in [*gens, *scores]]
-        while not all(j.done for j in jobs) and self.advance():
-            pass
-        for j in jobs:
-            if j.error is not None:
-                raise j.error
-        return [j.result for j in jobs[: len(gens)]], [j.result for j in jobs[len(gens):]]
-
-    def _run_step(self, step) -> None:
-        """One forward pass: the live branches' decode rows, then ``step.rows``; draws the live
-        branches' next tokens and the first tokens of ready gens, and scores ready selects."""
-        tree, dec = self.tree, self.decoder
-        decode_rows = dec.decode_rows()
-        rows = decode_rows + step.rows
-        row_of = {r: j for j, r in enumerate(rows)}
-        gens = [j for j in step.ready if j.is_gen]
-        scores = [j for j in step.ready if not j.is_gen]
-        wanted = [row_of[r] for r in decode_rows] + [row_of[conditioning_row(tree, j.request.node)] for j in gens]
-        per_score = [score_rows(tree, j) for j in scores]
-        for rs in per_score:
-            wanted += [row_of[r] for choice in rs for r in choice]
-        split = self.model.vocab_split  # (a head split by vocabulary: the sampler reads this rank's logits)
-        logits = self._forward(rows, wanted, gather=split is None)
-        self.mixed_steps += 1
-        dec.draw(logits[: len(decode_rows) + len(gens)], gens)
-        if not scores:
-            return
-        # every choice's mean token log-probability, read to the host at once
-        at = len(decode_rows) + len(gens)
-        targets = torch.tensor([t for job in scores for c in job.request.choices for t in tree.tokens(c)],
-                               device=logits.device)
-        chosen = logits[at:] if split is None else split.gather(logits[at:])
-        picked = chosen.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
-        sizes = [len(choice_rows) for rs in per_score for choice_rows in rs]
-        means = iter(torch.stack([part.mean() for part in picked.split(sizes)]).tolist())
-        for job in scores:
-            self.complete(job, [next(means) for _ in job.request.choices])
-
-    # ---------------------------------------------------------------------------------------------
-    def free(self, node: int) -> None:
-        """Drop a node's KV and mark it (and its subtree) pruned."""
-        for n in [node, *sorted(nx.descendants(self.tree.graph, node))]:
-            self.kv.free(n)
-        self.tree.prune(node)
-
-    def plan_rows(self, rows: list[tuple[int, int]], grow: dict[int, int] | None = None):
-        """Inputs and attention plan for running the (node, index) token ``rows`` through the model.
-
-        Every node on a row's path must already have its KV or have all its missing rows here.
-        ``grow``: node → extra keys it may gain during a decode phase; its segment is planned that
-        long (keys not yet written sit at positions after every query, so attention masks them).
-        Returns ``(input_ids [T], slots [T], plan)``: a :class:`PassPlan` (one plan per window size
-        among the layers); ``plan.query_pos`` holds the positions [T].
-
-        A segment that sparse window attention compacted (``dropped`` tokens, :mod:`treegen.runtime.swa`)
-        holds its kept keys in its first slots: token ``i`` written since goes to slot ``i - dropped``,
-        and the plan gives the segment the *mask* position ``node position + dropped``, so its written
-        keys sit just before the next query and the unwritten tail after it. The queries keep their
-        true positions (``query_pos`` is also their RoPE position; the keys were stored after RoPE at
-        theirs), so only the mask of that one segment moves — which is why sliding-window layers, whose
-        mask compares true distances, are refused with SWA.
-        """
-        tree, kv, model = self.tree, self.kv, self.model
-        new_len: dict[int, int] = {}  # tokens of each node accounted for after this pass
-        for n, i in rows:
-            new_len[n] = max(new_len.get(n, kv.computed(n)), i + 1)
-        segments = sorted({p for n in new_len for p in tree.path(n)})
-        drop = {s: kv.dropped(s) for s in segments}
-        for n, i in rows:
-            if i < drop[n]:
-                raise RuntimeError(f"token {i} of node {n} is among the {drop[n]} whose KV sparse window "
-                                   "attention dropped; it cannot be run again")
-        for s in segments:
-            if s in kv.offloaded:
-                raise RuntimeError(f"node {s} is read while its KV is on the host (a scheduling bug)")
-            length = new_len.get(s, kv.computed(s))
-            if s not in new_len and length != len(tree.tokens(s)):
-                raise RuntimeError(f"node {s} is missing KV for {len(tree.tokens(s)) - length} tokens")
-            new_len[s] = length
-            kv.reserve(s, max(length - drop[s] + (grow or {}).get(s, 0), 1))
-        index = {s: j for j, s in enumerate(segments)}
-        pos = {s: tree.position(s) for s in segments}
-        device = model.device
-        input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
-        slots = torch.tensor([kv.segments[n].start + i - drop[n] for n, i in rows], dtype=torch.int64, device=device)
-        query_pos = [pos[n] + i for n, i in rows]
-        query_pos_buffer = torch.tensor(query_pos, dtype=torch.int64, device=device)  # shared by every window's plan
-        layer_window = tuple(model.layer_window)
-        plan = PassPlan({window: plan_tree_attention(
-            segment_parent=[index.get(tree.parent(s), -1) for s in segments],
-            segment_start=[kv.segments[s].start for s in segments],
-            segment_len=[new_len[s] - drop[s] + (grow or {}).get(s, 0) for s in segments],
-            segment_pos=[pos[s] + drop[s] for s in segments],
-            query_segment=[index[n] for n, _ in rows],
-            query_pos=query_pos,
-            query_pos_buffer=query_pos_buffer,
-            device=device,
-            backend=self.engine.attention_backend,
-            num_heads=model.num_heads,
-            num_kv_heads=model.num_kv_heads,
-            dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
-            window=window,
-            softcap=model.attn_softcap,
-        ) for window in dict.fromkeys(layer_window)}, layer_window)
-        for s in new_len:
-            seg = kv.segments[s]
-            seg.computed = max(seg.computed, new_len[s] - drop[s])
-        return input_ids, slots, plan
-
-    def attend_fn(self, plan, slots: torch.Tensor, recorder=None):
-        """The per-layer ``attend`` callback: write the new keys/values at ``slots``, then attend.
-        ``recorder``: a :class:`~treegen.runtime.swa.QueryRecorder` keeping the SWA rows' queries."""
-        kv, scale = self.kv, self.model.attn_scale
-        if self.engine.attention == "none":
-            return lambda layer, q, k, v: q  # benchmark ceiling: no KV traffic, no attention
-
-        def attend(layer: int, q, k, v):
-            kv.wait_layer(layer)  # KV copied back from the host for this step: this layer's copies first
-            if recorder is not None:
-                recorder.record(layer, q)
-            if k is not None:  # else the model wrote them already (see cache below)
-                kv.write(layer, slots, k, v)
-            k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
-            return tree_attention(q, k_cache, v_cache, plan.layer(layer), scale, k_scale, v_scale)
-
-        def cache(layer: int):
-            """Where this pass's keys/values go: the model's fused RoPE kernel writes (and, for an 8-bit
-            cache, quantizes) them there directly — ``(k_cache, v_cache, slots[, k_scale, v_scale])``."""
-            kv.wait_layer(layer)  # (before the write: the slots may have held offloaded KV still being copied)
-            k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
-            return (k_cache, v_cache, slots) + ((k_scale, v_scale) if k_scale is not None else ())
-
-        attend.cache = cache
-        return attend
-
-    def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int], gather: bool = True) -> torch.Tensor:
-        """Run the model on the (node, index) token rows → fp32 logits [len(logits_rows), vocab].
-
-        Rows are taken in order (parents before children) in chunks of at most
-        ``engine.max_prefill_tokens``, so activations stay bounded however large the prefill.
-        ``gather=False``: of a head split by vocabulary, this rank's columns only (``model.forward``)."""
-        chunk = self.engine.max_prefill_tokens
-        parts, taken = [], []
-        for begin in range(0, len(rows), chunk):
-            input_ids, slots, plan = self.plan_rows(rows[begin : begin + chunk])
-            mine = [i for i, r in enumerate(logits_rows) if begin <= r < begin + chunk]
-            wanted = torch.tensor([logits_rows[i] - begin for i in mine], dtype=torch.int64, device=self.model.device)
-            parts.append(self.model.forward(input_ids, plan.query_pos, self.attend_fn(plan, slots), wanted,
-                                            gather=gather))
-            self.kv.wait_restores()  # (every layer waited already; nothing is pending afterwards)
-            taken += mine
-            self.forward_passes += 1
-        if len(taken) != len(logits_rows):
-            raise ValueError("logits_rows must name rows of this forward pass")
-        split = self.model.vocab_split
-        width = self.model.vocab_size if gather or split is None else split.width
-        logits = torch.cat(parts) if parts else torch.empty(0, width, device=self.model.device)
-        out = torch.empty_like(logits)
-        out[torch.tensor(taken, dtype=torch.int64, device=logits.device)] = logits
-        return out
-
-    def prefill(self, nodes: list[int]) -> dict[int, torch.Tensor]:
-        """Compute the KV of every pending token on the paths of ``nodes`` in one forward pass.
-
-        Returns, for each node in ``nodes``, the fp32 logits of its newly computed tokens
-        ``[new tokens of that node, vocab]`` (row i predicts the token after the node's i-th new one).
-        Forcing tokens this way (append, prefill, repeat) is how tests compare with Hugging Face.
-        """
-        pending = sorted({p for n in nodes for p in self.tree.path(n) if self.kv.computed(p) < len(self.tree.tokens(p))})
-        rows = [(n, i) for n in pending for i in range(self.kv.computed(n), len(self.tree.tokens(n)))]
-        chosen = set(nodes)
-        wanted = [j for j, (n, _) in enumerate(rows) if n in chosen]
-        logits = self._forward(rows, wanted) if rows else None
-        per_node: dict[int, list[int]] = {n: [] for n in nodes}
-        for k, j in enumerate(wanted):
-            per_node[rows[j][0]].append(k)
-        empty = torch.empty(0, self.model.vocab_size)
-        return {n: logits[idx] if idx else empty for n, idx in per_node.items()}
-
-    # ---------------------------------------------------------------------------------------------
-    def kv_budget(self) -> KVBudget:
-        """The KV memory this run may use now. On CUDA: its slot pool plus what the device has free
-        (cached blocks included) less a margin for activations — less the pool itself again once KV
-        is written, because a grown pool is a copy made while the old one is still held (so
-        admitting work never needs memory the device cannot give); at most ``engine.kv_budget_bytes``
-        when set. On the CPU: ``engine.kv_budget_bytes`` (None: no limit)."""
-        kv, engine = self.kv, self.engine
-        if kv.device.type != "cuda":
-            return KVBudget(engine.kv_budget_bytes, kv.bytes_per_token)
-        free, total = torch.cuda.mem_get_info(kv.device)
-        free += torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
-        pool = kv.num_slots * kv.bytes_per_token
-        room = int(free - max(0.1 * total, 4 * 2**30)) - (pool if kv.written() else 0)
-        reachable = pool + max(0, room)
-        if engine.kv_budget_bytes is not None:
-            reachable = min(reachable, engine.kv_budget_bytes)
-        if engine.parallel is not None:  # every rank of a replica admits the same work: the smallest budget
-            reachable = engine.parallel.tensor.agree_min(reachable, kv.device)
-        return KVBudget(reachable, kv.bytes_per_token)

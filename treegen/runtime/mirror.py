@@ -2,7 +2,7 @@
 
 Started from a plain Python process (:mod:`treegen.runtime.workers`), only rank 0 runs the user's
 programs. The engine's host decisions (scheduling, plans, KV slots, sampling) depend only on the
-sequence of calls made on a :class:`~treegen.runtime.engine.TreeRun` and the sharing tree they see,
+sequence of calls made on a :class:`~treegen.runtime.tree_run.TreeRun` and the sharing tree they see,
 so each worker keeps a mirror run and replays rank 0's:
 
 * **operations** — ``submit``, ``cancel``, ``free`` and ``kv.free``, made by program code between
@@ -30,7 +30,7 @@ import zlib
 
 import networkx as nx
 
-from treegen.runtime.engine import TreeRun
+from treegen.runtime.tree_run import TreeRun
 from treegen.runtime.requests import Job
 
 _run_ids = itertools.count()

@@ -106,8 +106,6 @@ def measure_rates(engine, *, copy_bytes: int | None = None, prefill_tokens: int 
     """Measure host↔device copy bandwidth (pinned host memory on CUDA) and the model's prefill
     tokens/s (a throwaway run prefilling one node of ``prefill_tokens`` tokens, after a warm-up);
     best of a few trials each. Defaults: 64 MiB and 2,048 tokens on CUDA, 8 MiB and 256 on the CPU."""
-    from treegen.runtime.engine import TreeRun
-
     device = engine.model.device
     cuda = device.type == "cuda"
     copy_bytes = copy_bytes or (64 if cuda else 8) * 2**20
@@ -134,7 +132,7 @@ def measure_rates(engine, *, copy_bytes: int | None = None, prefill_tokens: int 
     ids = torch.randint(1, engine.model.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     best = float("inf")
     for trial in range(3):
-        run = TreeRun(engine)
+        run = engine.start()
         root = run.tree.add_node(None, ids)
         sync()
         t0 = time.perf_counter()

@@ -271,10 +271,10 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def start_replicas(model, *, dtype, device: torch.device, implementation: str, tensor_parallel: int,
+def start_replicas(engine_class, model, *, dtype, device: torch.device, implementation: str, tensor_parallel: int,
                    data_parallel: int, options: dict) -> Replicas:
     """Start ``data_parallel`` replica processes of ``tensor_parallel`` ranks each and wait until all
-    have loaded the model."""
+    have loaded the model (``engine_class.load``: the class is passed, not imported here)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -291,8 +291,8 @@ def start_replicas(model, *, dtype, device: torch.device, implementation: str, t
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[d * tensor_parallel:(d + 1) * tensor_parallel])
             # not daemonic: a tensor-parallel replica starts worker processes of its own
             p = ctx.Process(target=_replica_main, name=f"treegen-dp-replica{d}", daemon=False,
-                            args=(d, model, dtype, device.type, implementation, tensor_parallel, options, threads,
-                                  inboxes[d], outbox))
+                            args=(engine_class, d, model, dtype, device.type, implementation, tensor_parallel, options,
+                                  threads, inboxes[d], outbox))
             p.start()
             processes.append(p)
     finally:
@@ -353,14 +353,13 @@ class ReplicatedEngine:
 
 
 # the replica's side --------------------------------------------------------------------------------
-def _replica_main(d, model, dtype, device, implementation, tensor_parallel, options, threads, inbox, outbox) -> None:
+def _replica_main(engine_class, d, model, dtype, device, implementation, tensor_parallel, options, threads, inbox,
+                  outbox) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (before its workers start: they inherit "ignored")
     try:
-        from treegen.runtime.engine import Engine
-
         torch.set_num_threads(threads)
-        engine = Engine.load(model, dtype=dtype, device=device, implementation=implementation,
-                             tensor_parallel=tensor_parallel, **options)
+        engine = engine_class.load(model, dtype=dtype, device=device, implementation=implementation,
+                                   tensor_parallel=tensor_parallel, **options)
     except BaseException:  # noqa: BLE001 - reported to the leader, then this process ends
         _report_and_exit(outbox, ("failed", d, traceback.format_exc()), 1)
     local: queue.Queue = queue.Queue()

@@ -1,6 +1,6 @@
 """What the language layer asks of a tree run, and what it gets back.
 
-A :class:`GenRequest` or :class:`ScoreRequest` is submitted to a :class:`~treegen.runtime.engine.TreeRun`
+A :class:`GenRequest` or :class:`ScoreRequest` is submitted to a :class:`~treegen.runtime.tree_run.TreeRun`
 and becomes a :class:`Job`: it waits for KV memory, is admitted, its new tokens are prefilled, and it
 completes (its ``result`` set, its ``on_done`` called) as soon as its own work is done — other jobs
 keep running.

@@ -341,7 +341,7 @@ class Scheduler:
         """Why ``job`` can never be admitted while nothing runs (the memory is held by idle nodes)."""
         free = total - self.kv.slots_reserved()
         held = ("the rest is held by branches that continue afterwards (not final), so waiting would never "
-                f"free it")
+                "free it")
         if self.offload.mode == "host":
             per = budget.bytes_per_token
             held = (f"the rest is held by idle nodes, and moving enough of them to the host would pass its "

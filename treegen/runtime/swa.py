@@ -20,7 +20,7 @@ How it runs (the choices, and why):
   gathered "sparse KV tensors". The attention mask compares positions, so a compacted segment is planned
   at the *mask* position ``node position + dropped`` (its written keys sit just before the next query,
   its unwritten tail after it) while the queries keep their true RoPE positions
-  (:meth:`~treegen.runtime.engine.TreeRun.plan_rows`). Sliding-window layers compare true distances, so
+  (:meth:`~treegen.runtime.tree_run.TreeRun.plan_rows`). Sliding-window layers compare true distances, so
   SWA is refused on models that have them.
 * **One kept set for all layers.** ALISA selects per layer; with one slot range per node shared by all
   layers, a per-layer choice would need a per-layer index table in every kernel. The importance of a
@@ -153,7 +153,7 @@ def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], posi
     ``queries[b] [layers, T_b, heads, head_dim]`` (after RoPE, as the model gave them to ``attend``) at
     true positions ``positions[b] [T_b]`` were rows of node ``nodes[b]``; each sees what its row saw: the
     node's ancestors and its own written keys up to its position (in the segment's mask positions, see
-    :meth:`~treegen.runtime.engine.TreeRun.plan_rows`). Weights are softmax-normalised over all of it
+    :meth:`~treegen.runtime.tree_run.TreeRun.plan_rows`). Weights are softmax-normalised over all of it
     (the LSE from :func:`~treegen.kernels.tree_attention.tree_attention_reference` over the same plan).
     Returns fp32 ``[written slots of the node]`` per node. Batched over ``chunk`` nodes at a time."""
     out: list[Tensor] = []

@@ -4,7 +4,7 @@ and the whole logits back from the ranks' slices.
 With ``vocab_parallel`` (:mod:`treegen.runtime.shard`) rank ``r`` of ``size`` computes the logits of
 tokens ``[start, stop)`` only: ``per`` tokens each (a multiple of ``shard.VOCAB_ALIGN``), the last
 rank the rest of the ``size`` tokens. What needs every token's logit (top-p / top-k filtering, the
-scores of ``select`` choices, :meth:`~treegen.runtime.engine.TreeRun.prefill`) gathers them
+scores of ``select`` choices, :meth:`~treegen.runtime.tree_run.TreeRun.prefill`) gathers them
 (:meth:`VocabSplit.gather`: one all-gather of ``[rows, per]`` per rank); drawing a token and its
 log-probability needs only a few numbers per row and rank (:func:`treegen.runtime.sampler.pick`).
 """

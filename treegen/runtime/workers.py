@@ -171,10 +171,12 @@ def _abort_collectives() -> None:
             pass
 
 
-def start_team(model, *, dtype, device: torch.device, tensor_parallel: int, options: dict,
+def start_team(engine_class, model, *, dtype, device: torch.device, tensor_parallel: int, options: dict,
                vocab_parallel: bool = False):
-    """Start ranks 1..tensor_parallel-1, make the group with them; returns ``(parallel, team)``.
-    ``vocab_parallel``: every rank's model splits its LM head by vocabulary."""
+    """Start ranks 1..tensor_parallel-1, make the group with them; returns ``(parallel, team)``. Each
+    rank builds an ``engine_class(model, tokenizer, parallel=..., **options)`` (the class is passed, not
+    imported here: the engine starts its workers). ``vocab_parallel``: every rank's model splits its LM
+    head by vocabulary."""
     import torch.multiprocessing as mp
 
     from treegen.runtime.distributed import init_parallel, join_local_group
@@ -184,8 +186,8 @@ def start_team(model, *, dtype, device: torch.device, tensor_parallel: int, opti
     errors = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(1, tensor_parallel)]
     processes = [ctx.Process(target=_worker_main, name=f"treegen-tp-rank{r}", daemon=True,
-                             args=(r, tensor_parallel, port, model, dtype, str(device), options, vocab_parallel,
-                                   inboxes[r - 1], errors))
+                             args=(engine_class, r, tensor_parallel, port, model, dtype, str(device), options,
+                                   vocab_parallel, inboxes[r - 1], errors))
                  for r in range(1, tensor_parallel)]
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # (inherited by the workers)
     for p in processes:
@@ -223,18 +225,18 @@ def _receive(inbox):
     return message
 
 
-def _worker_main(rank, world, port, model, dtype, device, options, vocab_parallel, inbox, errors) -> None:
+def _worker_main(engine_class, rank, world, port, model, dtype, device, options, vocab_parallel, inbox,
+                 errors) -> None:
     try:
         from treegen.runtime.distributed import init_parallel, join_local_group
-        from treegen.runtime.engine import Engine
         from treegen.runtime.loader import load_model
         from treegen.runtime.mirror import Mirror
 
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
         join_local_group(rank, world, port, device)
         parallel = init_parallel(tensor_parallel=world, data_parallel=1, device=device, vocab_parallel=vocab_parallel)
-        engine = Engine(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor),
-                        parallel=parallel, **options)
+        engine = engine_class(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor),
+                              parallel=parallel, **options)
         fault = os.environ.get(FAULT_ENV, "")
         fail_at = int(fault.split(":")[1]) if fault.split(":")[0] == str(rank) else None
         receive = lambda: _receive(inbox)  # noqa: E731
