@@ -66,6 +66,16 @@ def test_a_worker_that_raises_fails_the_users_call_promptly(checkpoint, monkeypa
         engine.close()
 
 
+def test_a_worker_that_dies_while_starting_fails_the_load_promptly(checkpoint, monkeypatch):  # noqa: F811
+    """Before the group exists: rank 0 stops waiting for the rendezvous as soon as the worker is gone
+    (it used to wait for the whole join timeout, 300 s)."""
+    monkeypatch.setenv(FAULT_ENV, "1:0")  # rank 1 raises before it joins the group
+    started = time.perf_counter()
+    with pytest.raises(WorkerError, match="(?s)worker rank 1 failed.*injected failure on rank 1 while starting"):
+        Engine.load(str(checkpoint), tensor_parallel=2)
+    assert time.perf_counter() - started < 90
+
+
 def test_a_killed_worker_fails_the_next_call_with_its_exit(checkpoint):  # noqa: F811
     engine = Engine.load(str(checkpoint), tensor_parallel=2)
     try:

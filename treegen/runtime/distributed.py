@@ -19,6 +19,7 @@ the model's all-reduces go over peer memory (:mod:`treegen.runtime.peer_all_redu
 from __future__ import annotations
 
 import datetime
+import time
 import os
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from treegen.runtime.peer_all_reduce import PeerAllReduce, peer_all_reduce_for
 from treegen.runtime.shard import Shard
 
 DEFAULT_TIMEOUT_S = 300.0
+JOIN_POLL_S = 0.05  # how often rank 0 looks for the ranks joining its group (and checks they live)
 SMALL_GATHER_BYTES = 1 << 20  # all-gathers up to this size (all ranks' parts) go over peer memory where it serves
 
 
@@ -152,10 +154,13 @@ def check_layout(tensor_parallel, data_parallel, device: torch.device) -> None:
 
 
 def join_local_group(rank: int, world: int, port: int, device: str | torch.device,
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                     timeout_s: float = DEFAULT_TIMEOUT_S, check_peers=None) -> None:
     """Make the process group of ``world`` processes of this host that meet at ``127.0.0.1:port``
     (a process started by :mod:`treegen.runtime.workers`, or the user's process as rank 0); rank ``r``
-    runs on ``cuda:r`` (NCCL) or the CPU (gloo)."""
+    runs on ``cuda:r`` (NCCL) or the CPU (gloo). Rank 0 hosts the rendezvous and waits until every
+    other rank has announced itself before the group is made, calling ``check_peers()`` (which raises
+    when a peer process died) while it waits: a worker that dies while starting fails the start within
+    a fraction of a second, not after ``timeout_s``."""
     device = torch.device(device)
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     if dist.is_initialized():
@@ -165,8 +170,24 @@ def join_local_group(rank: int, world: int, port: int, device: str | torch.devic
     if device.type == "cuda":
         kwargs["device_id"] = torch.device("cuda", rank)
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=rank == 0, wait_for_workers=False,
+                          timeout=timeout)
+    if rank == 0:
+        joined = [f"treegen/joined/{r}" for r in range(1, world)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(joined):
+            if check_peers is not None:
+                check_peers()
+            if time.monotonic() > deadline:
+                missing = [r for r, key in enumerate(joined, start=1) if not store.check([key])]
+                raise DistributedError(f"ranks {missing} of {world} did not join the group at 127.0.0.1:{port} "
+                                       f"within {timeout_s:.0f} s")
+            time.sleep(JOIN_POLL_S)
+    else:
+        store.set(f"treegen/joined/{rank}", "1")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=timeout, **kwargs)
 
 
 def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,

@@ -31,7 +31,7 @@ import torch
 WATCHDOG_S = 0.2  # how often rank 0 looks at its workers
 JOIN_S = 10.0  # how long a worker may take to exit when told to
 REPORT_S = 10.0  # how long rank 0 waits for a dead worker's report after a collective failed
-FAULT_ENV = "TREEGEN_WORKER_FAULT"  # "RANK:CALL": that worker raises at its CALL-th call (fault-injection tests)
+FAULT_ENV = "TREEGEN_WORKER_FAULT"  # "RANK:CALL": that worker raises at its CALL-th call, 0: while starting (tests)
 
 
 class WorkerError(RuntimeError):
@@ -72,6 +72,16 @@ class Team:
                 pass
 
     # faults ---------------------------------------------------------------------------------------
+    def check_started(self) -> None:
+        """While the group is being made: raise :class:`WorkerError` (with its report, when it sends one)
+        if a worker has died."""
+        if self.failure is None and all(p.is_alive() for p in self.processes):
+            return
+        deadline = time.monotonic() + REPORT_S  # the watchdog records the dead worker's report
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(WATCHDOG_S / 4)
+        raise WorkerError(self.failure or "a tensor-parallel worker exited before joining the group")
+
     def check(self) -> None:
         if self.failure is not None:
             raise WorkerError(self.failure)
@@ -194,7 +204,7 @@ def start_team(engine_class, model, *, dtype, device: torch.device, tensor_paral
         p.start()
     team = Team(processes, inboxes, errors)
     try:
-        join_local_group(0, tensor_parallel, port, device)
+        join_local_group(0, tensor_parallel, port, device, check_peers=team.check_started)
         parallel = init_parallel(tensor_parallel=tensor_parallel, data_parallel=1, device=device,
                                  vocab_parallel=vocab_parallel)
     except BaseException as e:
@@ -233,12 +243,14 @@ def _worker_main(engine_class, rank, world, port, model, dtype, device, options,
         from treegen.runtime.mirror import Mirror
 
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        fault = os.environ.get(FAULT_ENV, "")
+        fail_at = int(fault.split(":")[1]) if fault.split(":")[0] == str(rank) else None
+        if fail_at == 0:
+            raise RuntimeError(f"injected failure on rank {rank} while starting ({FAULT_ENV})")
         join_local_group(rank, world, port, device)
         parallel = init_parallel(tensor_parallel=world, data_parallel=1, device=device, vocab_parallel=vocab_parallel)
         engine = engine_class(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor),
                               parallel=parallel, **options)
-        fault = os.environ.get(FAULT_ENV, "")
-        fail_at = int(fault.split(":")[1]) if fault.split(":")[0] == str(rank) else None
         receive = lambda: _receive(inbox)  # noqa: E731
         mirrors: dict[int, Mirror] = {}
         calls = 0
