@@ -214,3 +214,23 @@ def test_kv_pool_closes_holes_instead_of_growing_and_keeps_the_written_kv():
         assert (kv.k[:, seg.start : seg.start + 7] == node).all() and (kv.v[:, seg.start : seg.start + 7] == -node).all()
     spans = sorted((seg.start, seg.start + seg.capacity) for seg in kv.segments.values())
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two segments overlap
+
+
+def test_kv_layer_views_follow_the_pool_when_it_grows():
+    """KVStore.layer hands out views made once per pool: after the pool grows (copied or made anew) they
+    are views of the new pool, holding what was written, and no view keeps the old pool."""
+    from treegen.runtime.kv_store import KVStore
+
+    kv = KVStore(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", initial_slots=8)
+    kv.reserve(0, 4)  # nothing written: growing makes a new pool
+    k0, _, _, _ = kv.layer(1)
+    assert k0.data_ptr() == kv.k[1].data_ptr() and kv.layer(1)[0] is k0  # the same view again
+    kv.reserve(1, 16)
+    assert kv.num_slots > 8 and kv.layer(1)[0].data_ptr() == kv.k[1].data_ptr()
+    kv.layer(1)[0][kv.segments[0].start : kv.segments[0].start + 4] = 5.0  # written through the view
+    kv.segments[0].computed = 4
+    kv.reserve(2, 64)  # written KV: the pool is copied into a larger one
+    k, v, ks, vs = kv.layer(1)
+    assert k.data_ptr() == kv.k[1].data_ptr() and v.data_ptr() == kv.v[1].data_ptr() and ks is None and vs is None
+    start = kv.segments[0].start
+    assert (k[start : start + 4] == 5.0).all() and k.shape[0] == kv.num_slots
