@@ -115,6 +115,7 @@ def main() -> None:
     out = workload(engine, on_tokens=hook)
     with open(f"{args.out}.rank{rank}", "w") as f:
         json.dump(out, f)
+    engine.close()  # every rank done before any ends the process group (as torch asks of a torchrun script)
 
 
 if __name__ == "__main__":

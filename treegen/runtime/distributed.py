@@ -19,8 +19,8 @@ the model's all-reduces go over peer memory (:mod:`treegen.runtime.peer_all_redu
 from __future__ import annotations
 
 import datetime
-import time
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +134,16 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def finish_launch() -> None:
+    """This rank's part of a torchrun launch is done: wait for every rank, then end the process group
+    (what torch asks of a script before it exits; without it, a rank that exits while its group's
+    threads run may abort: "terminate called without an active exception"). Nothing to do outside
+    torchrun or without a group."""
+    if launched() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def check_layout(tensor_parallel, data_parallel, device: torch.device) -> None:
     """Clear errors for a layout that cannot run, before any process or weight is touched."""
     for name, value in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel)):
@@ -237,5 +247,5 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
     return Parallel(tensor_parallel, dp, rank, device, tensor, dp_group)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "SMALL_GATHER_BYTES", "DistributedError", "Parallel", "TensorParallel", "check_layout", "init_parallel",
-           "join_local_group", "launched"]
+__all__ = ["DEFAULT_TIMEOUT_S", "SMALL_GATHER_BYTES", "DistributedError", "Parallel", "TensorParallel", "check_layout",
+           "finish_launch", "init_parallel", "join_local_group", "launched"]

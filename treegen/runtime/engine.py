@@ -17,6 +17,7 @@ from treegen.kernels.kv_quant import kv_format
 from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 from treegen.runtime import swa
 from treegen.runtime.constraint import Grammars
+from treegen.runtime.distributed import finish_launch
 from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.tree_run import PassPlan, TreeRun
@@ -254,10 +255,13 @@ class Engine:
         return TreeRun(self)
 
     def close(self) -> None:
-        """End the tensor-parallel workers this process started (nothing to do otherwise); the engine
+        """End the tensor-parallel workers this process started, or, under torchrun, this rank's part of
+        the launch (every rank calls it: it waits for all, then ends the process group); the engine
         cannot run afterwards."""
         if self.workers is not None:
             self.workers.close()
+        elif self.parallel is not None:
+            finish_launch()
 
     def __repr__(self) -> str:
         backend = "tree kernels" if self.attention_backend == "auto" else "PyTorch reference attention"
