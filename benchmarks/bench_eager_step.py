@@ -7,10 +7,15 @@ new work beside the decoding branches, phases too short to be worth a capture, e
 waits for the host. Measured here on treegen's runtime with random weights of a real shape, bf16,
 greedy, a shared prompt and ``batch`` branches, EOS ignored:
 
-* step time = (time(new tokens) - time(1 token)) / (new - 1), graphed and eager (``cuda_graphs``);
+* step time = (time(new tokens) - time(1 token)) / (new - 1), graphed and eager (``cuda_graphs``), with
+  Triton kernels launched through :mod:`treegen.kernels.launch` ("fast") and through Triton's own path,
+  the two interleaved over ``--repeats`` rounds (the host's speed drifts between runs); medians reported;
+* the host microseconds of each piece of a forward (matrix product, fused ops, tree attention, a bare
+  launch both ways), and a phase capture's cost (recording = one Python forward, instantiation, replay);
 * a cProfile of an eager run: the functions with the most own time, and Triton launches per forward.
 
-    python benchmarks/bench_eager_step.py --shape tinyllama-1.1b --batches 16 64 256
+    python benchmarks/bench_eager_step.py --shape tinyllama-1.1b --batches 16 64 256 --repeats 3
+    python benchmarks/bench_eager_step.py --captures-only   # A/B of two checkouts: run each in turn
 """
 
 from __future__ import annotations
