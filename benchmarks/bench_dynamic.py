@@ -173,6 +173,9 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int) -> dic
     return {"dynamic_s": elapsed, "dynamic_cold_s": cold, "dynamic_tok_s": total / elapsed, "tokens": total, "forward_passes": steps,
             "mixed_steps": tree_run.mixed_steps, "decode_phases": len(tree_run.decode_phases),
             "kv_compactions": tree_run.kv.compactions, "kv_allocations": tree_run.kv.allocations,
+            # phases captured as CUDA graphs, and phases that replayed graphs kept from an earlier one
+            "phases_captured": tree_run.decoder.captured_phases, "phases_replaying_kept": tree_run.decoder.kept_phases,
+            "keep_phase_graphs": tree_run.decoder.kept is not None,
             "host_ms_per_step": {k: 1e3 * v / steps for k, v in tree_run.host_seconds.items()},
             "gpu_busy": busy.fraction}
 

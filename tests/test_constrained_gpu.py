@@ -111,3 +111,25 @@ def test_greedy_matches_hf_generate_with_xgrammar():
                               logits_processor=[LogitsProcessor(compiled)])
         assert list(results[i].tokens) == out[0, len(prompt):].tolist(), i
         assert isinstance(compiled, xgr.CompiledGrammar)
+
+
+def test_kept_phase_graphs_give_the_same_constrained_samples(bf16):
+    """Constrained phases replaying kept graphs (forward and pick, padded rows with all-ones masks) draw
+    the samples of phases captured anew."""
+    tok = PieceTokenizer(bf16.vocab_size)
+    texts, replayed = {}, {}
+    for keep in (True, False):
+        run = Engine(bf16, tok).start()
+        if not keep:
+            run.decoder.kept = None
+        texts[keep] = []
+        leaves = branches(run, tok, 40)
+        for round_ in range(3):
+            requests = [GenRequest(leaf, SamplingParams(max_tokens=24, temperature=1.0, constraint=KINDS[i % 4]),
+                                   key=100 * round_ + i) for i, leaf in enumerate(leaves)]
+            results, _ = run.execute(requests, [])
+            texts[keep].append([r.text for r in results])
+            leaves = [run.tree.add_node(leaf, tok.encode(" ")) for leaf in leaves]
+        replayed[keep] = run.decoder.kept_phases
+    assert texts[True] == texts[False]
+    assert replayed[True] >= 1 and replayed[False] == 0, replayed

@@ -212,3 +212,32 @@ def test_later_phases_are_captured_without_a_warm_up_and_give_the_same_tokens():
         if graphs:
             assert engine.phases_captured >= 2
     assert outputs[True] == outputs[False]
+
+
+def test_kept_phase_graphs_are_replayed_by_later_phases_with_the_same_tokens():
+    """Decode phases of equal padded shape replay the CUDA graphs an earlier phase captured (in padded,
+    kept buffers: treegen.runtime.phase_graphs), and every branch's tokens equal an eager engine's and
+    those of an engine that captures every phase anew."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192)
+    model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 1000, (100,), generator=g).tolist()
+    outputs, kept = {}, {}
+    for mode in ("eager", "anew", "kept"):
+        run = Engine(model, IdTokenizer(), cuda_graphs=mode != "eager").start()
+        if mode == "anew":
+            run.decoder.kept = None
+        tree, tokens = run.tree, []
+        nodes = [tree.add_node(tree.add_node(None, prompt), [7 + i]) for i in range(12)]
+        for round_ in range(3):  # each round forks every branch again: phases of the same padded shape recur
+            gens = [GenRequest(n, SamplingParams(max_tokens=12 + 5 * (i % 4), temperature=0.8 if i % 2 else 0.0,
+                                                 ignore_eos=True), key=100 * round_ + i) for i, n in enumerate(nodes)]
+            results, _ = run.execute(gens, [])
+            tokens.append([r.tokens for r in results])
+            nodes = [tree.add_node(n, [3]) for n in nodes]
+        outputs[mode] = tokens
+        kept[mode] = run.decoder.kept_phases
+    assert outputs["kept"] == outputs["eager"] == outputs["anew"]
+    assert kept["anew"] == 0 and kept["kept"] >= 1, kept

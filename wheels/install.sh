@@ -4,7 +4,10 @@
 #   sh wheels/install.sh            (PYTHON=python3.12 sh wheels/install.sh for another interpreter)
 # The wheels are not committed (git ignores wheels/*.whl); fetch them on a machine with the registry:
 #   pip download --only-binary=:all: --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 -d wheels \
-#       xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection lark
+#       xgrammar==0.2.8 apache-tvm-ffi pydantic annotated-types typing-inspection lark
+#   and pydantic's pydantic-core pin (see its METADATA; `--platform manylinux_2_17_x86_64`: under 2_28 the
+#   registry offers only an empty 0.0.1 placeholder, which breaks `import pydantic`), e.g.
+#   pip download ... --platform manylinux_2_17_x86_64 -d wheels pydantic-core==2.50.5
 set -e
 cd "$(dirname "$0")"
 PY=${PYTHON:-python}

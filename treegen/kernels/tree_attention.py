@@ -29,6 +29,7 @@ Nothing in this module knows about programs or branches; it sees segments and qu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -84,6 +85,27 @@ class TreeAttentionPlan:
     triton: TritonPlan | None = None
     window: int | None = None
     softcap: float | None = None
+
+    def shape_key(self) -> tuple | None:
+        """What a captured launch of this plan fixes besides its tables (see
+        :meth:`~treegen.kernels.triton_plan.TritonPlan.shape_key`); None: the plan cannot be padded
+        (the reference backend, or a library segment)."""
+        key = self.triton.shape_key() if self.backend == "triton" else None
+        return None if key is None else (self.window, self.softcap, key)
+
+    def sizes(self) -> tuple:
+        """Its tables' lengths (:meth:`~treegen.kernels.triton_plan.TritonPlan.sizes`)."""
+        return self.triton.sizes()
+
+    def padded(self, num_queries: int, capacity: tuple, query_pos: Tensor) -> "TreeAttentionPlan":
+        """Empty tables for ``num_queries`` rows at ``capacity`` (as :meth:`sizes`), reading positions
+        from ``query_pos`` (``[num_queries]``), to be filled by :meth:`load`."""
+        return dataclasses.replace(self, num_queries=num_queries, query_pos=query_pos,
+                                   triton=self.triton.padded(num_queries, capacity))
+
+    def load(self, plan: "TreeAttentionPlan") -> None:
+        """Copy ``plan``'s tables into this :meth:`padded` one (its positions are the caller's to copy)."""
+        self.triton.load(plan.triton)
 
 
 def _pad(rows: Sequence[Sequence[int]], fill: int, device) -> Tensor:

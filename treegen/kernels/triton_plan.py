@@ -9,6 +9,7 @@ partials each query row merges, and optionally the one large shared segment give
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -91,6 +92,50 @@ class TritonPlan:
     # the kernels' TMA descriptors of the caches this plan has read, by (pointers, slots, stride, block):
     # made once per layer and plan, not per launch (host time of un-captured steps)
     descriptors: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shape_key(self) -> tuple | None:
+        """What a launch of this plan fixes besides its tables (a CUDA graph captures it): the kernels'
+        variants. Plans with equal keys can run one captured launch sequence, each :meth:`load`-ed into
+        the tables of one :meth:`padded` plan whose capacities hold its :meth:`sizes`. A plan with a
+        library segment has none (None)."""
+        if self.library is not None:
+            return None
+        return (self.group, self.use_tma, self.warp_specialize, self.fused_merge,
+                tuple((w.block_m, w.block_n, w.num_warps, w.num_stages, w.direct_rows) for w in self.launches))
+
+    def sizes(self) -> tuple:
+        """The tables' lengths: ``(work items of each launch, rows, merge_idx, partials)``."""
+        return (tuple(w.work.shape[0] for w in self.launches), self.rows.numel(), self.merge_idx.numel(),
+                self.num_partials)
+
+    def padded(self, num_queries: int, capacity: tuple) -> "TritonPlan":
+        """Empty tables for ``num_queries`` query rows (this plan's and more) at ``capacity`` (as
+        :meth:`sizes`, each at least this plan's), to be filled by :meth:`load`. The extra work items
+        are empty (no rows, no keys: their programs do nothing) and the extra query rows merge nothing;
+        whatever the kernels write for those rows is never read."""
+        items, rows, merge, partials = capacity
+
+        def zeros(n, *shape):
+            return torch.zeros(n, *shape, dtype=torch.int32, device=self.rows.device)
+
+        return TritonPlan(
+            launches=tuple(dataclasses.replace(w, work=zeros(n, 7)) for w, n in zip(self.launches, items)),
+            rows=zeros(rows), merge_ptr=zeros(num_queries + 1), merge_idx=zeros(merge), num_partials=partials,
+            group=self.group, use_tma=self.use_tma, warp_specialize=self.warp_specialize, fused_merge=self.fused_merge)
+
+    def load(self, plan: "TritonPlan") -> None:
+        """Copy ``plan``'s tables into this :meth:`padded` one's (equal shape keys, sizes within its
+        capacities), in place: the rest of each work table is emptied, the extra query rows get empty
+        merge ranges."""
+        for mine, theirs in zip(self.launches, plan.launches):
+            n = theirs.work.shape[0]
+            mine.work[:n].copy_(theirs.work)
+            mine.work[n:].zero_()
+        self.rows[:plan.rows.numel()].copy_(plan.rows)
+        self.merge_idx[:plan.merge_idx.numel()].copy_(plan.merge_idx)
+        n = plan.merge_ptr.numel()
+        self.merge_ptr[:n].copy_(plan.merge_ptr)
+        self.merge_ptr[n:].copy_(plan.merge_ptr[-1:].expand(self.merge_ptr.numel() - n))
 
 
 def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device):

@@ -31,8 +31,9 @@ import time
 
 import torch
 
-from treegen.runtime import swa
+from treegen.runtime import phase_graphs, swa
 from treegen.runtime.cuda_graph import capture, capture_cold
+from treegen.runtime.phase_graphs import PhaseBuffers, PhaseGraphs
 from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams, pick
 from treegen.runtime.scheduler import REPLAN_FRACTION
@@ -73,6 +74,10 @@ class Decoder:
         parallel = run.engine.parallel
         self.cold_captures = parallel is None or parallel.tp == 1
         self.cold_fallbacks = 0  # captures without warm-up that failed and were made with it
+        # decode phases' graphs kept for later phases of the same padded shape (see phase_graphs); one
+        # process only (tensor-parallel ranks are not kept in step)
+        self.kept = PhaseGraphs() if self.graphs and self.cold_captures and phase_graphs.enabled() else None
+        self.kept_phases = 0  # phases that replayed kept graphs (captured nothing)
 
     # ---------------------------------------------------------------------------------------------
     def decode_rows(self) -> list[tuple[int, int]]:
@@ -150,21 +155,29 @@ class Decoder:
         # holds no KV (its last token's is never written): never into its written KV, never past it
         slot_limit = slots + torch.tensor(grow, device=device)
         params = _Params([self.jobs[b] for b in live], device, model.vocab_split)
-        idx = torch.arange(len(live), device=device)
         steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
-        buf = torch.zeros(len(live), width, dtype=torch.int64, device=device)
-        lp_buf = torch.zeros(len(live), width, dtype=torch.float32, device=device)
-        column = torch.zeros(len(live), 1, dtype=torch.int64, device=device)
         recorder = None
         if swa_rows and run.engine.attention != "none":
             recorder = swa.QueryRecorder(num_layers=model.num_layers, rows=swa_rows,
                                          history=run.engine.kv_keep_history, num_heads=model.num_heads,
                                          head_dim=model.head_dim, dtype=model.dtype, device=device)
-        attend = run.attend_fn(plan, slots, recorder)
         constrained = self.masks is not None and any(b in self.masks for b in live)
-        # a constraint's token masks: a device buffer the step reads (captured with it), filled from the host
-        bitmask = self.masks.new_bitmask(len(live), device=device) if constrained else None
-        logits_of = {}
+        kept = None if recorder is not None else self._kept(plan, params, len(live), width, constrained, remaining)
+        if kept is not None:  # the phase runs in kept buffers (padded), replaying their graphs if captured
+            kept.load(input_ids=input_ids, slots=slots, slot_limit=slot_limit, steps=steps, plan=plan, params=params)
+            input_ids, slots, slot_limit, steps, plan, params = (kept.input_ids, kept.slots, kept.slot_limit,
+                                                                 kept.steps, kept.plan, kept.params)
+            idx, buf, lp_buf, column, bitmask = kept.idx, kept.buf, kept.lp_buf, kept.column, kept.bitmask
+            logits_of, graphs = kept.logits, kept.graphs
+        else:
+            idx = torch.arange(len(live), device=device)
+            buf = torch.zeros(len(live), width, dtype=torch.int64, device=device)
+            lp_buf = torch.zeros(len(live), width, dtype=torch.float32, device=device)
+            column = torch.zeros(len(live), 1, dtype=torch.int64, device=device)
+            # a constraint's token masks: a device buffer the step reads (captured with it), filled from the host
+            bitmask = self.masks.new_bitmask(len(live), device=device) if constrained else None
+            logits_of, graphs = {}, {}
+        attend = run.attend_fn(plan, slots, recorder)
 
         def forward() -> None:
             # (a head split by vocabulary: this rank's logits, which the sampler reads)
@@ -188,13 +201,20 @@ class Decoder:
 
         planned = time.perf_counter()
         run.host_seconds["plan"] += planned - started
-        capturing = self.graphs and plan.backend == "triton" and self._worth_capturing(remaining)
-        self.captured_phases += capturing
+        capturing = self.graphs and plan.backend == "triton" and (kept is not None or self._worth_capturing(remaining))
+        self.captured_phases += capturing and not graphs
+        self.kept_phases += bool(graphs)
+        pool = self.kept.pool() if capturing and kept is not None else None  # (kept graphs share one pool)
         passes_before = run.forward_passes
+        own = len(live)  # (kept buffers have padding rows after the phase's own)
         if constrained:
-            yield from self._constrained_steps(live, width, forward, pick, bitmask, input_ids, buf, lp_buf, capturing)
+            yield from self._constrained_steps(live, width, forward, pick, bitmask, input_ids[:own], buf[:own],
+                                               lp_buf[:own], capturing, graphs, pool)
         else:
-            yield from self._steps(live, width, step, buf, lp_buf, capturing)
+            yield from self._steps(live, width, step, buf[:own], lp_buf[:own], capturing, graphs, pool)
+            logits_of.clear()  # (a step graph's logits are its own temporaries: not kept)
+        if kept is not None:
+            self.kept.trim()
         alive = set(self.live)
         for b, n, held in zip(live, nodes, prompt_len):
             if b not in alive and self.jobs[b].request.final:
@@ -247,12 +267,13 @@ class Decoder:
         run.swa_compactions += len(todo)
         run.host_seconds["swa"] += time.perf_counter() - started
 
-    def _steps(self, live: list[int], width: int, step, buf, lp_buf, capturing: bool):
+    def _steps(self, live: list[int], width: int, step, buf, lp_buf, capturing: bool, graphs: dict, pool):
         """The steps of a phase without constraints: the host reads the tokens every ``sync_every``
-        steps, pipelined on CUDA (see the module doc)."""
+        steps, pipelined on CUDA (see the module doc). ``capturing``: replay ``step`` as a CUDA graph —
+        ``graphs["step"]`` if kept from an earlier phase, else captured now into ``graphs`` (in ``pool``)."""
         run = self.run
         started = time.perf_counter()
-        replay = self._capture(step) if capturing else None
+        replay = self._replayer("step", step, graphs, pool) if capturing else None
         run.host_seconds["capture"] += time.perf_counter() - started
         pipelined = self.model.device.type == "cuda"
         done_steps, pending = 0, None
@@ -278,7 +299,7 @@ class Decoder:
             self._settle(live, pending)
 
     def _constrained_steps(self, live: list[int], width: int, forward, pick, bitmask, last, buf, lp_buf,
-                           capturing: bool):
+                           capturing: bool, graphs: dict, pool):
         """The steps of a phase with a constrained branch. Its matcher must see every token before the
         next mask, so each step's tokens come to the host; the step is split in two — the model's
         ``forward`` and ``pick`` (mask, sample, advance), each a CUDA graph — and while step ``t``'s
@@ -287,7 +308,8 @@ class Decoder:
         rest of the host's work (appending tokens, finishing branches) runs every ``sync_every``
         steps, as in unconstrained phases. A matcher stops at its branch's EOS or ``max_tokens``; its
         row is then all ones, and the tokens the branch draws after it are dropped when settled.
-        ``last``: the device tensor the step's tokens are left in (the next step's input ids)."""
+        ``last``: the device tensor the step's tokens are left in (the next step's input ids).
+        ``capturing``, ``graphs``, ``pool``: as :meth:`_steps` (graphs ``"forward"`` and ``"pick"``)."""
         run, masks, eos = self.run, self.masks, self.eos
         pipelined = self.model.device.type == "cuda"
         row_of = {b: j for j, b in enumerate(live)}
@@ -295,7 +317,7 @@ class Decoder:
         shortest = min(budget.values(), default=width + 1)  # (steps after which some active branch ends)
         dirty = False  # a settle or the programs ran since the last advance (jobs may be done)
         active = [b for b in budget if not self.jobs[b].done]  # matchers still advancing, in row order
-        host = masks.new_bitmask(len(live), pinned=pipelined)  # rows of the others stay all ones
+        host = masks.new_bitmask(bitmask.shape[0], pinned=pipelined)  # rows of the others stay all ones
         parts = self.constrained_host
         clock = CLOCK
         # the active branches' matchers and rows, kept beside `active` (no per-branch lookups per step)
@@ -341,11 +363,16 @@ class Decoder:
             parts["launch"] += clock() - t0
 
         started = time.perf_counter()
-        if capturing:
-            graph, _ = self._graph(forward)  # (if it ran step 0's forward, its logits are not the graph's output)
+        if capturing and "pick" in graphs:  # kept from an earlier phase of this shape
+            forward, pick = graphs["forward"].replay, graphs["pick"].replay
+            forward()
+            upload()
+        elif capturing:
+            graph, _ = self._graph(forward, pool)  # (if it ran step 0's forward, its logits are not the graph's output)
+            graphs["forward"] = graph
             graph.replay()  # so run it (again) into that output (rewriting the same KV)
             upload()
-            forward, pick = graph.replay, self._capture(pick, pool=graph.pool())
+            forward, pick = graph.replay, self._replayer("pick", pick, graphs, pool or graph.pool())
         else:
             forward()
             upload()
@@ -444,6 +471,23 @@ class Decoder:
             left = sum(self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in self.live)
             hook(len(self.live), self.tokens_done, self.tokens_done + left)
 
+    def _kept(self, plan, params, rows: int, width: int, constrained: bool, remaining: list[int]):
+        """The kept buffers a phase like this runs in (:mod:`~treegen.runtime.phase_graphs`): an earlier
+        phase's of the same key, or new ones when the phase is worth capturing; None: the phase runs in
+        tensors of its own (no graphs, no kept graphs, or a plan that cannot be padded)."""
+        if self.kept is None or plan.backend != "triton":
+            return None
+        key = phase_graphs.phase_key(plan, rows=rows, constrained=constrained, params=params,
+                                     pool_generation=self.kv.pool_generation)
+        if key is None:
+            return None
+        kept = self.kept.get(key, plan, width)
+        if kept is None and self._worth_capturing(remaining):
+            kept = self.kept.add(key, PhaseBuffers.allocate(
+                plan=plan, params=params, rows=rows, width=width, device=self.model.device,
+                mask_width=self.masks.grammars.mask_width if constrained else None))
+        return kept
+
     def _worth_capturing(self, remaining: list[int]) -> bool:
         """Capturing costs a few steps' host time: skip it for a phase that new work waiting for room
         will end within ``MIN_CAPTURED_STEPS`` (once ``REPLAN_FRACTION`` of its branches are done)."""
@@ -462,10 +506,14 @@ class Decoder:
         self.cold_fallbacks += cold and ran
         return graph, ran
 
-    def _capture(self, step, pool=None):
-        """Capture ``step`` as a CUDA graph; returns a replay function for the phase's steps. When
-        capturing ran the step for real, that was the phase's first step, so the first call does nothing."""
+    def _replayer(self, name: str, step, graphs: dict, pool=None):
+        """A replay function for the phase's steps: of ``graphs[name]`` (kept from an earlier phase), else
+        of ``step`` captured now as a CUDA graph (in ``pool``) and put there. When capturing ran the step
+        for real, that was the phase's first step, so the first call does nothing."""
+        if name in graphs:
+            return graphs[name].replay
         graph, ran = self._graph(step, pool)
+        graphs[name] = graph
         first = [ran]
 
         def replay():
@@ -490,6 +538,25 @@ class _Params:
         self.keys = torch.tensor([j.request.key for j in jobs], dtype=torch.int64, device=device)
         self.all_greedy = all(p.temperature == 0 for p in params)
         self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
+
+    def padded(self, rows: int) -> "_Params":
+        """A copy for ``rows`` rows (these first), the rest greedy, to be filled by :meth:`load`."""
+        out = object.__new__(_Params)
+        out.split, out.all_greedy, out.filter_needed = self.split, self.all_greedy, self.filter_needed
+        for name, fill in _Params._PADDING.items():
+            mine = getattr(self, name)
+            setattr(out, name, torch.full((rows,), fill, dtype=mine.dtype, device=mine.device))
+        return out
+
+    def load(self, params: "_Params") -> None:
+        """Copy ``params`` (as many rows or fewer, the same flags) into this :meth:`padded` copy, in place."""
+        n = params.keys.numel()
+        for name, fill in _Params._PADDING.items():
+            mine = getattr(self, name)
+            mine[:n].copy_(getattr(params, name))
+            mine[n:].fill_(fill)
+
+    _PADDING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "keys": 0}  # padding rows: greedy
 
     def pick(self, logits, idx, steps, bitmask=None):
         """(tokens, logprobs) of rows ``idx`` (see :func:`~treegen.runtime.sampler.pick`)."""

@@ -94,6 +94,9 @@ class KVStore:
         self.dtype, self.device = self.format.storage, torch.device(device)
         self.k = self.v = self.k_scale = self.v_scale = None
         self._layer_views: list[tuple] | None = None  # layer(i)'s tensors, made once per pool (see layer)
+        # counts the pools this store has had: work captured against one pool (a CUDA graph holds its
+        # addresses) is valid while this is unchanged
+        self.pool_generation = 0
         self._allocate_pool(initial_slots)
         self.segments: dict[int, Segment] = {}
         self._free: list[tuple[int, int]] = [(0, initial_slots)]  # (start, length), sorted by start
@@ -118,6 +121,7 @@ class KVStore:
 
     def _allocate_pool(self, slots: int) -> None:
         self._layer_views = None
+        self.pool_generation += 1
         for name in ("k", "v", *(("k_scale", "v_scale") if self.format.quantized else ())):
             setattr(self, name, self._zeros(name, slots))
 
@@ -433,6 +437,7 @@ class KVStore:
             self._release(old, new - old)
             return
         self._layer_views = None
+        self.pool_generation += 1
         for name in self._pools():
             setattr(self, name, torch.cat([getattr(self, name), self._zeros(name, new - old)], dim=1))
         self._release(old, new - old)

@@ -64,6 +64,31 @@ class PassPlan:
     def layer(self, i: int) -> TreeAttentionPlan:
         return self.by_window[self.layer_window[i]]
 
+    def shape_key(self) -> tuple | None:
+        """What a CUDA graph of a forward pass with this plan fixes besides its tables: every window's
+        plan's (:meth:`TreeAttentionPlan.shape_key`); None when one cannot be padded."""
+        keys = tuple(p.shape_key() for p in self.by_window.values())
+        return None if None in keys else keys
+
+    def sizes(self) -> tuple:
+        """Every window's plan's table lengths (:meth:`TreeAttentionPlan.sizes`)."""
+        return tuple(p.sizes() for p in self.by_window.values())
+
+    def padded(self, num_queries: int, capacity: tuple) -> "PassPlan":
+        """Empty plans for ``num_queries`` query rows (this plan's and more) at ``capacity`` (as
+        :meth:`sizes`), sharing one position tensor, to be filled by :meth:`load`."""
+        query_pos = torch.zeros(num_queries, dtype=torch.int64, device=self.query_pos.device)
+        return PassPlan({w: p.padded(num_queries, c, query_pos) for (w, p), c in zip(self.by_window.items(), capacity)},
+                        self.layer_window)
+
+    def load(self, plan: "PassPlan") -> None:
+        """Copy ``plan`` (of an equal shape key) into this :meth:`padded` one; extra rows at position 0."""
+        n = plan.query_pos.numel()
+        self.query_pos[:n].copy_(plan.query_pos)
+        self.query_pos[n:].zero_()
+        for mine, theirs in zip(self.by_window.values(), plan.by_window.values()):
+            mine.load(theirs)
+
 
 class TreeRun:
     """One sharing tree, the KV of its nodes, and the jobs running over it (see the module doc)."""
