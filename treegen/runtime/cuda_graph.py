@@ -2,7 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
+
+# pools a failed capture left recording (torch never ends a pool's recording when its capture fails):
+# a capture into one of them fails, so captures given one use a fresh pool
+_stuck_pools: set = set()
+
+
+def usable(pool) -> bool:
+    """Whether graphs can still be captured into ``pool`` (a ``graph_pool_handle`` or a graph's ``pool()``)."""
+    return pool not in _stuck_pools
+
+
+@contextlib.contextmanager
+def _recording(graph: torch.cuda.CUDAGraph, pool):
+    """``torch.cuda.graph(graph, pool=pool)`` with Python's cycle collector held off: a collection inside
+    the capture could free an unreachable graph (an earlier run's kept phase graphs), whose reset is not
+    permitted while a stream captures, and the capture would fail. A failed capture marks its pool stuck,
+    ends the generator's capture and makes the stream current before it current again."""
+    pool = pool if pool is not None and usable(pool) else None
+    stream, collecting = torch.cuda.current_stream(), gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    except BaseException:
+        if pool is not None:
+            _stuck_pools.add(pool)
+        _end_generator_capture()
+        torch.cuda.set_stream(stream)  # (torch.cuda.graph leaves its capture stream current when ending fails)
+        raise
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def capture(fn, pool=None) -> torch.cuda.CUDAGraph:
@@ -16,12 +51,8 @@ def capture(fn, pool=None) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            fn()
-    except BaseException:
-        _end_generator_capture()
-        raise
+    with _recording(graph, pool):
+        fn()
     return graph
 
 
@@ -34,12 +65,11 @@ def capture_cold(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, bool]:
     step could fall back differently."""
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with _recording(graph, pool):
             fn()
         return graph, False
     except Exception:
-        _end_generator_capture()
-        return capture(fn, pool), True
+        return capture(fn, pool), True  # (into a fresh pool if this one is now stuck)
 
 
 def _end_generator_capture() -> None:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treegen.runtime import cuda_graph
+
 # kept phases' own memory (token buffers, a constrained phase's logits) beyond which the least recently
 # used are dropped
 KEPT_BYTES = 1 << 30
@@ -157,8 +159,9 @@ class PhaseGraphs:
 
     def pool(self):
         """The memory pool of kept graphs: a new one when no kept graph is left (a pool whose graphs are
-        all gone is freed, and its handle cannot be captured into again)."""
-        if self._pool is None or not any(b.graphs for _, b in self.kept.values()):
+        all gone is freed, and its handle cannot be captured into again) or a failed capture left it stuck."""
+        graphs_left = any(b.graphs for _, b in self.kept.values())
+        if self._pool is None or not graphs_left or not cuda_graph.usable(self._pool):
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
