@@ -30,6 +30,7 @@ every 20 ms, when available).
 
     python benchmarks/bench_dynamic.py --shape tinyllama-1.1b --branches 256 1024
     python benchmarks/bench_dynamic.py --shape llama3-8b --branches 256 1024 --workloads rounds
+    python benchmarks/bench_dynamic.py --branches 1024 --repeats 3 --update   # interleaved, medians; add to the file
 """
 
 from __future__ import annotations
@@ -150,16 +151,19 @@ class Busy:
         return sum(self.samples) / (100 * len(self.samples)) if self.ok and self.samples else None
 
 
-def measure_dynamic(engine: Engine, kind: str, programs: int, width: int) -> dict:
-    """The workload run twice with different inputs of the same sizes; the second is measured. (A
-    smaller warm-up left kernel variants of the full run's sizes to compile inside the timed run:
-    measured on an H100, tot at 256 branches took 7.4 s cold and 5.9 s warm.)"""
+def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_up: bool = True) -> dict:
+    """The workload run twice with different inputs of the same sizes; the second is measured (only the
+    measured one when ``warm_up`` is false). (A smaller warm-up left kernel variants of the full run's
+    sizes to compile inside the timed run: measured on an H100, tot at 256 branches took 7.4 s cold and
+    5.9 s warm.)"""
     prog, inputs, total = workload(kind, programs, width, engine.model.vocab_size)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    prog.run_batch(engine, workload(kind, programs, width, engine.model.vocab_size, seed=1)[1])  # compile, warm
-    torch.cuda.synchronize()
-    cold = time.perf_counter() - start
+    cold = None
+    if warm_up:
+        start = time.perf_counter()
+        prog.run_batch(engine, workload(kind, programs, width, engine.model.vocab_size, seed=1)[1])  # compile, warm
+        torch.cuda.synchronize()
+        cold = time.perf_counter() - start
     with Busy() as busy:
         start = time.perf_counter()
         roots = prog.run_batch(engine, inputs)
@@ -180,17 +184,18 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int) -> dic
             "gpu_busy": busy.fraction}
 
 
-def measure_static(engine: Engine, programs: int, width: int, new: int, forks: int = 1) -> dict:
+def measure_static(engine: Engine, programs: int, width: int, new: int, forks: int = 1, warm_up: bool = True) -> dict:
     """The same prefix, one question node per program, programs x width leaves of ``new`` tokens each;
     ``forks`` such static forks one after the other (so the KV of each fits the GPU: a 1,024-branch
-    fork of 1,800 tokens per branch would not, with Llama-3-8B)."""
+    fork of 1,800 tokens per branch would not, with Llama-3-8B). ``warm_up``: a short fork first."""
     g = torch.Generator().manual_seed(1)
     vocab = engine.model.vocab_size
-    run = engine.start()  # warm-up: compile this batch's kernels
-    root = run.tree.add_node(None, list(range(1, PREFIX + 1)))
-    run.execute([GenRequest(run.tree.add_node(root, [7]), SamplingParams(max_tokens=9, ignore_eos=True), key=i)
-                 for i in range(programs * width)], [])
-    del run
+    if warm_up:
+        run = engine.start()  # compile this batch's kernels
+        root = run.tree.add_node(None, list(range(1, PREFIX + 1)))
+        run.execute([GenRequest(run.tree.add_node(root, [7]), SamplingParams(max_tokens=9, ignore_eos=True), key=i)
+                     for i in range(programs * width)], [])
+        del run
     torch.cuda.synchronize()
     steps = waits = made = 0
     with Busy() as busy:
@@ -243,8 +248,14 @@ def main() -> None:
     parser.add_argument("--static-forks", type=int, default=1,
                         help="run the static equivalent as this many forks in a row (each one's KV must fit)")
     parser.add_argument("--workloads", nargs="+", default=["rounds", "rounds-equal", "tot"])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed dynamic and static runs per case, interleaved; medians are reported")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--update", action="store_true",
+                        help="keep the output file's rows of cases not run now (each row names its device and date)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
 
     model = LlamaFamilyModel.random(config_of(args.shape), dtype=torch.bfloat16, device="cuda")
     rows = []
@@ -255,11 +266,23 @@ def main() -> None:
             print(f"{time.strftime('%H:%M:%S')} {kind}, {branches} branches, {programs} programs", flush=True)
             row = {"workload": kind, "shape": args.shape, "branches": branches, "programs": programs,
                    "width": args.width, "max_batch": branches}
-            row.update(measure_dynamic(engine, kind, programs, args.width))
-            gc.collect()
-            per_branch = round(row["tokens"] / (branches * args.static_forks))
-            row.update(measure_static(engine, branches // args.width, args.width, per_branch, args.static_forks))
-            row["ratio"] = row["dynamic_tok_s"] / row["static_tok_s"]
+            dynamic, static = [], []
+            for k in range(args.repeats):  # interleaved: the host's speed drifts between runs
+                dynamic.append(measure_dynamic(engine, kind, programs, args.width, warm_up=k == 0))
+                gc.collect()
+                per_branch = round(dynamic[0]["tokens"] / (branches * args.static_forks))
+                static.append(measure_static(engine, branches // args.width, args.width, per_branch,
+                                             args.static_forks, warm_up=k == 0))
+                gc.collect()
+            row.update(median_run(dynamic, "dynamic_tok_s"))
+            row["dynamic_cold_s"] = dynamic[0]["dynamic_cold_s"]
+            row.update(median_run(static, "static_tok_s"))
+            row["ratio"] = row["dynamic_tok_s"] / row["static_tok_s"]  # of the medians
+            row["repeats"] = args.repeats
+            row["dynamic_tok_s_runs"] = [d["dynamic_tok_s"] for d in dynamic]
+            row["static_tok_s_runs"] = [s["static_tok_s"] for s in static]
+            row["ratio_runs"] = [d["dynamic_tok_s"] / s["static_tok_s"] for d, s in zip(dynamic, static)]
+            row["device"], row["date"] = torch.cuda.get_device_name(), now()
             row["host_fraction_of_step"] = sum(row["host_ms_per_step"].values()) / row["static_step_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -274,22 +297,37 @@ def main() -> None:
         print(f"| {r['workload']} | {r['branches']} | {r['static_tok_s']:,.0f} | {r['dynamic_tok_s']:,.0f} | "
               f"{r['ratio']:.2f} | {busy} | {sum(r['host_ms_per_step'].values()):.2f} |")
     out = write(args, rows)
-    plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {torch.cuda.get_device_name()}")
+    plot(json.loads(out.read_text())["rows"], out.with_suffix(".png"),
+         f"{args.shape} shape, bf16, {torch.cuda.get_device_name()}")
+
+
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run with the median ``key`` (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def write(args, rows: list[dict]) -> Path:
+    out = Path(args.out or Path(__file__).parent / "results" / f"dynamic_{args.shape}.json")
+    if args.update and out.exists():  # rows of other cases from an earlier run, then this run's
+        ran = {(r["workload"], r["branches"]) for r in rows}
+        rows = [r for r in json.loads(out.read_text())["rows"] if (r["workload"], r["branches"]) not in ran] + rows
     result = {"benchmark": "dynamic", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
               "device": torch.cuda.get_device_name(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "date": now(),
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "transformers": transformers.__version__, "cuda": torch.version.cuda,
                            "python": platform.python_version()},
               "method": "tokens/s = generated tokens / wall time (prefill and program code included); static = "
                         "the same prefix, one node per program, branches leaves of the workload's mean tokens, "
                         "one execute(); same process, same engine; the dynamic workload is timed on its second "
-                        "run (the first, with other inputs of the same sizes, is dynamic_cold_s)",
+                        "run (the first, with other inputs of the same sizes, is dynamic_cold_s); with repeats, "
+                        "dynamic and static timed alternately, the median run of each reported, ratio of the "
+                        "medians (every run's figures in *_runs)",
               "oversubscribe": args.oversubscribe, "rows": rows}
-    out = Path(args.out or Path(__file__).parent / "results" / f"dynamic_{args.shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
