@@ -106,6 +106,9 @@ class TreeRun:
         self.decoder = Decoder(self)
         self.forward_passes = 0
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
+        # rows the decode phases computed: a branch's row computes every step of its phase, also after
+        # it finished (until the phase ends); the tokens phases drew over this is their row occupancy
+        self.phase_rows = 0
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         self._phase = None  # the running decode phase (a generator), if any
         self._just_mixed = False  # the last step prefilled new work (see advance)
