@@ -114,17 +114,30 @@ def test_a_phase_ends_when_half_is_done_or_enough_new_work_waits():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_free_list_stays_sorted_merged_and_disjoint(seed):
+    """Random reserves (new, grown in place or moved) and frees: the free spans stay sorted, merged and
+    disjoint from every segment; the index by length and the total agree with them; a new segment goes
+    to the best fit (the smallest span that holds it, the first of equal ones)."""
     import random
 
     rng = random.Random(seed)
     kv = KVStore(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=64)
-    for step in range(300):
+    for step in range(600):
         if kv.segments and rng.random() < 0.45:
             kv.free(rng.choice(sorted(kv.segments)))
-        else:
+        elif kv.segments and rng.random() < 0.2:  # grow one: in place when the span after it is free, else moved
+            node = rng.choice(sorted(kv.segments))
             kv.ensure_free(8)
-            kv.reserve(step, rng.randint(1, 8))
+            kv.reserve(node, kv.segments[node].capacity + rng.randint(1, 8))
+        else:
+            length = rng.randint(1, 8)
+            kv.ensure_free(8)
+            fits = [(n, s) for s, n in kv._free if n >= length]
+            seg = kv.reserve(step, length)
+            if fits:
+                assert seg.start == min(fits)[1]
         spans = kv._free
+        assert kv._by_length == sorted((n, s) for s, n in spans)
+        assert kv.slots_free() == sum(n for _, n in spans)
         assert spans == sorted(spans)
         assert all(a[0] + a[1] < b[0] for a, b in zip(spans, spans[1:]))  # merged: never touching
         owned = sorted((s.start, s.start + s.capacity) for s in kv.segments.values())

@@ -99,7 +99,9 @@ class KVStore:
         self.pool_generation = 0
         self._allocate_pool(initial_slots)
         self.segments: dict[int, Segment] = {}
-        self._free: list[tuple[int, int]] = [(0, initial_slots)]  # (start, length), sorted by start
+        # free spans (start, length) sorted by start (neighbours merge), the same as (length, start) sorted
+        # by length (best fit by bisection), and their total; changed only through _set_free/_take_span/_add_span
+        self._set_free([(0, initial_slots)])
         self.allocations = self.compactions = 0  # counters: segments placed, pool compactions
         self.offloaded: dict[int, HostCopy] = {}  # nodes whose KV is on the host
         self.to_recompute: dict[int, int] = {}  # nodes whose KV offload dropped → its tokens (prefilled again when read)
@@ -187,7 +189,7 @@ class KVStore:
         return any(s.computed for s in self.segments.values())
 
     def slots_free(self) -> int:
-        return sum(n for _, n in self._free)
+        return self._free_total
 
     def bytes_held(self) -> int:
         """Bytes of KV actually written, summed over nodes (each shared node counted once)."""
@@ -216,12 +218,7 @@ class KVStore:
             end = seg.start + seg.capacity
             i = bisect.bisect_left(self._free, (end, 0))
             if i < len(self._free) and self._free[i][0] == end and self._free[i][1] >= length - seg.capacity:
-                taken = length - seg.capacity
-                rest = self._free[i][1] - taken
-                if rest:
-                    self._free[i] = (end + taken, rest)
-                else:
-                    del self._free[i]
+                self._take_span(i, length - seg.capacity)
                 seg.capacity = length
                 return seg
         start = self._allocate(length)
@@ -393,16 +390,13 @@ class KVStore:
             self.counters._events.append(events)
 
     def _allocate(self, length: int) -> int:
-        fits = [i for i, (_, free_len) in enumerate(self._free) if free_len >= length]
-        if fits:  # best fit: the smallest span that holds it, so large spans stay whole for large nodes
-            i = min(fits, key=lambda i: self._free[i][1])
-            start, free_len = self._free[i]
-            self._free[i] = (start + length, free_len - length)
-            if self._free[i][1] == 0:
-                del self._free[i]
+        j = bisect.bisect_left(self._by_length, (length, -1))
+        if j < len(self._by_length):  # best fit: the smallest span that holds it (the first such), so
+            start = self._by_length[j][1]  # large spans stay whole for large nodes
+            self._take_span(bisect.bisect_left(self._free, (start, 0)), length)
             self.allocations += 1
             return start
-        if sum(n for _, n in self._free) >= length:
+        if self._free_total >= length:
             self._compact()  # enough room, but in pieces: close the holes rather than grow (no second pool)
         else:
             self._grow(length)
@@ -424,7 +418,7 @@ class KVStore:
                         pool[:, dst] = pool[:, src].clone()
                 seg.start = pos
             pos += seg.capacity
-        self._free = [(pos, self.num_slots - pos)] if pos < self.num_slots else []
+        self._set_free([(pos, self.num_slots - pos)] if pos < self.num_slots else [])
 
     def _grow(self, length: int) -> None:
         self.wait_restores()
@@ -448,9 +442,34 @@ class KVStore:
         i = bisect.bisect_left(free, (start, 0))
         if i > 0 and free[i - 1][0] + free[i - 1][1] == start:  # joins the span before it
             i -= 1
-            start, length = free[i][0], free[i][1] + length
-            del free[i]
+            start, before = free[i]
+            length += before
+            self._take_span(i, before)
         if i < len(free) and start + length == free[i][0]:  # and the span after it
-            length += free[i][1]
-            del free[i]
-        free.insert(i, (start, length))
+            after = free[i][1]
+            length += after
+            self._take_span(i, after)
+        self._add_span(i, start, length)
+
+    def _set_free(self, spans: list[tuple[int, int]]) -> None:
+        """The free spans are these ``(start, length)``, sorted by start, none empty."""
+        self._free = list(spans)
+        self._by_length = sorted((n, s) for s, n in spans)
+        self._free_total = sum(n for _, n in spans)
+
+    def _take_span(self, i: int, length: int) -> None:
+        """Take ``length`` slots from the front of free span ``i`` (by start): what is left stays free."""
+        start, n = self._free[i]
+        del self._by_length[bisect.bisect_left(self._by_length, (n, start))]
+        self._free_total -= length
+        if n > length:
+            self._free[i] = (start + length, n - length)
+            bisect.insort(self._by_length, (n - length, start + length))
+        else:
+            del self._free[i]
+
+    def _add_span(self, i: int, start: int, length: int) -> None:
+        """A free span at index ``i`` (by start; its neighbours do not touch it)."""
+        self._free.insert(i, (start, length))
+        bisect.insort(self._by_length, (length, start))
+        self._free_total += length
