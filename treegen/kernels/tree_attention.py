@@ -207,17 +207,23 @@ def plan_tree_attention(
 
     rows_of: dict[int, list[int]] = {}
     paths: list[list[int]] = []
+    path_local: list[list[int]] = []  # row q's index among rows_of[s], for each s on its path
     for row, seg in enumerate(query_segment):
         if not 0 <= seg < n:
             raise ValueError(f"query row {row} names segment {seg}, outside [0, {n})")
-        cur, path = seg, []
+        cur, path, local = seg, [], []
         while cur != -1:
             # an ancestor whose last key is outside this row's window is not read at all
             if cur == seg or window is None or segment_pos[cur] + segment_len[cur] - 1 > query_pos[row] - window:
-                rows_of.setdefault(cur, []).append(row)
+                below = rows_of.get(cur)
+                if below is None:
+                    below = rows_of[cur] = []
+                local.append(len(below))
+                below.append(row)
                 path.append(cur)
             cur = segment_parent[cur]
         paths.append(path[::-1])
+        path_local.append(local[::-1])
     if backend == "triton":
         plain = window is None and softcap is None  # the library kernel computes plain causal attention
         group = num_heads // num_kv_heads
@@ -229,7 +235,7 @@ def plan_tree_attention(
         return TreeAttentionPlan(
             num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),
             triton=plan_triton(segment_start=segment_start, segment_len=segment_len, segment_pos=segment_pos,
-                               rows_of=rows_of, paths=paths, num_kv_heads=num_kv_heads,
+                               rows_of=rows_of, paths=paths, path_local=path_local, num_kv_heads=num_kv_heads,
                                group=group, device=device, **options),
             window=window, softcap=None if softcap is None else float(softcap),
         )

@@ -169,6 +169,7 @@ def plan_triton(
     segment_pos: Sequence[int],
     rows_of: dict[int, list[int]],
     paths: list[list[int]],
+    path_local: list[list[int]],
     num_kv_heads: int,
     group: int,
     device,
@@ -181,8 +182,9 @@ def plan_triton(
     library: bool = False,
     leaf_shape: tuple[int, int, int] | None = None,
 ) -> TritonPlan:
-    """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included);
-    ``paths[q]``: segments on query row ``q``'s root-to-own-segment path. ``target_programs``: how
+    """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included), in
+    increasing order; ``paths[q]``: segments on query row ``q``'s root-to-own-segment path;
+    ``path_local[q]``: for each of them, ``q``'s index in its ``rows_of``. ``target_programs``: how
     many programs the key-axis split aims for: by default one per SM of an H100 (132) for large work
     (fewer, longer programs write fewer partials) and two per SM for small work — measured with
     ``benchmarks/bench_attention.py --sweep`` (results in benchmarks/results/attention_sweep_h100.json).
@@ -222,31 +224,38 @@ def plan_triton(
         for s in own:
             seg_chunk[s] = max(segment_len[s], 1)
     work: dict[int, list] = {}
-    rows, partial_base, local_index = [], {}, {}
+    rows = []
+    # segment -> (its first partial, its rows, its key chunks): chunk c of row i's partial is first + c * rows + i
+    partials_of: dict[int, tuple[int, int, int]] = {}
     num_partials = 0
     for s in segs:
         row_offset = len(rows)
         rows.extend(rows_of[s])
-        local_index[s] = {q: i for i, q in enumerate(rows_of[s])}
         count, rows_per_tile = len(rows_of[s]), tile_m[s] // group
-        for c, kb in enumerate(range(key_begin[s], segment_len[s], seg_chunk[s])):
+        items = work.setdefault(tile_m[s], [])
+        chunk_begins = range(key_begin[s], segment_len[s], seg_chunk[s])
+        partials_of[s] = (num_partials, count, len(chunk_begins))
+        for kb in chunk_begins:
             ke = min(segment_len[s], kb + seg_chunk[s])
-            partial_base[(s, c)] = num_partials
             for t in range(tiles[s]):
                 first = t * rows_per_tile
-                work.setdefault(tile_m[s], []).append([segment_start[s], segment_pos[s], kb, ke, row_offset + first,
-                                                       min(rows_per_tile, count - first), num_partials + first])
+                items.append([segment_start[s], segment_pos[s], kb, ke, row_offset + first,
+                              min(rows_per_tile, count - first), num_partials + first])
             num_partials += count
     merge_ptr, merge_idx = [0], []
-    lib_index = {q: i for i, q in enumerate(rows_of[lib[0]])} if lib else {}
     by_row = fused and lib is not None and lib[1].rows is None
-    for q, path in enumerate(paths):
-        for s in path[:-1] if fused else path:  # fused: the own segment's item merges the rest itself
-            if lib and s == lib[0] and not by_row:
-                merge_idx.extend(-1 - (c * lib[1].num_rows + lib_index[q]) for c in range(lib[1].chunks))
-            if s in local_index:
-                chunks = -(-(segment_len[s] - key_begin[s]) // seg_chunk[s])
-                merge_idx.extend(partial_base[(s, c)] + local_index[s][q] for c in range(chunks))
+    lib_seg = lib[0] if lib is not None and not by_row else None
+    for path, local in zip(paths, path_local):
+        for s, i in zip(path[:-1] if fused else path, local):  # fused: the own segment's item merges the rest itself
+            if s == lib_seg:
+                merge_idx.extend(-1 - (c * lib[1].num_rows + i) for c in range(lib[1].chunks))
+            where = partials_of.get(s)
+            if where is not None:
+                first, count, chunks = where
+                if chunks == 1:
+                    merge_idx.append(first + i)
+                else:
+                    merge_idx.extend(range(first + i, first + i + chunks * count, count))
         merge_ptr.append(len(merge_idx))
 
     def i32(x, shape=None):
@@ -255,7 +264,8 @@ def plan_triton(
 
     def launch(m, items):
         # rows [o, o + n) of ``rows`` consecutive query rows in every item: hand the kernel the first one
-        direct = all(rows[o:o + n] == list(range(rows[o], rows[o] + n)) for *_, o, n, _ in items)
+        # (a segment's rows increase: consecutive when the last is n - 1 past the first)
+        direct = all(rows[o + n - 1] - rows[o] == n - 1 for *_, o, n, _ in items)
         table = [[*w[:4], rows[w[4]], *w[5:]] for w in items] if direct else items
         return WorkList(i32(table, (-1, 7)), m, *_launch_shape(m, items, num_kv_heads, block_n, num_stages or 3,
                                                                  leaf_shape), direct_rows=direct)

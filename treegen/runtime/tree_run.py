@@ -131,7 +131,7 @@ class TreeRun:
             tree = self.tree
             if tree.children(request.node):
                 raise RuntimeError(f"gen into node {request.node}, which has children")
-            total = len(tree.path_tokens(request.node)) + request.params.max_tokens
+            total = tree.position(request.node) + len(tree.tokens(request.node)) + request.params.max_tokens
             if total > self.model.max_context:
                 raise ValueError(f"a branch would reach {total} tokens (prompt + max_tokens={request.params.max_tokens}), "
                                  f"past the model's context of {self.model.max_context}")
