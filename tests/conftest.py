@@ -56,3 +56,25 @@ def tiny_llama():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     hf = AutoModelForCausalLM.from_config(cfg).eval()
     return hf, LlamaFamilyModel.from_hf(hf)
+
+
+@pytest.fixture(scope="session")
+def model64():
+    """A tiny random GQA Llama with head_dim 64, which the Triton kernels take (2 query / 1 KV heads)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from treegen.runtime.model import LlamaFamilyModel
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
+    return LlamaFamilyModel.from_hf(AutoModelForCausalLM.from_config(cfg).eval())
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded SmolLM2 tokenizer."""
+    from treegen.runtime.loader import load_tokenizer
+
+    return load_tokenizer()

@@ -7,12 +7,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 import treegen
-from treegen.runtime.loader import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 def compile_body(body, tokenizer):

@@ -11,7 +11,6 @@ import torch
 from test_tree_attention import ground_truth, layout, make_queries, random_tree
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.runtime.engine import Engine, GenRequest
-from treegen.runtime.loader import load_tokenizer
 from treegen.runtime.phase_graphs import PhaseGraphs, _fits, _room, bucket, width_bucket
 from treegen.runtime.sampler import SamplingParams
 
@@ -90,24 +89,6 @@ def test_a_plan_with_a_library_segment_has_no_shape_key():
                                                                          "warp_specialize")},
                                  "library": LibrarySegment(start=0, chunk_len=4, chunks=2, num_rows=1, rows=None)})
     assert with_library.shape_key() is None
-
-
-@pytest.fixture(scope="module")
-def model64():
-    """A tiny random GQA Llama with head_dim 64, which the Triton kernels take (2 query / 1 KV heads)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from treegen.runtime.model import LlamaFamilyModel
-
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
-    return LlamaFamilyModel.from_hf(AutoModelForCausalLM.from_config(cfg).eval())
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 def _ids(n, seed):

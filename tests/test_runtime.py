@@ -9,17 +9,11 @@ import torch
 
 import treegen
 from treegen.runtime.engine import Engine
-from treegen.runtime.loader import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama):
     return tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 @treegen.program

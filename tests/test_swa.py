@@ -19,7 +19,6 @@ import treegen
 from treegen.lang.tg import TgError, loads
 from treegen.runtime import swa
 from treegen.runtime.engine import Engine
-from treegen.runtime.loader import load_tokenizer
 from treegen.runtime.requests import GenRequest
 from treegen.runtime.sampler import SamplingParams
 
@@ -27,24 +26,6 @@ from treegen.runtime.sampler import SamplingParams
 @pytest.fixture(scope="module")
 def model(tiny_llama):
     return tiny_llama[1]
-
-
-@pytest.fixture(scope="module")
-def model64():
-    """A tiny random GQA Llama with head_dim 64, which the Triton kernels take (2 query / 1 KV heads)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from treegen.runtime.model import LlamaFamilyModel
-
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
-    return LlamaFamilyModel.from_hf(AutoModelForCausalLM.from_config(cfg).eval())
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 def _ids(n, seed):

@@ -11,14 +11,8 @@ import pytest
 
 import treegen
 from treegen.lang.tg import TgError, loads
-from treegen.runtime.loader import load_tokenizer
 
 FEW = "Q: Tom has 3 apples and buys 2 more. How many?\nA: 3 + 2 = 5. The answer is 5.\n\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 def same_node(a, b):

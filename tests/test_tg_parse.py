@@ -316,8 +316,3 @@ def test_branches_that_set_a_variable_again_are_joined_while_tracing(tokenizer):
     assert prog.compile(tokenizer=tokenizer).complete
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from treegen.runtime.loader import load_tokenizer
-
-    return load_tokenizer()
