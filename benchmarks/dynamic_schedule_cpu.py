@@ -1,0 +1,102 @@
+"""The scheduling of bench_dynamic's workloads, replayed on the CPU with a tiny random model.
+
+How many forward passes a dynamic workload takes, and how full they are, depends on the scheduler and
+the programs, not on the model's speed: ``max_tokens`` fixes every gen's length (EOS ignored), so a
+one-layer model of 64 hidden units on the CPU takes the same decisions as TinyLlama on a GPU (up to the
+thoughts ``tot`` keeps, which follow the model's log-probabilities, and phase ends that new work's
+arrival decides). Reported: forward passes against the ideal (generated tokens / branches), mixed
+steps, decode phases with their rows and passes, the *tail* (passes of phases below 90% of the batch:
+the last programs' dependent levels, which the static fork has not), and the row occupancy of phases
+(generated tokens / rows the phases computed: a finished branch's row computes until its phase ends;
+a gen's first token, drawn in a mixed step, is counted too, so it reads a little high). With
+``--replan-fraction`` the scheduler's ``REPLAN_FRACTION`` is replaced for the run.
+
+    python benchmarks/dynamic_schedule_cpu.py --workload tot --branches 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import LlamaConfig
+
+import treegen.runtime.decode as decode
+import treegen.runtime.scheduler as scheduler
+from treegen.runtime.engine import Engine
+from treegen.runtime.loader import IdTokenizer
+from treegen.runtime.model import LlamaFamilyModel
+from bench_dynamic import workload  # benchmarks/
+
+
+def replay(kind: str, branches: int, width: int, oversubscribe: int) -> dict:
+    passes_of: list[int] = []  # forward passes of each decode phase, in order
+    plain_phase = decode.Decoder.phase
+
+    def phase(self):
+        before = self.run.forward_passes
+        yield from plain_phase(self)
+        passes_of.append(self.run.forward_passes - before)
+
+    decode.Decoder.phase = phase
+    try:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192)
+        model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu")
+        engine = Engine(model, IdTokenizer(), max_batch=branches)
+        prog, inputs, total = workload(kind, oversubscribe * branches // width, width, cfg.vocab_size)
+        start = time.perf_counter()
+        roots = prog.run_batch(engine, inputs)
+        elapsed = time.perf_counter() - start
+    finally:
+        decode.Decoder.phase = plain_phase
+    run = roots[0]._run.tree_run
+    phases = [{"rows": rows, "passes": passes} for rows, passes in zip(run.decode_phases, passes_of)]
+    tail = [p for p in phases if p["rows"] < 0.9 * branches]
+    return {"workload": kind, "branches": branches, "width": width, "programs": len(inputs),
+            "replan_fraction": scheduler.REPLAN_FRACTION, "tokens": total, "forward_passes": run.forward_passes,
+            "ideal_passes": round(total / branches), "mixed_steps": run.mixed_steps, "decode_phases": len(phases),
+            "tail_passes": sum(p["passes"] for p in tail), "tail_rows_at_most": max((p["rows"] for p in tail), default=0),
+            "phase_rows": run.phase_rows, "row_occupancy": total / max(1, run.phase_rows),
+            "phases": phases, "cpu_seconds": elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=["rounds", "rounds-equal", "tot"], default="tot")
+    parser.add_argument("--branches", type=int, default=256)
+    parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--oversubscribe", type=int, default=3)
+    parser.add_argument("--replan-fraction", type=float, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.replan_fraction is not None:
+        if not 0 < args.replan_fraction <= 1:
+            parser.error(f"--replan-fraction must be in (0, 1], got {args.replan_fraction}")
+        scheduler.REPLAN_FRACTION = decode.REPLAN_FRACTION = args.replan_fraction
+    row = replay(args.workload, args.branches, args.width, args.oversubscribe)
+    print({k: v for k, v in row.items() if k != "phases"})
+    print("phases (rows x passes):", [(p["rows"], p["passes"]) for p in row["phases"]])
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"dynamic_schedule_cpu_{args.workload}_{args.branches}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "dynamic_schedule_cpu", "device": "cpu", "model": "random Llama, 1 layer, hidden 64",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "rows": [row]}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
