@@ -21,6 +21,10 @@ def check(tree: SharingTree) -> None:
     for n in tree.graph:
         assert tree.path(n) == networkx_path(tree, n)
         assert tree.position(n) == sum(len(tree.tokens(p)) for p in networkx_path(tree, n)[:-1])
+    for nodes in (list(tree.graph), list(tree.graph)[::-1], list(tree.graph)[-1:]):  # any order, any subset
+        positions = tree.positions(nodes)
+        assert positions == {n: tree.position(n) for n in positions}
+        assert set(nodes) <= set(positions) and all(set(tree.path(n)) <= set(positions) for n in nodes)
 
 
 def test_parent_path_and_position_follow_every_edge_change():

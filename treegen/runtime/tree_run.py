@@ -297,7 +297,7 @@ class TreeRun:
             new_len[s] = length
             kv.reserve(s, max(length - drop[s] + (grow or {}).get(s, 0), 1))
         index = {s: j for j, s in enumerate(segments)}
-        pos = {s: tree.position(s) for s in segments}
+        pos = tree.positions(segments)
         device = model.device
         input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
         slots = torch.tensor([kv.segments[n].start + i - drop[n] for n, i in rows], dtype=torch.int64, device=device)

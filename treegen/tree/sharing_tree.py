@@ -148,6 +148,22 @@ class SharingTree:
             cur = parent[cur]
         return total
 
+    def positions(self, nodes) -> dict[int, int]:
+        """:meth:`position` of each of ``nodes`` and of their ancestors, every node's tokens counted once
+        (a plan of many branches below shared nodes asks for thousands)."""
+        out: dict[int, int] = {}
+        nodes_data, parent = self.graph.nodes, self._parent
+        for node in nodes:
+            chain, cur = [], node
+            while cur is not None and cur not in out:
+                chain.append(cur)
+                cur = parent[cur]
+            base = 0 if cur is None else out[cur] + len(nodes_data[cur]["tokens"])
+            for n in reversed(chain):
+                out[n] = base
+                base += len(nodes_data[n]["tokens"])
+        return out
+
     def live_nodes(self) -> list[int]:
         return [n for n in sorted(self.graph) if not self.graph.nodes[n]["pruned"]]
 
