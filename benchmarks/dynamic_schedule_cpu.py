@@ -39,35 +39,24 @@ from bench_dynamic import workload  # benchmarks/
 
 
 def replay(kind: str, branches: int, width: int, oversubscribe: int) -> dict:
-    passes_of: list[int] = []  # forward passes of each decode phase, in order
-    plain_phase = decode.Decoder.phase
-
-    def phase(self):
-        before = self.run.forward_passes
-        yield from plain_phase(self)
-        passes_of.append(self.run.forward_passes - before)
-
-    decode.Decoder.phase = phase
-    try:
-        torch.manual_seed(0)
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192)
-        model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu")
-        engine = Engine(model, IdTokenizer(), max_batch=branches)
-        prog, inputs, total = workload(kind, oversubscribe * branches // width, width, cfg.vocab_size)
-        start = time.perf_counter()
-        roots = prog.run_batch(engine, inputs)
-        elapsed = time.perf_counter() - start
-    finally:
-        decode.Decoder.phase = plain_phase
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192)
+    model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu")
+    engine = Engine(model, IdTokenizer(), max_batch=branches)
+    prog, inputs, total = workload(kind, oversubscribe * branches // width, width, cfg.vocab_size)
+    start = time.perf_counter()
+    roots = prog.run_batch(engine, inputs)
+    elapsed = time.perf_counter() - start
     run = roots[0]._run.tree_run
-    phases = [{"rows": rows, "passes": passes} for rows, passes in zip(run.decode_phases, passes_of)]
+    phases = [{"rows": rows, "passes": passes} for rows, passes in zip(run.decode_phases, run.phase_passes)]
+    phase_rows = sum(p["rows"] * p["passes"] for p in phases)
     tail = [p for p in phases if p["rows"] < 0.9 * branches]
     return {"workload": kind, "branches": branches, "width": width, "programs": len(inputs),
             "replan_fraction": scheduler.REPLAN_FRACTION, "tokens": total, "forward_passes": run.forward_passes,
             "ideal_passes": round(total / branches), "mixed_steps": run.mixed_steps, "decode_phases": len(phases),
             "tail_passes": sum(p["passes"] for p in tail), "tail_rows_at_most": max((p["rows"] for p in tail), default=0),
-            "phase_rows": run.phase_rows, "row_occupancy": total / max(1, run.phase_rows),
+            "phase_rows": phase_rows, "row_occupancy": total / max(1, phase_rows),
             "phases": phases, "cpu_seconds": elapsed}
 
 

@@ -91,8 +91,10 @@ def test_decode_phases_shrink_as_branches_finish(tiny_model, tokenizer):
     phases = root._run.tree_run.decode_phases
     assert phases[0] == 6 and len(phases) >= 3
     assert all(later <= earlier // 2 for earlier, later in zip(phases, phases[1:]))
-    # one forward per step of the longest branch: 1 prefill + 12 decode steps
-    assert root._run.tree_run.forward_passes == 13
+    # one forward per step of the longest branch: 1 prefill + 12 decode steps, each in one phase
+    tree_run = root._run.tree_run
+    assert tree_run.forward_passes == 13
+    assert len(tree_run.phase_passes) == len(phases) and sum(tree_run.phase_passes) == 13 - tree_run.mixed_steps
 
 
 @treegen.program

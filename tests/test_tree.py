@@ -21,6 +21,7 @@ def check(tree: SharingTree) -> None:
     for n in tree.graph:
         assert tree.path(n) == networkx_path(tree, n)
         assert tree.position(n) == sum(len(tree.tokens(p)) for p in networkx_path(tree, n)[:-1])
+        assert tree.path_length(n) == len(tree.path_tokens(n))
     for nodes in (list(tree.graph), list(tree.graph)[::-1], list(tree.graph)[-1:]):  # any order, any subset
         positions = tree.positions(nodes)
         assert positions == {n: tree.position(n) for n in positions}

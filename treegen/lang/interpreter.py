@@ -503,7 +503,7 @@ class State:
         if isinstance(op, Gen):
             tree.graph.nodes[self.node]["gen_budget"] -= op.params.max_tokens
             self.vars[op.name] = result.text
-            start = tree.position(self.node) + len(tree.tokens(self.node)) - len(result.tokens)
+            start = tree.path_length(self.node) - len(result.tokens)
             self.info[op.name] = {"finish_reason": result.finish_reason, "tokens": len(result.tokens), "start": start,
                                   "logprob": sum(result.logprobs) / len(result.logprobs) if result.logprobs else None,
                                   "max_tokens": op.params.max_tokens, "stop": op.params.stop}

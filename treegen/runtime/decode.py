@@ -215,7 +215,7 @@ class Decoder:
             logits_of.clear()  # (a step graph's logits are its own temporaries: not kept)
         if kept is not None:
             self.kept.trim()
-        run.phase_rows += own * (run.forward_passes - passes_before)
+        run.phase_passes.append(run.forward_passes - passes_before)
         alive = set(self.live)
         for b, n, held in zip(live, nodes, prompt_len):
             if b not in alive and self.jobs[b].request.final:

@@ -106,9 +106,9 @@ class TreeRun:
         self.decoder = Decoder(self)
         self.forward_passes = 0
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
-        # rows the decode phases computed: a branch's row computes every step of its phase, also after
-        # it finished (until the phase ends); the tokens phases drew over this is their row occupancy
-        self.phase_rows = 0
+        # forward passes of each decode phase that ran to its end (a branch's row computes every one, also
+        # after it finished): with decode_phases, the rows the phases computed
+        self.phase_passes: list[int] = []
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         self._phase = None  # the running decode phase (a generator), if any
         self._just_mixed = False  # the last step prefilled new work (see advance)
@@ -131,7 +131,7 @@ class TreeRun:
             tree = self.tree
             if tree.children(request.node):
                 raise RuntimeError(f"gen into node {request.node}, which has children")
-            total = tree.position(request.node) + len(tree.tokens(request.node)) + request.params.max_tokens
+            total = tree.path_length(request.node) + request.params.max_tokens
             if total > self.model.max_context:
                 raise ValueError(f"a branch would reach {total} tokens (prompt + max_tokens={request.params.max_tokens}), "
                                  f"past the model's context of {self.model.max_context}")

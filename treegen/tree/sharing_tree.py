@@ -148,6 +148,10 @@ class SharingTree:
             cur = parent[cur]
         return total
 
+    def path_length(self, node: int) -> int:
+        """Tokens of the branch ending at ``node`` (``len(path_tokens(node))``, without building it)."""
+        return self.position(node) + len(self.tokens(node))
+
     def positions(self, nodes) -> dict[int, int]:
         """:meth:`position` of each of ``nodes`` and of their ancestors, every node's tokens counted once
         (a plan of many branches below shared nodes asks for thousands)."""

@@ -147,7 +147,7 @@ class Lowering:
             for i, child in enumerate(group):
                 bindings = {st.var: items[i]} if st.var else {}
                 child.vars.update(bindings)
-                start = len(tree.path_tokens(tree.parent(child.node)))
+                start = tree.path_length(tree.parent(child.node))
                 run.branches.append(Branch(child, i, bindings, start, inherited))
             b.forks.append(run)
             groups.append(group)
