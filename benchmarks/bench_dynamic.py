@@ -36,6 +36,7 @@ every 20 ms, when available).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -53,10 +54,12 @@ import transformers
 import triton
 
 import treegen
+from treegen.kernels.launch import Launcher
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
+from treegen.runtime.scheduler import Scheduler
 from bench_end_to_end import SHAPES, config_of  # benchmarks/
 from plotting import pyplot, save
 
@@ -164,6 +167,7 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
         prog.run_batch(engine, workload(kind, programs, width, engine.model.vocab_size, seed=1)[1])  # compile, warm
         torch.cuda.synchronize()
         cold = time.perf_counter() - start
+    variants = kernel_variants()
     with Busy() as busy:
         start = time.perf_counter()
         roots = prog.run_batch(engine, inputs)
@@ -181,7 +185,16 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
             "phases_captured": tree_run.decoder.captured_phases, "phases_replaying_kept": tree_run.decoder.kept_phases,
             "keep_phase_graphs": tree_run.decoder.kept is not None,
             "host_ms_per_step": {k: 1e3 * v / steps for k, v in tree_run.host_seconds.items()},
+            # kernel variants (Triton specializations) first launched, so compiled, inside the timed run
+            "new_kernel_variants": kernel_variants() - variants,
+            "phase_rows": tree_run.decode_phases, "phase_passes": tree_run.phase_passes,
+            "phase_capture_ms": [round(1e3 * s, 1) for s in tree_run.phase_capture_seconds],
             "gpu_busy": busy.fraction}
+
+
+def kernel_variants() -> int:
+    """Triton kernel specializations launched so far by treegen's launchers."""
+    return sum(len(launcher.compiled) for launcher in Launcher.every)
 
 
 def measure_static(engine: Engine, programs: int, width: int, new: int, forks: int = 1, warm_up: bool = True) -> dict:
@@ -226,9 +239,10 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for kind in dict.fromkeys(r["workload"] for r in rows):
-        pts = sorted((r["branches"], r["ratio"]) for r in rows if r["workload"] == kind)
-        ax.plot(*zip(*pts), marker="o", label=kind)
+    admission = lambda r: r.get("admission", "fifo")  # noqa: E731 (rows from before priorities: arrival order)
+    for kind, how in dict.fromkeys((r["workload"], admission(r)) for r in rows):
+        pts = sorted((r["branches"], r["ratio"]) for r in rows if r["workload"] == kind and admission(r) == how)
+        ax.plot(*zip(*pts), marker="o", linestyle="-" if how == "priority" else ":", label=f"{kind} ({how})")
     ax.axhline(0.85, color="grey", linestyle="--", linewidth=1, label="target 0.85")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("branches (max batch)")
@@ -250,6 +264,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["rounds", "rounds-equal", "tot"])
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed dynamic and static runs per case, interleaved; medians are reported")
+    parser.add_argument("--admissions", nargs="+", default=["priority"], choices=list(ADMISSIONS),
+                        help="the scheduler's order of waiting work: its own (priority), or arrival order (fifo, "
+                             "as before priority existed); several: each one's dynamic runs, interleaved")
     parser.add_argument("--out", default=None)
     parser.add_argument("--update", action="store_true",
                         help="keep the output file's rows of cases not run now (each row names its device and date)")
@@ -264,41 +281,60 @@ def main() -> None:
             engine = Engine(model, IdTokenizer(), max_batch=branches)
             programs = args.oversubscribe * branches // args.width
             print(f"{time.strftime('%H:%M:%S')} {kind}, {branches} branches, {programs} programs", flush=True)
-            row = {"workload": kind, "shape": args.shape, "branches": branches, "programs": programs,
-                   "width": args.width, "max_batch": branches}
-            dynamic, static = [], []
+            dynamic, static = {a: [] for a in args.admissions}, []
             for k in range(args.repeats):  # interleaved: the host's speed drifts between runs
-                dynamic.append(measure_dynamic(engine, kind, programs, args.width, warm_up=k == 0))
-                gc.collect()
-                per_branch = round(dynamic[0]["tokens"] / (branches * args.static_forks))
+                for admission in args.admissions:
+                    with ADMISSIONS[admission]():
+                        dynamic[admission].append(measure_dynamic(engine, kind, programs, args.width,
+                                                                  warm_up=k == 0))
+                    gc.collect()
+                per_branch = round(dynamic[args.admissions[0]][0]["tokens"] / (branches * args.static_forks))
                 static.append(measure_static(engine, branches // args.width, args.width, per_branch,
                                              args.static_forks, warm_up=k == 0))
                 gc.collect()
-            row.update(median_run(dynamic, "dynamic_tok_s"))
-            row["dynamic_cold_s"] = dynamic[0]["dynamic_cold_s"]
-            row.update(median_run(static, "static_tok_s"))
-            row["ratio"] = row["dynamic_tok_s"] / row["static_tok_s"]  # of the medians
-            row["repeats"] = args.repeats
-            row["dynamic_tok_s_runs"] = [d["dynamic_tok_s"] for d in dynamic]
-            row["static_tok_s_runs"] = [s["static_tok_s"] for s in static]
-            row["ratio_runs"] = [d["dynamic_tok_s"] / s["static_tok_s"] for d, s in zip(dynamic, static)]
-            row["device"], row["date"] = torch.cuda.get_device_name(), now()
-            row["host_fraction_of_step"] = sum(row["host_ms_per_step"].values()) / row["static_step_ms"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for admission in args.admissions:
+                runs = dynamic[admission]
+                row = {"workload": kind, "shape": args.shape, "branches": branches, "programs": programs,
+                       "width": args.width, "max_batch": branches, "admission": admission}
+                row.update(median_run(runs, "dynamic_tok_s"))
+                row["dynamic_cold_s"] = runs[0]["dynamic_cold_s"]
+                row.update(median_run(static, "static_tok_s"))
+                row["ratio"] = row["dynamic_tok_s"] / row["static_tok_s"]  # of the medians
+                row["repeats"] = args.repeats
+                row["dynamic_tok_s_runs"] = [d["dynamic_tok_s"] for d in runs]
+                row["static_tok_s_runs"] = [s["static_tok_s"] for s in static]
+                row["ratio_runs"] = [d["dynamic_tok_s"] / s["static_tok_s"] for d, s in zip(runs, static)]
+                row["device"], row["date"] = torch.cuda.get_device_name(), now()
+                row["host_fraction_of_step"] = sum(row["host_ms_per_step"].values()) / row["static_step_ms"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
             write(args, rows)  # after every case: a run cut short keeps what it measured
             gc.collect()
             torch.cuda.empty_cache()
     print(f"\n## {args.shape}, bf16 — dynamic vs the same token work as one static fork\n")
-    print("| workload | branches | static tok/s | dynamic tok/s | ratio | GPU busy (dyn/static) | host ms/step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| workload | admission | branches | static tok/s | dynamic tok/s | ratio | GPU busy (dyn/static) | host ms/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         busy = "/".join("-" if b is None else f"{b:.2f}" for b in (r["gpu_busy"], r["static_gpu_busy"]))
-        print(f"| {r['workload']} | {r['branches']} | {r['static_tok_s']:,.0f} | {r['dynamic_tok_s']:,.0f} | "
+        print(f"| {r['workload']} | {r['admission']} | {r['branches']} | {r['static_tok_s']:,.0f} | {r['dynamic_tok_s']:,.0f} | "
               f"{r['ratio']:.2f} | {busy} | {sum(r['host_ms_per_step'].values()):.2f} |")
     out = write(args, rows)
     plot(json.loads(out.read_text())["rows"], out.with_suffix(".png"),
          f"{args.shape} shape, bf16, {torch.cuda.get_device_name()}")
+
+
+@contextlib.contextmanager
+def arrival_order():
+    """The scheduler admits waiting work in arrival order (its order before priorities existed)."""
+    saved = Scheduler.priority
+    Scheduler.priority = lambda self, job: (self._submitted,)
+    try:
+        yield
+    finally:
+        Scheduler.priority = saved
+
+
+ADMISSIONS = {"priority": contextlib.nullcontext, "fifo": arrival_order}
 
 
 def median_run(runs: list[dict], key: str) -> dict:
@@ -313,8 +349,9 @@ def now() -> str:
 def write(args, rows: list[dict]) -> Path:
     out = Path(args.out or Path(__file__).parent / "results" / f"dynamic_{args.shape}.json")
     if args.update and out.exists():  # rows of other cases from an earlier run, then this run's
-        ran = {(r["workload"], r["branches"]) for r in rows}
-        rows = [r for r in json.loads(out.read_text())["rows"] if (r["workload"], r["branches"]) not in ran] + rows
+        case = lambda r: (r["workload"], r["branches"], r.get("admission", "fifo"))  # noqa: E731 (older rows: fifo)
+        ran = {case(r) for r in rows}
+        rows = [r for r in json.loads(out.read_text())["rows"] if case(r) not in ran] + rows
     result = {"benchmark": "dynamic", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
               "device": torch.cuda.get_device_name(),
               "date": now(),

@@ -65,12 +65,13 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits():
     for j in jobs + [big]:
         sched.submit(j)
     step = sched.next_step(live=0)
+    assert step.refused == [big]  # shallowest, so looked at first: more than the whole budget
     assert step.admitted == jobs[:2]  # 4 + 6 + 6 = 16 of 20 slots; a third would need 22
     assert sched.memory_waits == 1 and kv.slots_reserved() == 16
     for n in leaves[:2]:  # those two finish and free their KV
         kv.free(n)
     step = sched.next_step(live=0)
-    assert step.admitted == jobs[2:] and step.refused == [big]
+    assert step.admitted == jobs[2:] and step.refused == []
     assert "max_tokens=30) needs 31 tokens" in str(big.error) and "the whole KV budget of 20 tokens" in str(big.error)
     assert sched.peak_slots <= 20
 
@@ -98,6 +99,36 @@ def test_max_batch_and_the_token_budget_bound_a_step():
     step = sched.next_step(live=2)  # the first job decodes now: the batch is full
     assert step.ready == jobs[1:2] and step.rows == [(jobs[1].request.node, 0), (jobs[1].request.node, 1)]
     assert [j for j in sched.waiting] == jobs[2:]
+
+
+def test_waiting_work_goes_shallowest_first_then_scores_then_longest_then_oldest():
+    """A program's first fork before another's follow-up (deeper: its chain of dependent work is
+    shorter), a score before gens at its depth, long gens before short ones, then arrival order."""
+    tree, kv, sched = setup(max_batch=1)
+    root = tree.add_node(None, [1, 2])
+    thought = tree.add_node(root, [3])
+    follow_up = gen(tree.add_node(thought), max_tokens=50)  # depth 3
+    short, long_, also_short = (gen(tree.add_node(root), max_tokens=m) for m in (4, 9, 4))  # depth 2
+    score = Job(ScoreRequest(root, (tree.add_node(root, [7], kind="choice"),)))
+    for j in (follow_up, short, long_, also_short, score):
+        sched.submit(j)
+    assert sched.waiting == [score, long_, short, also_short, follow_up]
+    step = sched.next_step(live=0)  # the batch holds one gen: the score rides along
+    assert step.admitted == [score, long_]
+    assert sched.cancel(short) and sched.waiting == [also_short, follow_up]
+
+
+def test_work_from_an_earlier_aging_window_goes_first_whatever_its_depth():
+    from treegen.runtime.scheduler import AGING_STEPS
+
+    tree, kv, sched = setup()
+    root = tree.add_node(None, [1])
+    deep = gen(tree.add_node(tree.add_node(root, [2])))
+    sched.submit(deep)
+    sched.tick(AGING_STEPS)
+    shallow = gen(tree.add_node(None, [3]), max_tokens=100)
+    sched.submit(shallow)
+    assert sched.waiting == [deep, shallow]
 
 
 def test_a_phase_ends_when_half_is_done_or_enough_new_work_waits():

@@ -205,7 +205,7 @@ class Decoder:
         self.captured_phases += capturing and not graphs
         self.kept_phases += bool(graphs)
         pool = self.kept.pool() if capturing and kept is not None else None  # (kept graphs share one pool)
-        passes_before = run.forward_passes
+        passes_before, capture_before = run.forward_passes, run.host_seconds["capture"]
         own = len(live)  # (kept buffers have padding rows after the phase's own)
         if constrained:
             yield from self._constrained_steps(live, width, forward, pick, bitmask, input_ids[:own], buf[:own],
@@ -216,6 +216,7 @@ class Decoder:
         if kept is not None:
             self.kept.trim()
         run.phase_passes.append(run.forward_passes - passes_before)
+        run.phase_capture_seconds.append(run.host_seconds["capture"] - capture_before)
         alive = set(self.live)
         for b, n, held in zip(live, nodes, prompt_len):
             if b not in alive and self.jobs[b].request.final:

@@ -92,7 +92,8 @@ class LeaderRun(TreeRun):
         finally:
             self._quiet -= 1
         self._jobs[id(job)] = index
-        self._log(("submit", request, on_done is not None, on_tokens is not None))
+        # the job's place in the queue as rank 0 gave it (a worker's tree is rank 0's only at the next call)
+        self._log(("submit", request, on_done is not None, on_tokens is not None, self.scheduler.priority_of(job)))
         return job
 
     def cancel(self, job: Job) -> None:
@@ -181,12 +182,12 @@ class Mirror:
         run = self.run
         for op in ops:
             if op[0] == "submit":
-                _, request, done, tokens = op
+                _, request, done, tokens, priority = op
                 index = len(self.jobs)
                 job = Job(request, on_done=self._stand_in("done", index) if done else None,
                           on_tokens=self._stand_in("tokens", index) if tokens else None)
                 self.jobs.append(job)
-                run.scheduler.submit(job)
+                run.scheduler.submit(job, priority)
             elif op[0] == "cancel":
                 run.cancel(self.jobs[op[1]])
             elif op[0] == "kv_free":

@@ -109,6 +109,7 @@ class TreeRun:
         # forward passes of each decode phase that ran to its end (a branch's row computes every one, also
         # after it finished): with decode_phases, the rows the phases computed
         self.phase_passes: list[int] = []
+        self.phase_capture_seconds: list[float] = []  # host seconds each of them spent capturing (0: replayed kept graphs)
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         self._phase = None  # the running decode phase (a generator), if any
         self._just_mixed = False  # the last step prefilled new work (see advance)
