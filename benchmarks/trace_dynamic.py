@@ -1,0 +1,176 @@
+"""Where a dynamic workload's GPU waits: its idle time attributed to what the host was doing.
+
+Runs one workload of ``bench_dynamic.py`` (warm-up run first, same sizes, other inputs) under the
+PyTorch profiler, with the engine loop's host work marked (``record_function`` ranges wrapped around
+the methods listed in ``MARKED``, by this script only). The GPU's busy time is the union of its kernels
+and copies; every gap between them is idle, and each instant of a gap is charged to the innermost
+marked range the host was in then ("unmarked": none). Reported: wall time, busy fraction, idle ms by
+range, the gaps by size, and per phase transition (the gap before each decode phase's first kernel).
+
+The profiler slows the host (every operator is recorded): the traced run is slower than an untraced
+one; what it shows is where the gaps are, not their exact size.
+
+    python benchmarks/trace_dynamic.py --workload tot --branches 256 --out trace.json [--chrome trace.gz]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench_dynamic import now, workload  # benchmarks/
+from bench_end_to_end import SHAPES, config_of
+from treegen.lang.batch import Cooperative
+from treegen.runtime import decode, phase_graphs, tree_run
+from treegen.runtime.engine import Engine
+from treegen.runtime.loader import IdTokenizer
+from treegen.runtime.model import LlamaFamilyModel
+from treegen.runtime.scheduler import Scheduler
+
+# (owner, method) -> the range it is marked as
+MARKED = {
+    (Scheduler, "next_step"): "schedule",
+    (Scheduler, "phase_should_end"): "schedule",
+    (tree_run.TreeRun, "plan_rows"): "plan_rows",
+    (tree_run.TreeRun, "_run_step"): "mixed_step",
+    (decode.Decoder, "draw"): "draw",
+    (decode.Decoder, "_settle"): "settle",
+    (decode._Block, "read"): "wait_tokens",
+    (decode.Decoder, "_graph"): "capture",
+    (phase_graphs.PhaseBuffers, "load"): "kept_load",
+    (decode._Params, "__init__"): "params",
+    (Cooperative, "_resume"): "programs",
+    (tree_run.TreeRun, "complete"): "complete",
+}
+GAP_SIZES_US = (10, 100, 1_000, 10_000)  # the gap histogram's bin edges
+
+
+@contextlib.contextmanager
+def marked():
+    saved = {}
+    for (owner, name), label in MARKED.items():
+        fn = saved[owner, name] = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapper(*args, _fn=fn, _label=label, **kwargs):
+            with record_function(_label):
+                return _fn(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
+
+
+def union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [tuple(x) for x in out]
+
+
+def attribute(gaps: list[tuple[int, int]], ranges: list[tuple[int, int, str]]) -> dict[str, float]:
+    """ns of the ``gaps`` by the innermost (shortest) of ``ranges`` covering each instant."""
+    ranges = sorted(ranges)
+    starts = [r[0] for r in ranges]
+    longest = max((e - s for s, e, _ in ranges), default=0)
+    charged: dict[str, float] = {}
+    for gs, ge in gaps:
+        # the ranges that may overlap the gap: started before its end, and not ended before its start
+        lo = bisect.bisect_left(starts, gs - longest)
+        hi = bisect.bisect_right(starts, ge)
+        cover = [(s, e, lab) for s, e, lab in ranges[lo:hi] if e > gs and s < ge]
+        cuts = sorted({gs, ge, *(max(gs, s) for s, _, _ in cover), *(min(ge, e) for _, e, _ in cover)})
+        for a, b in zip(cuts, cuts[1:]):
+            inside = [(e - s, lab) for s, e, lab in cover if s <= a and e >= b]
+            lab = min(inside)[1] if inside else "unmarked"
+            charged[lab] = charged.get(lab, 0.0) + (b - a)
+    return charged
+
+
+def analyse(prof) -> dict:
+    events = prof.profiler.kineto_results.events()
+    gpu, ranges, first_launch = [], [], None
+    labels = set(MARKED.values())
+    for e in events:
+        kind = str(e.device_type())
+        if "CUDA" in kind and e.duration_ns() > 0:
+            gpu.append((e.start_ns(), e.end_ns()))
+        elif e.name() in labels:
+            ranges.append((e.start_ns(), e.end_ns(), e.name()))
+    busy = union(gpu)
+    begin, end = busy[0][0], busy[-1][1]
+    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] > a[1]]
+    idle = sum(e - s for s, e in gaps)
+    charged = attribute(gaps, ranges)
+    histogram = {}
+    for s, e in gaps:
+        bin_ = next((f"<{b}us" for b in GAP_SIZES_US if e - s < 1000 * b), f">={GAP_SIZES_US[-1]}us")
+        n, t = histogram.get(bin_, (0, 0.0))
+        histogram[bin_] = (n + 1, t + (e - s) / 1e6)
+    host_ms = {}
+    for s, e, lab in ranges:
+        host_ms[lab] = host_ms.get(lab, 0.0) + (e - s) / 1e6
+    return {"gpu_span_ms": (end - begin) / 1e6, "gpu_busy_ms": sum(e - s for s, e in busy) / 1e6,
+            "gpu_idle_ms": idle / 1e6, "gpu_busy_fraction": 1 - idle / (end - begin),
+            "idle_ms_by_host_range": {k: round(v / 1e6, 2) for k, v in sorted(charged.items(), key=lambda x: -x[1])},
+            "gaps_by_size": {k: {"count": n, "ms": round(t, 2)} for k, (n, t) in histogram.items()},
+            "host_ms_in_range": {k: round(v, 2) for k, v in sorted(host_ms.items(), key=lambda x: -x[1])},
+            "gpu_events": len(gpu)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
+    parser.add_argument("--workload", default="tot", choices=["rounds", "rounds-equal", "tot"])
+    parser.add_argument("--branches", type=int, default=256)
+    parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--oversubscribe", type=int, default=3)
+    parser.add_argument("--out", required=True, help="the analysis (JSON)")
+    parser.add_argument("--chrome", default=None, help="also the profiler's trace (Chrome trace format)")
+    args = parser.parse_args()
+
+    model = LlamaFamilyModel.random(config_of(args.shape), dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, IdTokenizer(), max_batch=args.branches)
+    programs = args.oversubscribe * args.branches // args.width
+    prog, inputs, total = workload(args.workload, programs, args.width, model.vocab_size)
+    warm = workload(args.workload, programs, args.width, model.vocab_size, seed=1)[1]
+    prog.run_batch(engine, warm)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    prog.run_batch(engine, workload(args.workload, programs, args.width, model.vocab_size, seed=2)[1])
+    torch.cuda.synchronize()
+    untraced = time.perf_counter() - start
+    with marked(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        roots = prog.run_batch(engine, inputs)
+        torch.cuda.synchronize()
+        traced = time.perf_counter() - start
+    run = roots[0]._run.tree_run
+    result = {"benchmark": "trace_dynamic", "shape": args.shape, "workload": args.workload,
+              "branches": args.branches, "programs": programs, "device": torch.cuda.get_device_name(),
+              "date": now(), "torch": torch.__version__, "untraced_s": untraced, "traced_s": traced,
+              "tokens": total, "forward_passes": run.forward_passes, "mixed_steps": run.mixed_steps,
+              "decode_phases": len(run.decode_phases),
+              "host_ms": {k: round(1e3 * v, 1) for k, v in run.host_seconds.items()}, **analyse(prof)}
+    print(json.dumps(result, indent=2))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.chrome:
+        prof.export_chrome_trace(args.chrome)
+
+
+if __name__ == "__main__":
+    main()
