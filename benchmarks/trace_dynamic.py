@@ -103,7 +103,7 @@ def attribute(gaps: list[tuple[int, int]], ranges: list[tuple[int, int, str]]) -
 
 def analyse(prof) -> dict:
     events = prof.profiler.kineto_results.events()
-    gpu, ranges, first_launch = [], [], None
+    gpu, ranges = [], []
     labels = set(MARKED.values())
     for e in events:
         kind = str(e.device_type())
