@@ -241,3 +241,28 @@ def test_kept_phase_graphs_are_replayed_by_later_phases_with_the_same_tokens():
         kept[mode] = run.decoder.kept_phases
     assert outputs["kept"] == outputs["eager"] == outputs["anew"]
     assert kept["anew"] == 0 and kept["kept"] >= 1, kept
+
+
+def test_a_written_kv_pool_grows_within_what_ensure_free_checks():
+    """Growing a pool that holds KV copies it: the memory held on top of the old pool peaks at the new
+    slots plus one old pool (k or v), inside the check's new slots plus a copy of the whole pool."""
+    from treegen.runtime.kv_store import KVStore
+
+    kv = KVStore(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    kv.reserve(0, 4096).computed = 4096  # (written KV: growing copies it)
+    k = torch.randn(4096, 8, 128, dtype=torch.bfloat16, device="cuda")
+    slots = torch.arange(4096, device="cuda")
+    for layer in range(4):
+        kv.write(layer, slots, k, -k)
+    old_slots, per = kv.num_slots, kv.bytes_per_token
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    kv.ensure_free(kv.slots_free() + 8192)
+    added = kv.num_slots - old_slots
+    assert added >= 8192
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= added * per + old_slots * per // 2 + 2**20, (peak, added * per, old_slots * per)
+    k_cache, v_cache, _, _ = kv.layer(3)
+    assert torch.equal(k_cache[:4096], k) and torch.equal(v_cache[:4096], -k)  # the KV moved with the pool
+    assert not k_cache[old_slots:].any()  # and the new slots hold zeros

@@ -432,8 +432,15 @@ class KVStore:
             return
         self._layer_views = None
         self.pool_generation += 1
+        # One pool at a time is copied into a grown tensor and the old one dropped: the memory held on top of
+        # the old pools peaks at the new slots plus one old pool, within what ensure_free checks (the new
+        # slots plus a copy of the pool). (torch.cat with a zero tail also held that tail: growing the
+        # pool of an 8B model at 256 branches ran out of memory.)
         for name in self._pools():
-            setattr(self, name, torch.cat([getattr(self, name), self._zeros(name, new - old)], dim=1))
+            grown = self._zeros(name, new)
+            grown[:, :old].copy_(getattr(self, name))
+            setattr(self, name, grown)
+            del grown
         self._release(old, new - old)
 
     def _release(self, start: int, length: int) -> None:
