@@ -63,3 +63,22 @@ def test_edges_change_only_through_the_sharing_tree():
                  for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
                  if re.search(r"tree\.graph\.(add_edge|remove_edge|add_edges_from|remove_node)|graph\.remove_edge", line)]
     assert not offenders, offenders
+
+
+def test_branches_below_counts_the_live_leaves_of_a_subtree():
+    import networkx as nx
+
+    tree = SharingTree()
+    root = tree.add_node(None, [1])
+    a, b = tree.add_node(root, [2]), tree.add_node(root, [3])
+    a1, a2 = tree.add_node(a, [4]), tree.add_node(a, [5])
+    b1 = tree.add_node(b, [6])
+    tree.add_node(b1, [7]), tree.add_node(b1, [8])
+    tree.prune(a2)
+    other = tree.add_node(None, [9])  # another root
+    leaves = set(tree.leaves())
+    for n in tree.graph:  # the definition: the tree's leaves among the node and its descendants
+        assert tree.branches_below(n) == sum(1 for d in nx.descendants(tree.graph, n) | {n} if d in leaves), n
+    assert [tree.branches_below(n) for n in (root, a, a1, a2, b, other)] == [3, 1, 1, 0, 2, 1]
+    tree.prune(b1)  # b's children all pruned: b is a leaf now
+    assert tree.branches_below(b) == 1 and tree.branches_below(root) == 2

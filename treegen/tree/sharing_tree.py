@@ -176,8 +176,16 @@ class SharingTree:
         return [n for n in self.live_nodes() if not any(not self.graph.nodes[c]["pruned"] for c in self.graph.successors(n))]
 
     def branches_below(self, node: int) -> int:
-        leaves = set(self.leaves())
-        return sum(1 for n in nx.descendants(self.graph, node) | {node} if n in leaves)
+        """Branches (:meth:`leaves`) in ``node``'s subtree, itself included: one walk of the subtree."""
+        succ, data = self.graph.succ, self.graph.nodes
+        count, stack = 0, [node]
+        while stack:
+            n = stack.pop()
+            children = list(succ[n])
+            if not data[n]["pruned"] and all(data[c]["pruned"] for c in children):
+                count += 1
+            stack += children
+        return count
 
     def stats(self, kv: KVShape) -> TreeStats:
         """KV bytes of the live tree stored once per node, vs each branch holding its own copy.
