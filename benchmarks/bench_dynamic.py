@@ -55,6 +55,8 @@ import triton
 
 import treegen
 from treegen.kernels.launch import Launcher
+from treegen.lang import batch
+from treegen.runtime import tree_run
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
@@ -239,10 +241,9 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    admission = lambda r: r.get("admission", "fifo")  # noqa: E731 (rows from before priorities: arrival order)
-    for kind, how in dict.fromkeys((r["workload"], admission(r)) for r in rows):
-        pts = sorted((r["branches"], r["ratio"]) for r in rows if r["workload"] == kind and admission(r) == how)
-        ax.plot(*zip(*pts), marker="o", linestyle="-" if how == "priority" else ":", label=f"{kind} ({how})")
+    for kind, how in dict.fromkeys((r["workload"], variant_of(r)) for r in rows):
+        pts = sorted((r["branches"], r["ratio"]) for r in rows if r["workload"] == kind and variant_of(r) == how)
+        ax.plot(*zip(*pts), marker="o", linestyle="-" if how == "default" else ":", label=f"{kind} ({how})")
     ax.axhline(0.85, color="grey", linestyle="--", linewidth=1, label="target 0.85")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("branches (max batch)")
@@ -264,9 +265,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["rounds", "rounds-equal", "tot"])
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed dynamic and static runs per case, interleaved; medians are reported")
-    parser.add_argument("--admissions", nargs="+", default=["priority"], choices=list(ADMISSIONS),
-                        help="the scheduler's order of waiting work: its own (priority), or arrival order (fifo, "
-                             "as before priority existed); several: each one's dynamic runs, interleaved")
+    parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                        help="the engine as it is (default) or with one choice undone (see VARIANTS); several: "
+                             "each one's dynamic runs, interleaved (an A/B in one process)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--update", action="store_true",
                         help="keep the output file's rows of cases not run now (each row names its device and date)")
@@ -281,21 +282,21 @@ def main() -> None:
             engine = Engine(model, IdTokenizer(), max_batch=branches)
             programs = args.oversubscribe * branches // args.width
             print(f"{time.strftime('%H:%M:%S')} {kind}, {branches} branches, {programs} programs", flush=True)
-            dynamic, static = {a: [] for a in args.admissions}, []
+            dynamic, static = {a: [] for a in args.variants}, []
             for k in range(args.repeats):  # interleaved: the host's speed drifts between runs
-                for admission in args.admissions:
-                    with ADMISSIONS[admission]():
-                        dynamic[admission].append(measure_dynamic(engine, kind, programs, args.width,
+                for variant in args.variants:
+                    with VARIANTS[variant]():
+                        dynamic[variant].append(measure_dynamic(engine, kind, programs, args.width,
                                                                   warm_up=k == 0))
                     gc.collect()
-                per_branch = round(dynamic[args.admissions[0]][0]["tokens"] / (branches * args.static_forks))
+                per_branch = round(dynamic[args.variants[0]][0]["tokens"] / (branches * args.static_forks))
                 static.append(measure_static(engine, branches // args.width, args.width, per_branch,
                                              args.static_forks, warm_up=k == 0))
                 gc.collect()
-            for admission in args.admissions:
-                runs = dynamic[admission]
+            for variant in args.variants:
+                runs = dynamic[variant]
                 row = {"workload": kind, "shape": args.shape, "branches": branches, "programs": programs,
-                       "width": args.width, "max_batch": branches, "admission": admission}
+                       "width": args.width, "max_batch": branches, "variant": variant}
                 row.update(median_run(runs, "dynamic_tok_s"))
                 row["dynamic_cold_s"] = runs[0]["dynamic_cold_s"]
                 row.update(median_run(static, "static_tok_s"))
@@ -312,11 +313,11 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     print(f"\n## {args.shape}, bf16 — dynamic vs the same token work as one static fork\n")
-    print("| workload | admission | branches | static tok/s | dynamic tok/s | ratio | GPU busy (dyn/static) | host ms/step |")
+    print("| workload | variant | branches | static tok/s | dynamic tok/s | ratio | GPU busy (dyn/static) | host ms/step |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         busy = "/".join("-" if b is None else f"{b:.2f}" for b in (r["gpu_busy"], r["static_gpu_busy"]))
-        print(f"| {r['workload']} | {r['admission']} | {r['branches']} | {r['static_tok_s']:,.0f} | {r['dynamic_tok_s']:,.0f} | "
+        print(f"| {r['workload']} | {r['variant']} | {r['branches']} | {r['static_tok_s']:,.0f} | {r['dynamic_tok_s']:,.0f} | "
               f"{r['ratio']:.2f} | {busy} | {sum(r['host_ms_per_step'].values()):.2f} |")
     out = write(args, rows)
     plot(json.loads(out.read_text())["rows"], out.with_suffix(".png"),
@@ -334,7 +335,28 @@ def arrival_order():
         Scheduler.priority = saved
 
 
-ADMISSIONS = {"priority": contextlib.nullcontext, "fifo": arrival_order}
+@contextlib.contextmanager
+def gc_unfrozen():
+    """Garbage collections scan every object during a run, the caller's too (before ``host_gc.frozen_heap``)."""
+    saved = batch.frozen_heap, tree_run.frozen_heap
+    batch.frozen_heap = tree_run.frozen_heap = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        batch.frozen_heap, tree_run.frozen_heap = saved
+
+
+# the engine as it is, and with one of its choices undone (an A/B: --variants default fifo)
+VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order, "gc-unfrozen": gc_unfrozen}
+ADMISSIONS = {"priority": contextlib.nullcontext, "fifo": arrival_order}  # (dynamic_schedule_cpu --admission)
+
+
+def variant_of(row: dict) -> str:
+    """A row's variant; rows from before variants name their admission (before that: arrival order)."""
+    if "variant" in row:
+        return row["variant"]
+    admission = row.get("admission", "fifo")
+    return "default" if admission == "priority" else admission
 
 
 def median_run(runs: list[dict], key: str) -> dict:
@@ -349,7 +371,7 @@ def now() -> str:
 def write(args, rows: list[dict]) -> Path:
     out = Path(args.out or Path(__file__).parent / "results" / f"dynamic_{args.shape}.json")
     if args.update and out.exists():  # rows of other cases from an earlier run, then this run's
-        case = lambda r: (r["workload"], r["branches"], r.get("admission", "fifo"))  # noqa: E731 (older rows: fifo)
+        case = lambda r: (r["workload"], r["branches"], variant_of(r))  # noqa: E731
         ran = {case(r) for r in rows}
         rows = [r for r in json.loads(out.read_text())["rows"] if case(r) not in ran] + rows
     result = {"benchmark": "dynamic", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",

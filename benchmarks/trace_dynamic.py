@@ -4,8 +4,9 @@ Runs one workload of ``bench_dynamic.py`` (warm-up run first, same sizes, other 
 PyTorch profiler, with the engine loop's host work marked (``record_function`` ranges wrapped around
 the methods listed in ``MARKED``, by this script only). The GPU's busy time is the union of its kernels
 and copies; every gap between them is idle, and each instant of a gap is charged to the innermost
-marked range the host was in then ("unmarked": none). Reported: wall time, busy fraction, idle ms by
-range, the gaps by size, and per phase transition (the gap before each decode phase's first kernel).
+marked range the host was in then ("unmarked": none; program code is split by whether a decode phase
+was running: ``programs_in_phase``, ``programs_between``). Reported: wall time, busy fraction, idle ms
+by range, the gaps by size, and the host's time in each range.
 
 The profiler slows the host (every operator is recorded): the traced run is slower than an untraced
 one; what it shows is where the gaps are, not their exact size.
@@ -26,10 +27,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_dynamic import now, workload  # benchmarks/
+from bench_dynamic import VARIANTS, now, workload  # benchmarks/
 from bench_end_to_end import SHAPES, config_of
 from treegen.lang.batch import Cooperative
-from treegen.runtime import decode, phase_graphs, tree_run
+from treegen.lang.interpreter import ProgramRun
+from treegen.runtime import decode, kv_store, phase_graphs, tree_run
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
@@ -49,6 +51,14 @@ MARKED = {
     (decode._Params, "__init__"): "params",
     (Cooperative, "_resume"): "programs",
     (tree_run.TreeRun, "complete"): "complete",
+    (tree_run.TreeRun, "advance"): "advance",  # (the engine loop's own code: what no inner range marks)
+    (tree_run.TreeRun, "free"): "free",
+    (kv_store.KVStore, "free"): "free",
+    (tree_run.TreeRun, "attend_fn"): "attend_fn",
+    (decode.Decoder, "_kept"): "kept_lookup",
+    (decode.Decoder, "decode_rows"): "decode_rows",
+    (decode._Block, "__init__"): "block_copy",
+    (ProgramRun, "submit"): "program_submit",
 }
 GAP_SIZES_US = (10, 100, 1_000, 10_000)  # the gap histogram's bin edges
 
@@ -61,6 +71,8 @@ def marked():
 
         @functools.wraps(fn)
         def wrapper(*args, _fn=fn, _label=label, **kwargs):
+            if _label == "programs":  # resumed during a decode phase, or between steps (the GPU has nothing queued)
+                _label += "_in_phase" if args[1].tree_run._phase is not None else "_between"
             with record_function(_label):
                 return _fn(*args, **kwargs)
 
@@ -104,7 +116,7 @@ def attribute(gaps: list[tuple[int, int]], ranges: list[tuple[int, int, str]]) -
 def analyse(prof) -> dict:
     events = prof.profiler.kineto_results.events()
     gpu, ranges = [], []
-    labels = set(MARKED.values())
+    labels = set(MARKED.values()) | {"programs_in_phase", "programs_between"}
     for e in events:
         kind = str(e.device_type())
         if "CUDA" in kind and e.duration_ns() > 0:
@@ -139,6 +151,7 @@ def main() -> None:
     parser.add_argument("--branches", type=int, default=256)
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--oversubscribe", type=int, default=3)
+    parser.add_argument("--variant", default="default", choices=list(VARIANTS), help="as bench_dynamic's --variants")
     parser.add_argument("--out", required=True, help="the analysis (JSON)")
     parser.add_argument("--chrome", default=None, help="also the profiler's trace (Chrome trace format)")
     args = parser.parse_args()
@@ -147,6 +160,8 @@ def main() -> None:
     engine = Engine(model, IdTokenizer(), max_batch=args.branches)
     programs = args.oversubscribe * args.branches // args.width
     prog, inputs, total = workload(args.workload, programs, args.width, model.vocab_size)
+    variant = VARIANTS[args.variant]()
+    variant.__enter__()
     warm = workload(args.workload, programs, args.width, model.vocab_size, seed=1)[1]
     prog.run_batch(engine, warm)
     torch.cuda.synchronize()
@@ -161,7 +176,7 @@ def main() -> None:
         traced = time.perf_counter() - start
     run = roots[0]._run.tree_run
     result = {"benchmark": "trace_dynamic", "shape": args.shape, "workload": args.workload,
-              "branches": args.branches, "programs": programs, "device": torch.cuda.get_device_name(),
+              "branches": args.branches, "programs": programs, "variant": args.variant, "device": torch.cuda.get_device_name(),
               "date": now(), "torch": torch.__version__, "untraced_s": untraced, "traced_s": traced,
               "tokens": total, "forward_passes": run.forward_passes, "mixed_steps": run.mixed_steps,
               "decode_phases": len(run.decode_phases),
