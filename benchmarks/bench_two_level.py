@@ -18,14 +18,11 @@ gets the largest batch it fits, and ``groups`` / ``batches`` in the JSON say wha
 total time (prefill included) reported too. Prints a table, writes JSON (and a PNG when matplotlib is
 installed) under benchmarks/results/.
 
-``--threshold-sweep`` measures the simplification threshold instead: a 1024-token root, C middle nodes
-of t tokens with g leaves each, decoded with the middle level shared vs dissolved into the leaves
-(copied), over t and g; the saving ``(g - 1) * t`` above which sharing is faster is what
-``simplify(min_saving=...)`` should be (see treegen/tree/passes.py).
+(The simplification threshold itself is measured by ``bench_min_shared_saving.py``; this script's earlier
+``--threshold-sweep``, whole decode steps at small batches, is in ``results/two_level_threshold_llama-7b.json``.)
 
     python benchmarks/bench_two_level.py                                   # default configurations (< 5 min on an H100)
     python benchmarks/bench_two_level.py --configs 4x128 --new 512        # the paper's per-problem size, 4 of its 120 problems
-    python benchmarks/bench_two_level.py --threshold-sweep
 """
 
 from __future__ import annotations
@@ -152,34 +149,6 @@ def run_configs(args, model, engine) -> list[dict]:
     return rows
 
 
-def run_threshold_sweep(args, model, engine) -> list[dict]:
-    """Middle level shared vs dissolved: root (1024 tokens) -> C nodes of t tokens -> g leaves each."""
-    rows, c = [], args.sweep_nodes
-    g0 = torch.Generator().manual_seed(1)
-    root_ids = torch.randint(0, model.vocab_size, (1024,), generator=g0).tolist()
-    for t in args.sweep_tokens:
-        mids = [torch.randint(0, model.vocab_size, (t,), generator=g0).tolist() for _ in range(c)]
-        for g in args.sweep_branches:
-            def make(run, shared):
-                tree, leaves = run.tree, []
-                root = tree.add_node(None, root_ids)
-                for m in mids:
-                    if shared:
-                        mid = tree.add_node(root, m)
-                        leaves += [tree.add_node(mid) for _ in range(g)]
-                    else:
-                        leaves += [tree.add_node(root, m) for _ in range(g)]
-                return leaves, {}
-            row = {"tokens": t, "branches": g, "nodes": c, "saving": (g - 1) * t}
-            for shared in (True, False):
-                r = measure(engine, model, lambda run, s=shared: make(run, s), c * g, args.new)
-                row["shared_tok_s" if shared else "dissolved_tok_s"] = r["decode_tok_s"]
-            row["shared_over_dissolved"] = row["shared_tok_s"] / row["dissolved_tok_s"]
-            rows.append(row)
-            print(row, flush=True)
-    return rows
-
-
 def print_table(rows: list[dict], modes) -> None:
     print("\n| config | sequences | " + " | ".join(modes) + " | two / single | two / flat | total time two vs single |")
     print("|---|---|" + "---|" * (len(modes) + 3))
@@ -229,10 +198,6 @@ def main() -> None:
     parser.add_argument("--problem-len", type=int, default=500, help="mean problem tokens")
     parser.add_argument("--new", type=int, default=128, help="new tokens per sample (paper: 512)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--threshold-sweep", action="store_true", help="measure simplify's threshold instead")
-    parser.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    parser.add_argument("--sweep-branches", type=int, nargs="+", default=[2, 4, 16, 64])
-    parser.add_argument("--sweep-nodes", type=int, default=16)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -248,20 +213,6 @@ def main() -> None:
                          "cuda": torch.version.cuda, "python": platform.python_version()}}
     results = Path(__file__).parent / "results"
     results.mkdir(parents=True, exist_ok=True)
-    if args.threshold_sweep:
-        rows = run_threshold_sweep(args, model, engine)
-        print("\n| tokens t | branches g | (g-1)*t | shared / dissolved |\n|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['tokens']} | {r['branches']} | {r['saving']} | {r['shared_over_dissolved']:.3f} |")
-        worth = sorted(r["saving"] for r in rows if r["shared_over_dissolved"] >= 1.0)
-        print(f"\nsmallest saving where sharing was at least as fast: {worth[0] if worth else 'none'} "
-              f"(current default min_saving={DEFAULT_MIN_SHARED_SAVING})")
-        out = Path(args.out or results / f"two_level_threshold_{args.shape}.json")
-        out.write_text(json.dumps({"benchmark": "two_level_threshold", **meta, "new": args.new,
-                                   "method": "decode tok/s, middle level shared vs dissolved; one warm-up per point",
-                                   "rows": rows}, indent=2) + "\n")
-        print(f"wrote {out}")
-        return
     rows = run_configs(args, model, engine)
     print(f"\n## {args.shape}, {meta['dtype']}, prefix {args.prefix}, problems ~{args.problem_len} tokens, "
           f"{args.new} new tokens — decode tokens/s (total s incl. prefill)")
