@@ -93,7 +93,7 @@ def summarize(rows: list[dict], flat: float) -> dict:
     best = min(costs, key=lambda s: costs[s][0])
     near = [s for s, (c, _) in costs.items() if c <= costs[best][0] * (1 + flat)]
     return {"best_threshold": best, "best_mean_over_fastest": costs[best][0], "best_worst_over_fastest": costs[best][1],
-            "thresholds_within_flat": [min(near), max(near)], "flat": flat,
+            "thresholds_within_flat": near, "flat": flat,
             "mean_over_fastest_by_threshold": {str(s): round(c, 4) for s, (c, _) in costs.items()}}
 
 

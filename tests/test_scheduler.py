@@ -143,6 +143,22 @@ def test_a_phase_ends_when_half_is_done_or_enough_new_work_waits():
     assert sched.phase_should_end(64, 60)  # new work waited long enough
 
 
+def test_a_new_job_ahead_of_one_that_did_not_fit_is_not_taken_for_blocked():
+    tree, kv, sched = setup(budget_slots=20)
+    root = tree.add_node(None, [1, 2, 3, 4])
+    sched.submit(gen(tree.add_node(root), max_tokens=12))
+    sched.next_step(live=0)  # 4 + 12 = 16 of 20 slots
+    deep = gen(tree.add_node(tree.add_node(root, [5])), max_tokens=8)  # would need 9 more: waits
+    sched.submit(deep)
+    sched.next_step(live=1)
+    assert sched.memory_blocked and sched.waiting == [deep]
+    assert not sched.phase_should_end(4, 3)  # what waits cannot join: no reason to end the phase yet
+    shallow = gen(tree.add_node(root), max_tokens=2)  # fits, and goes first (shallower)
+    sched.submit(shallow)
+    assert sched.waiting[0] is shallow and not sched.memory_blocked
+    assert sched.phase_should_end(4, 3) and sched.next_step(live=1).admitted == [shallow]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_free_list_stays_sorted_merged_and_disjoint(seed):
     """Random reserves (new, grown in place or moved) and frees: the free spans stay sorted, merged and

@@ -437,10 +437,12 @@ class KVStore:
         # slots plus a copy of the pool). (torch.cat with a zero tail also held that tail: growing the
         # pool of an 8B model at 256 branches ran out of memory.)
         for name in self._pools():
-            grown = self._zeros(name, new)
-            grown[:, :old].copy_(getattr(self, name))
+            pool = getattr(self, name)
+            grown = pool.new_empty((pool.shape[0], new, *pool.shape[2:]))
+            grown[:, :old].copy_(pool)
+            grown[:, old:].zero_()
             setattr(self, name, grown)
-            del grown
+            del pool, grown
         self._release(old, new - old)
 
     def _release(self, start: int, length: int) -> None:

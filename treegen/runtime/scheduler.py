@@ -55,9 +55,10 @@ from treegen.runtime.swa import DEFAULT_EVERY, reserve_slots
 REPLAN_FRACTION = 0.5
 # ...or once new work has waited this many decode steps, whatever its size.
 MAX_WAIT_STEPS = 64
-# Jobs submitted in an earlier window of this many decode steps are admitted before later ones, whatever
-# their depth or length (a bound on how long priority can hold a job back; a run_batch of ~1,000 steps
-# per level never reaches it in the benchmark's workloads).
+# Decode steps are counted in windows of this many (from the run's first step); a job submitted in an
+# earlier window is admitted before every job of a later one, whatever their depth or length, so later
+# shallow work holds a job back for at most the rest of its window and the next. (The benchmark's runs,
+# 1,100-2,000 steps at 256 branches, cross one boundary: its pass counts include that.)
 AGING_STEPS = 1024
 
 
@@ -149,6 +150,8 @@ class Scheduler:
         self._submitted += 1
         self._priority[job] = self.priority(job) if priority is None else priority
         bisect.insort(self.waiting, job, key=self._priority.__getitem__)
+        if self.waiting[0] is job:  # a new head may fit where the job that did not went first
+            self.memory_blocked = False
 
     def priority_of(self, job: Job) -> tuple | None:
         """The key ``job`` waits under; None once it has left the queue."""

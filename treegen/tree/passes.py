@@ -26,7 +26,7 @@ when sharing it saves at least this many KV tokens of reads per decode step,
 ``(branches below - 1) * tokens``. Measured on an H100 (``benchmarks/bench_min_shared_saving.py``,
 ``min_shared_saving_h100.json``; see :func:`simplify`): of the thresholds this rule can use, 384 made the
 choices that cost least over the sweep — 1.3% above the faster layout of each case on average (64, the
-earlier guess: 1.8%; always sharing: 4.3%), and every threshold from 128 to 448 within 0.2% of it."""
+earlier guess: 1.8%; always sharing: 4.3%), and every threshold from 128 to 448 within 0.4% of it."""
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -112,7 +112,7 @@ def simplify(tree: SharingTree, *, min_saving: int = DEFAULT_MIN_SHARED_SAVING, 
     and TinyLlama heads; the default is the threshold whose choices cost least over all of it. The time
     does not follow ``(b - 1) * t`` alone — with 2 branches sharing never won (1.04-1.2x), with 64 it
     lost up to ``t = 16`` (Llama-3-8B heads) or 32 (TinyLlama; 1.02-1.21x), from 8 to 32 branches it won
-    or tied (within 1%) from ``t = 1`` — so one threshold is a compromise: 1.17x the faster layout at worst.
+    or tied (within 1.5%) from ``t = 1`` — so one threshold is a compromise: 1.17x the faster layout at worst.
     """
     graph = tree.graph
     order = [n for n in reversed(list(_topological(tree)))]
