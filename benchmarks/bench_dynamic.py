@@ -55,8 +55,6 @@ import triton
 
 import treegen
 from treegen.kernels.launch import Launcher
-from treegen.lang import batch, dsl
-from treegen.runtime import tree_run
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
@@ -335,19 +333,8 @@ def arrival_order():
         Scheduler.priority = saved
 
 
-@contextlib.contextmanager
-def gc_unfrozen():
-    """Garbage collections scan every object during a run, the caller's too (before ``host_gc.frozen_heap``)."""
-    saved = batch.frozen_heap, dsl.frozen_heap, tree_run.frozen_heap
-    batch.frozen_heap = dsl.frozen_heap = tree_run.frozen_heap = contextlib.nullcontext
-    try:
-        yield
-    finally:
-        batch.frozen_heap, dsl.frozen_heap, tree_run.frozen_heap = saved
-
-
 # the engine as it is, and with one of its choices undone (an A/B: --variants default fifo)
-VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order, "gc-unfrozen": gc_unfrozen}
+VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order}
 ADMISSIONS = {"priority": contextlib.nullcontext, "fifo": arrival_order}  # (dynamic_schedule_cpu --admission)
 
 

@@ -29,7 +29,6 @@ import time
 from typing import Any, Callable
 
 from treegen.lang.interpreter import ProgramRun, State, TokenStream
-from treegen.runtime.host_gc import frozen_heap
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 
 # a program that keeps generating without end is stopped here (its own error; the others go on)
@@ -189,8 +188,7 @@ def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 
     scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)])
     run.scheduler = scheduler
     try:
-        with frozen_heap():  # (the caller's objects are not scanned by collections during the run)
-            scheduler.run(run)
+        scheduler.run(run)
     except KeyboardInterrupt:
         raise BatchInterrupted([r if run.is_done(r.program) and r.error is None else None for r in roots]) from None
     finally:

@@ -28,7 +28,6 @@ from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, check_c
 from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.constraint import Constraint
-from treegen.runtime.host_gc import frozen_heap
 from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
@@ -202,10 +201,9 @@ class Program:
         run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
         run.on_tokens = check_callback("run", "on_tokens", on_tokens)
         state = run.root()
-        with frozen_heap():  # (the caller's objects are not scanned by collections during the run)
-            value = self.fn(state, *args, **kwargs)
-            run.program_returned(state, value)
-            run.finish()
+        value = self.fn(state, *args, **kwargs)
+        run.program_returned(state, value)
+        run.finish()
         return state
 
     def compile(self, /, *args, tokenizer, kv_shape: KVShape | None = None, **kwargs) -> CompiledProgram:

@@ -34,7 +34,6 @@ import torch
 
 from treegen.kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from treegen.runtime.decode import Decoder
-from treegen.runtime.host_gc import frozen_heap
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
@@ -218,10 +217,9 @@ class TreeRun:
     def execute(self, gens: list[GenRequest], scores: list[ScoreRequest]) -> tuple[list[GenResult], list[list[float]]]:
         """Run these requests to completion (the static case: everything known up front); returns
         the generations and the choice scores in request order. A refused request raises its error."""
-        with frozen_heap():  # (the caller's objects are not scanned by collections during the run)
-            jobs = [self.submit(r) for r in [*gens, *scores]]
-            while not all(j.done for j in jobs) and self.advance():
-                pass
+        jobs = [self.submit(r) for r in [*gens, *scores]]
+        while not all(j.done for j in jobs) and self.advance():
+            pass
         for j in jobs:
             if j.error is not None:
                 raise j.error
