@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -258,17 +259,21 @@ def plan_triton(
                     merge_idx.extend(range(first + i, first + i + chunks * count, count))
         merge_ptr.append(len(merge_idx))
 
-    def i32(x, shape=None):
-        t = torch.tensor(x, dtype=torch.int32)
-        return (t.reshape(shape) if shape else t).to(device)
+    def i32(x) -> Tensor:  # (through numpy: torch.tensor of a Python list costs ~4x more host time)
+        return torch.from_numpy(np.asarray(x, dtype=np.int32)).to(device)
+
+    rows_at = np.asarray(rows, dtype=np.int64)
 
     def launch(m, items):
+        table = np.asarray(items, dtype=np.int64).reshape(-1, 7)
         # rows [o, o + n) of ``rows`` consecutive query rows in every item: hand the kernel the first one
         # (a segment's rows increase: consecutive when the last is n - 1 past the first)
-        direct = all(rows[o + n - 1] - rows[o] == n - 1 for *_, o, n, _ in items)
-        table = [[*w[:4], rows[w[4]], *w[5:]] for w in items] if direct else items
-        return WorkList(i32(table, (-1, 7)), m, *_launch_shape(m, items, num_kv_heads, block_n, num_stages or 3,
-                                                                 leaf_shape), direct_rows=direct)
+        first, count = table[:, 4], table[:, 5]
+        direct = bool(np.all(rows_at[first + count - 1] - rows_at[first] == count - 1))
+        if direct:
+            table[:, 4] = rows_at[first]
+        return WorkList(i32(table), m, *_launch_shape(m, table, num_kv_heads, block_n, num_stages or 3, leaf_shape),
+                        direct_rows=direct)
 
     order = sorted(work.items(), key=lambda mi: (mi[0] == 16) if fused else mi[0])  # fused: own items last
     return TritonPlan(
@@ -286,7 +291,7 @@ def plan_triton(
     )
 
 
-def _launch_shape(block_m: int, items: list, num_kv_heads: int, block_n: int, num_stages: int,
+def _launch_shape(block_m: int, items: np.ndarray, num_kv_heads: int, block_n: int, num_stages: int,
                   leaf_shape: tuple[int, int, int] | None = None):
     """(block_n, num_warps, num_stages) of a launch. A thousand or more 16-row programs (branches' own
     keys, a few blocks each) are bound by how many programs an SM holds (their shared-memory buffers):
@@ -299,7 +304,7 @@ def _launch_shape(block_m: int, items: list, num_kv_heads: int, block_n: int, nu
     kernel variant compiled by a shorter one. This variant uses 255 registers a thread (so ~8 programs an
     SM); capping them (``maxnreg`` 192/168/128) spills and was 7-50% slower (batch 256 Llama-3 heads:
     71/75/91 vs 66 us)."""
-    longest = max((ke - kb for _, _, kb, ke, *_ in items), default=0)
+    longest = int((items[:, 3] - items[:, 2]).max()) if len(items) else 0  # (an item: [.., .., kb, ke, ...])
     if block_m == 16 and len(items) * num_kv_heads >= 1024 and longest <= _FUSED_LEAF_MAX_KEYS:
         return leaf_shape or (32, 1, 2)
     return block_n, (8 if block_m == 128 else 4), num_stages
