@@ -335,7 +335,6 @@ def arrival_order():
 
 # the engine as it is, and with one of its choices undone (an A/B: --variants default fifo)
 VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order}
-ADMISSIONS = {"priority": contextlib.nullcontext, "fifo": arrival_order}  # (dynamic_schedule_cpu --admission)
 
 
 def variant_of(row: dict) -> str:

@@ -9,8 +9,9 @@ steps, decode phases with their rows and passes, the *tail* (passes of phases be
 the last programs' dependent levels, which the static fork has not), and the row occupancy of phases
 (generated tokens / rows the phases computed: a finished branch's row computes until its phase ends;
 a gen's first token, drawn in a mixed step, is counted too, so it reads a little high). With
-``--replan-fraction`` the scheduler's ``REPLAN_FRACTION`` is replaced for the run; ``--admission fifo``
-admits waiting work in arrival order (the order before the scheduler's priorities).
+``--replan-fraction`` the scheduler's ``REPLAN_FRACTION`` is replaced for the run; ``--variant fifo``
+admits waiting work in arrival order (the order before the scheduler's priorities; see bench_dynamic's
+``VARIANTS``).
 
     python benchmarks/dynamic_schedule_cpu.py --workload tot --branches 256
 """
@@ -36,7 +37,7 @@ import treegen.runtime.scheduler as scheduler
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
-from bench_dynamic import ADMISSIONS, workload  # benchmarks/
+from bench_dynamic import VARIANTS, workload  # benchmarks/
 
 
 def replay(kind: str, branches: int, width: int, oversubscribe: int) -> dict:
@@ -68,22 +69,22 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--oversubscribe", type=int, default=3)
     parser.add_argument("--replan-fraction", type=float, default=None)
-    parser.add_argument("--admission", choices=list(ADMISSIONS), default="priority",
-                        help="the scheduler's order of waiting work (fifo: arrival order, as before priorities)")
+    parser.add_argument("--variant", choices=list(VARIANTS), default="default",
+                        help="the engine with one choice undone (fifo: arrival order, as before priorities)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.replan_fraction is not None:
         if not 0 < args.replan_fraction <= 1:
             parser.error(f"--replan-fraction must be in (0, 1], got {args.replan_fraction}")
         scheduler.REPLAN_FRACTION = decode.REPLAN_FRACTION = args.replan_fraction
-    with ADMISSIONS[args.admission]():
+    with VARIANTS[args.variant]():
         row = replay(args.workload, args.branches, args.width, args.oversubscribe)
-    row["admission"] = args.admission
+    row["variant"] = args.variant
     print({k: v for k, v in row.items() if k != "phases"})
     print("phases (rows x passes):", [(p["rows"], p["passes"]) for p in row["phases"]])
     out = Path(args.out or Path(__file__).parent / "results" /
                f"dynamic_schedule_cpu_{args.workload}_{args.branches}"
-               f"{'' if args.admission == 'priority' else '_' + args.admission}.json")
+               f"{'' if args.variant == 'default' else '_' + args.variant}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "dynamic_schedule_cpu", "device": "cpu", "model": "random Llama, 1 layer, hidden 64",

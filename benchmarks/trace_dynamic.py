@@ -160,20 +160,19 @@ def main() -> None:
     engine = Engine(model, IdTokenizer(), max_batch=args.branches)
     programs = args.oversubscribe * args.branches // args.width
     prog, inputs, total = workload(args.workload, programs, args.width, model.vocab_size)
-    variant = VARIANTS[args.variant]()
-    variant.__enter__()
-    warm = workload(args.workload, programs, args.width, model.vocab_size, seed=1)[1]
-    prog.run_batch(engine, warm)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    prog.run_batch(engine, workload(args.workload, programs, args.width, model.vocab_size, seed=2)[1])
-    torch.cuda.synchronize()
-    untraced = time.perf_counter() - start
-    with marked(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        roots = prog.run_batch(engine, inputs)
+    with VARIANTS[args.variant]():
+        warm = workload(args.workload, programs, args.width, model.vocab_size, seed=1)[1]
+        prog.run_batch(engine, warm)
         torch.cuda.synchronize()
-        traced = time.perf_counter() - start
+        start = time.perf_counter()
+        prog.run_batch(engine, workload(args.workload, programs, args.width, model.vocab_size, seed=2)[1])
+        torch.cuda.synchronize()
+        untraced = time.perf_counter() - start
+        with marked(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            roots = prog.run_batch(engine, inputs)
+            torch.cuda.synchronize()
+            traced = time.perf_counter() - start
     run = roots[0]._run.tree_run
     result = {"benchmark": "trace_dynamic", "shape": args.shape, "workload": args.workload,
               "branches": args.branches, "programs": programs, "variant": args.variant, "device": torch.cuda.get_device_name(),

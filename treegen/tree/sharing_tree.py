@@ -173,18 +173,19 @@ class SharingTree:
 
     def leaves(self) -> list[int]:
         """Branches: live nodes without live children."""
-        return [n for n in self.live_nodes() if not any(not self.graph.nodes[c]["pruned"] for c in self.graph.successors(n))]
+        return [n for n in self.live_nodes() if self._is_branch(n)]
+
+    def _is_branch(self, node: int) -> bool:
+        data = self.graph.nodes
+        return not data[node]["pruned"] and all(data[c]["pruned"] for c in self.graph.succ[node])
 
     def branches_below(self, node: int) -> int:
         """Branches (:meth:`leaves`) in ``node``'s subtree, itself included: one walk of the subtree."""
-        succ, data = self.graph.succ, self.graph.nodes
         count, stack = 0, [node]
         while stack:
             n = stack.pop()
-            children = list(succ[n])
-            if not data[n]["pruned"] and all(data[c]["pruned"] for c in children):
-                count += 1
-            stack += children
+            count += self._is_branch(n)
+            stack += self.graph.succ[n]
         return count
 
     def stats(self, kv: KVShape) -> TreeStats:
