@@ -19,8 +19,10 @@ Constrained phases sync with the host every step (each matcher must see its toke
 mask): the step runs as two CUDA graphs, forward and pick (mask + sample), and the host advances the
 matchers and fills step t's masks while step t's forward runs. Decode tok/s = (tokens made - batch) /
 (t(run) - t(1 token)), as in bench_end_to_end.py; ``ratio_to_unconstrained`` is against ``none`` at
-the same batch in the same run, made with as many tokens per branch as the longest constrained branch
-(for the realistic formats, measured right after the constrained run; EOS ignored). Every constrained
+the same batch in the same run; for the realistic formats the same token work: measured right after the
+constrained run, each branch unconstrained (EOS ignored) making exactly as many tokens as its constrained
+answer did, so both runs end their branches at the same steps (a short answer's run is mostly fixed costs —
+prefill, phase set-up — which the baseline then pays too). Every constrained
 sample is checked: a realistic one matches its constraint (complete, or cut short by ``max_tokens``
 with ``constraint_met=False``); a stress one is a prefix the grammar accepts (the matcher took every
 token) and the JSON starts ``{"reasoning": "``. ``host_ms_per_step`` splits the host's time per
@@ -97,14 +99,18 @@ def synchronize() -> None:
 
 
 def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, constraint,
-              temperature: float = 1.0) -> tuple[float, list, object]:
+              temperature: float = 1.0, lengths: list[int] | None = None) -> tuple[float, list, object]:
+    """One run of ``batch`` branches below ``prompt``, each making ``new`` tokens at most (``lengths[i]``
+    for branch i when given: unconstrained, EOS ignored, exactly that many)."""
     synchronize()
     start = time.perf_counter()
     run = engine.start()
     root = run.tree.add_node(None, prompt)
     leaves = [run.tree.add_node(root) for _ in range(batch)]
-    params = SamplingParams(max_tokens=new, temperature=temperature, ignore_eos=constraint is None, constraint=constraint)
-    results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
+    lengths = lengths or [new] * batch
+    results, _ = run.execute([GenRequest(leaf, SamplingParams(max_tokens=n, temperature=temperature,
+                                                              ignore_eos=constraint is None, constraint=constraint),
+                                         key=i, final=True) for i, (leaf, n) in enumerate(zip(leaves, lengths))], [])
     synchronize()
     return time.perf_counter() - start, results, run
 
@@ -143,13 +149,17 @@ def host_parts(run) -> dict:
 
 
 def measure(engine: Engine, name: str, constraint, batch: int, prompt: list[int], new: int,
-            warm: bool = True, temperature: float = 1.0) -> dict:
+            warm: bool = True, temperature: float = 1.0, lengths: list[int] | None = None) -> dict:
+    """One point. ``lengths``: per-branch token counts for an unconstrained baseline (see timed_run)."""
     if warm:
         timed_run(engine, batch=batch, prompt=prompt, new=8, constraint=constraint)  # warm-up: kernels, grammar
     t1, _, _ = timed_run(engine, batch=batch, prompt=prompt, new=1, constraint=constraint, temperature=temperature)
     tn, results, run = timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=constraint,
-                                 temperature=temperature)
-    check(results, name, new)
+                                 temperature=temperature, lengths=lengths)
+    if lengths is None:
+        check(results, name, new)
+    else:
+        assert [len(r.tokens) for r in results] == lengths, "the baseline made other lengths than asked"
     made = sum(len(r.tokens) for r in results)
     row = {"constraint": name, "kind": "stress" if name in STRESS else "realistic" if name in REALISTIC else "none",
            "batch": batch, "prefix": len(prompt), "new": new, "tokens_made": made,
@@ -161,6 +171,8 @@ def measure(engine: Engine, name: str, constraint, batch: int, prompt: list[int]
            "host_ms_per_step": host_parts(run),
            "host_accept_s": run.host_seconds["accept"], "host_capture_s": run.host_seconds["capture"],
            "memory_waits": run.scheduler.memory_waits}
+    if name in REALISTIC:
+        row["lengths"] = [len(r.tokens) for r in results]  # (for its baseline; taken out of the row there)
     del run, results
     gc.collect()
     if torch.cuda.is_available():
@@ -181,6 +193,9 @@ def main() -> None:
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256], help="--host-only vocabulary sizes")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time the host's parts by the process's CPU time, not the wall clock (a shared machine)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="instead of the table: profile one run of each --constraints at the first of --batches "
+                             "(GPU busy time per step, the GPU's idle gaps, kernel time by name) into FILE (JSON)")
     parser.add_argument("--label", default="", help="a name for this run in the results file (e.g. before/after)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -198,15 +213,18 @@ def main() -> None:
     prompt = torch.randint(3, config.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     chosen = {k: v for k, v in constraints(args.new).items() if k in args.constraints}
     compile_s = compile_all(engine, chosen)
+    if args.trace:
+        return trace(engine, chosen, args.batches[0], prompt, args.new, Path(args.trace))
     rows = []
     for batch in args.batches:
         for name, c in chosen.items():
             try:
                 rows.append(measure(engine, name, c, batch, prompt, args.new))
-                if name in REALISTIC:  # its baseline: every branch as long as the longest constrained one
-                    base = measure(engine, "none", None, batch, prompt, max(rows[-1]["longest"], 2))
+                if name in REALISTIC:  # its baseline: the same token work, each branch as long as its answer
+                    base = measure(engine, "none", None, batch, prompt, args.new, lengths=rows[-1].pop("lengths"))
                     rows[-1]["ratio_to_unconstrained"] = rows[-1]["tok_s"] / base["tok_s"]
                     rows[-1]["unconstrained_tok_s"] = base["tok_s"]
+                    rows[-1]["unconstrained_decode_s"] = base["total_s"] - base["prefill_s"]
             except torch.cuda.OutOfMemoryError as e:
                 rows.append({"constraint": name, "batch": batch, "skipped": f"out of memory: {str(e)[:200]}"})
                 gc.collect()
@@ -229,6 +247,44 @@ def main() -> None:
         print(f"| {batch} | " + " | ".join(cells) + " |")
     print(f"grammar compile s: {compile_s}")
     print(f"wrote {write_json(args, rows, compile_s)}")
+
+
+def trace(engine: Engine, chosen: dict, batch: int, prompt: list[int], new: int, out: Path) -> None:
+    """Each constraint's run (after a warm-up) under the PyTorch profiler: where a step's time goes on
+    the GPU — its busy time per decode step (kernels and copies, union), idle gaps, kernel time by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trace_dynamic import union  # benchmarks/
+
+    result = {"benchmark": "constrained_trace", "batch": batch, "new": new, "device": torch.cuda.get_device_name(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "runs": {}}
+    for name, c in chosen.items():
+        timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=c)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall, results, run = timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=c)
+        gpu, by_name = [], {}
+        for e in prof.profiler.kineto_results.events():
+            if "CUDA" in str(e.device_type()) and e.duration_ns() > 0:
+                gpu.append((e.start_ns(), e.end_ns()))
+                by_name[e.name()[:90]] = by_name.get(e.name()[:90], 0.0) + e.duration_ns() / 1e6
+        busy = union(gpu)
+        gaps = sorted(((b[0] - a[1]) / 1e3 for a, b in zip(busy, busy[1:]) if b[0] > a[1]), reverse=True)
+        steps = run.forward_passes
+        result["runs"][name] = {
+            "wall_ms": 1e3 * wall, "forward_passes": steps, "constrained_steps": run.decoder.constrained_steps,
+            "tokens_made": sum(len(r.tokens) for r in results),
+            "gpu_span_ms": (busy[-1][1] - busy[0][0]) / 1e6, "gpu_busy_ms": sum(e - s for s, e in busy) / 1e6,
+            "gpu_busy_ms_per_step": sum(e - s for s, e in busy) / 1e6 / max(steps, 1),
+            "gpu_idle_ms": sum(gaps) / 1e3, "largest_gaps_us": [round(g, 1) for g in gaps[:20]],
+            "gaps_over_100us": sum(g > 100 for g in gaps),
+            "kernel_ms_by_name": {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda x: -x[1])[:25]},
+            "host_ms_per_step": host_parts(run) if run.decoder.constrained_steps else None}
+        print(name, {k: v for k, v in result["runs"][name].items() if k != "kernel_ms_by_name"}, flush=True)
+        del run, results
+        gc.collect()
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 def compile_all(engine: Engine, chosen: dict) -> dict:
@@ -257,6 +313,7 @@ def host_only(args) -> None:
                 # greedy: sampling at temperature 1 over [batch, vocab] costs the CPU seconds a step (device work)
                 row = measure(engine, name, c, batch, prompt, args.new, warm=False, temperature=0.0)
                 row["vocab"] = vocab
+                row.pop("lengths", None)
                 del row["tok_s"]  # (the CPU's model work is no measure of anything)
                 rows.append(row)
                 shown = " ".join(f"{k} {v:.2f}" for k, v in row["host_ms_per_step"].items())
@@ -291,8 +348,8 @@ def write_json(args, rows: list[dict], compile_s: dict, host_only: bool = False)
                          "(device work here), not in host_total" if host_only else
                          "decode tok/s = (tokens made - batch)/(t(new)-t(1)); temperature 1; stress constraints: every "
                          "branch makes exactly new tokens (the constraint needs more text than new tokens hold); "
-                         "realistic ones end at EOS when complete, their baseline is unconstrained with EOS ignored and "
-                         "as many tokens as the longest constrained branch; one warm-up run per point; CUDA graphs"),
+                         "realistic ones end at EOS when complete, their baseline is the same token work: unconstrained, "
+                         "EOS ignored, each branch as many tokens as its constrained answer; one warm-up run per point; CUDA graphs"),
               "constraints": {k: (str(v) if v is not None else None) for k, v in constraints(args.new).items()},
               "grammar_compile_s": compile_s, "rows": rows}
     name = f"constrained_host_{args.label or 'cpu'}.json" if host_only else f"constrained_{args.shape}.json"
