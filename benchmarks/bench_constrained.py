@@ -15,7 +15,9 @@ grammar needs token texts; no tokenizer is downloaded). The constraints:
   every branch makes exactly ``new`` tokens (``finish_reason="length"``, ``constraint_met=False``):
   ``regex`` — ``[a-z0-9 ,.]{N,}``; ``json`` — ``{"reasoning": string of minLength N, "answer": integer}``.
 
-Constrained phases sync with the host every step (each matcher must see its token before the next
+A constraint that a token automaton serves (``Engine.automaton``: the ``answer`` regex, ``choice``) is
+measured twice, by the automaton and by xgrammar's matchers (an engine with ``token_automata=False`` on
+the same model); ``served_by`` in the rows says which. Phases with xgrammar's constraints sync with the host every step (each matcher must see its token before the next
 mask): the step runs as two CUDA graphs, forward and pick (mask + sample), and the host advances the
 matchers and fills step t's masks while step t's forward runs. Decode tok/s = (tokens made - batch) /
 (t(run) - t(1 token)), as in bench_end_to_end.py; ``ratio_to_unconstrained`` is against ``none`` at
@@ -210,6 +212,8 @@ def main() -> None:
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
     tokenizer = PieceTokenizer(config.vocab_size)
     engine = Engine(model, tokenizer)
+    # the same model with every constraint on xgrammar's matchers: the A/B of what token automata change
+    matchers_only = Engine(model, tokenizer, token_automata=False)
     prompt = torch.randint(3, config.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     chosen = {k: v for k, v in constraints(args.new).items() if k in args.constraints}
     compile_s = compile_all(engine, chosen)
@@ -218,32 +222,37 @@ def main() -> None:
     rows = []
     for batch in args.batches:
         for name, c in chosen.items():
-            try:
-                rows.append(measure(engine, name, c, batch, prompt, args.new))
-                if name in REALISTIC:  # its baseline: the same token work, each branch as long as its answer
-                    base = measure(engine, "none", None, batch, prompt, args.new, lengths=rows[-1].pop("lengths"))
+            served = ["none"] if c is None else ["automaton", "xgrammar"] if engine.automaton(c) else ["xgrammar"]
+            for by in served:
+                try:
+                    rows.append(measure(matchers_only if by == "xgrammar" else engine, name, c, batch, prompt, args.new))
+                    rows[-1]["served_by"] = by
+                    if name in REALISTIC:  # its baseline: the same token work, each branch as long as its answer
+                        base = measure(engine, "none", None, batch, prompt, args.new, lengths=rows[-1].pop("lengths"))
+                        rows[-1]["ratio_to_unconstrained"] = rows[-1]["tok_s"] / base["tok_s"]
+                        rows[-1]["unconstrained_tok_s"] = base["tok_s"]
+                        rows[-1]["unconstrained_decode_s"] = base["total_s"] - base["prefill_s"]
+                except torch.cuda.OutOfMemoryError as e:
+                    rows.append({"constraint": name, "batch": batch, "served_by": by,
+                                 "skipped": f"out of memory: {str(e)[:200]}"})
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                base = next((r for r in rows if r["constraint"] == "none" and r["batch"] == batch and "tok_s" in r), None)
+                if name not in REALISTIC and base and "tok_s" in rows[-1]:
                     rows[-1]["ratio_to_unconstrained"] = rows[-1]["tok_s"] / base["tok_s"]
-                    rows[-1]["unconstrained_tok_s"] = base["tok_s"]
-                    rows[-1]["unconstrained_decode_s"] = base["total_s"] - base["prefill_s"]
-            except torch.cuda.OutOfMemoryError as e:
-                rows.append({"constraint": name, "batch": batch, "skipped": f"out of memory: {str(e)[:200]}"})
-                gc.collect()
-                torch.cuda.empty_cache()
-            base = next((r for r in rows if r["constraint"] == "none" and r["batch"] == batch and "tok_s" in r), None)
-            if name not in REALISTIC and base and "tok_s" in rows[-1]:
-                rows[-1]["ratio_to_unconstrained"] = rows[-1]["tok_s"] / base["tok_s"]
-            print(rows[-1], flush=True)
-            write_json(args, rows, compile_s)
+                print({k: v for k, v in rows[-1].items() if k != "host_ms_per_step"}, flush=True)
+                write_json(args, rows, compile_s)
 
-    names = list(chosen)
+    names = [(n, by) for n, c in chosen.items()
+             for by in (["none"] if c is None else ["automaton", "xgrammar"] if engine.automaton(c) else ["xgrammar"])]
     print(f"\n## {args.shape}, bf16, prefix {args.prefix}, {args.new} new tokens at most, temperature 1 — decode "
-          "tokens/s (ratio to unconstrained; stress: regex, json)\n")
-    print("| batch | " + " | ".join(names) + " |")
+          "tokens/s (ratio to unconstrained; stress: regex, json; @: what served the constraint)\n")
+    print("| batch | " + " | ".join(f"{n}@{by}" for n, by in names) + " |")
     print("|---|" + "---|" * len(names))
     for batch in args.batches:
-        by = {r["constraint"]: r for r in rows if r["batch"] == batch}
-        cells = [f"{by[n]['tok_s']:,.0f} ({by[n].get('ratio_to_unconstrained', 1.0):.2f})" if "tok_s" in by.get(n, {})
-                 else "-" for n in names]
+        by_key = {(r["constraint"], r.get("served_by")): r for r in rows if r["batch"] == batch}
+        cells = [f"{by_key[k]['tok_s']:,.0f} ({by_key[k].get('ratio_to_unconstrained', 1.0):.2f})"
+                 if "tok_s" in by_key.get(k, {}) else "-" for k in names]
         print(f"| {batch} | " + " | ".join(cells) + " |")
     print(f"grammar compile s: {compile_s}")
     print(f"wrote {write_json(args, rows, compile_s)}")
@@ -294,6 +303,9 @@ def compile_all(engine: Engine, chosen: dict) -> dict:
             started = time.perf_counter()
             engine.grammars.compile(c)
             compile_s[name] = time.perf_counter() - started
+            automaton = engine.automaton(c)  # (its token automaton, if one serves it: built on first use)
+            if automaton is not None:
+                compile_s[name + "_automaton"] = automaton.build_seconds
     return compile_s
 
 

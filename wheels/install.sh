@@ -4,7 +4,7 @@
 #   sh wheels/install.sh            (PYTHON=python3.12 sh wheels/install.sh for another interpreter)
 # The wheels are not committed (git ignores wheels/*.whl); fetch them on a machine with the registry:
 #   pip download --only-binary=:all: --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 -d wheels \
-#       xgrammar==0.2.8 apache-tvm-ffi pydantic annotated-types typing-inspection lark
+#       xgrammar==0.2.8 apache-tvm-ffi pydantic annotated-types typing-inspection lark interegular
 #   and pydantic's pydantic-core pin (see its METADATA; `--platform manylinux_2_17_x86_64`: under 2_28 the
 #   registry offers only an empty 0.0.1 placeholder, which breaks `import pydantic`), e.g.
 #   pip download ... --platform manylinux_2_17_x86_64 -d wheels pydantic-core==2.50.5
@@ -15,4 +15,5 @@ $PY -c "import pydantic, sys; sys.exit(not pydantic.VERSION.startswith('2'))" 2>
     $PY -m pip install -q --no-deps pydantic-*.whl pydantic_core-*.whl annotated_types-*.whl typing_inspection-*.whl
 $PY -c "import xgrammar" 2>/dev/null || $PY -m pip install -q --no-deps xgrammar-*.whl apache_tvm_ffi-*.whl
 $PY -c "import lark" 2>/dev/null || $PY -m pip install -q --no-deps lark-*.whl  # the .tg parser (tests import it)
+$PY -c "import interegular" 2>/dev/null || $PY -m pip install -q --no-deps interegular-*.whl  # regex automata
 $PY -c "import importlib.metadata, xgrammar; print('xgrammar', importlib.metadata.version('xgrammar'))"

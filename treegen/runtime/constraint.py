@@ -188,7 +188,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self._compiler = None
+        self._compiler = self._info = None
         self._compiled: dict[Constraint, object] = {}
 
     @property
@@ -203,15 +203,23 @@ class Grammars:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                if hasattr(self.tokenizer, "token_strings"):  # a stand-in with its own vocabulary (PieceTokenizer)
-                    info = xgr.TokenizerInfo(self.tokenizer.token_strings(), vocab_size=self.vocab_size,
-                                             stop_token_ids=self.stop_token_ids)
-                else:
-                    info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                             stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info)
+                self._compiler = xgr.GrammarCompiler(self.tokenizer_info())
             compiled = self._compiled[constraint] = self._compiler.compile_grammar(constraint.grammar())
         return compiled
+
+    def tokenizer_info(self):
+        """xgrammar's ``TokenizerInfo`` of this tokenizer: each token's bytes (``decoded_vocab``), the
+        special and stop tokens (made once)."""
+        if self._info is None:
+            import xgrammar as xgr
+
+            if hasattr(self.tokenizer, "token_strings"):  # a stand-in with its own vocabulary (PieceTokenizer)
+                self._info = xgr.TokenizerInfo(self.tokenizer.token_strings(), vocab_size=self.vocab_size,
+                                               stop_token_ids=self.stop_token_ids)
+            else:
+                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_token_ids)
+        return self._info
 
     def matcher(self, constraint: Constraint):
         """A fresh xgrammar ``GrammarMatcher`` for one branch (its own state, the shared compiled grammar)."""

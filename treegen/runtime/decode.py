@@ -37,10 +37,14 @@ from treegen.runtime.phase_graphs import PhaseBuffers, PhaseGraphs
 from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams, pick
 from treegen.runtime.scheduler import REPLAN_FRACTION
+from treegen.runtime.token_automata import FREE
 from treegen.runtime.token_masks import TokenMasks
 
 # a phase expected to end sooner than this many steps runs without a CUDA graph (capture costs more)
 MIN_CAPTURED_STEPS = 8
+# a pipelined phase's host runs at most this many steps ahead of the device (it reads each step's count of
+# rows still generating then: a phase that should end stops at most this many steps late)
+WATCH_LAG = 2
 # the parts of a constrained step's host time (Decoder.constrained_host)
 CONSTRAINED_PARTS = ("wait", "accept", "fill", "upload", "settle", "launch", "other")
 # the clock those parts are timed by (a benchmark on a shared CPU may set time.process_time)
@@ -64,6 +68,9 @@ class Decoder:
         self.live: list[int] = []
         self.tokens_done = 0
         self.masks: TokenMasks | None = None  # the constrained branches' matchers (made at the first one)
+        # the state of each branch that a token automaton constrains (host copy, as of its last accepted
+        # token; see token_automata): its masks and next states are computed in the step itself
+        self.state: dict[int, int] = {}
         self.constrained_steps = 0  # decode steps of phases with a constrained branch (host sync per step)
         # host seconds of those steps by part (see _constrained_steps); "launch": forward/pick calls (on
         # CUDA graph launches; on the CPU the model's work itself), "other": the loop's own Python
@@ -78,6 +85,10 @@ class Decoder:
         # process only (tensor-parallel ranks are not kept in step)
         self.kept = PhaseGraphs() if self.graphs and self.cold_captures and phase_graphs.enabled() else None
         self.kept_phases = 0  # phases that replayed kept graphs (captured nothing)
+        self.eos_ids = torch.tensor(sorted(self.eos), dtype=torch.int64, device=device)
+        # a pipelined phase looks at the device's count of rows still generating every step and ends as
+        # soon as the scheduler would (one process only: ranks would see the count at different steps)
+        self.early_ends = 0  # phases ended on that count before their block's tokens were read
 
     # ---------------------------------------------------------------------------------------------
     def decode_rows(self) -> list[tuple[int, int]]:
@@ -93,10 +104,14 @@ class Decoder:
             self.jobs.append(job)
             self.out.append([])
             self.logprobs.append([])
-            if job.request.params.constraint is not None:
+            constraint = job.request.params.constraint
+            automaton = self.run.engine.automaton(constraint)
+            if automaton is not None:
+                self.state[len(self.jobs) - 1] = automaton.initial
+            elif constraint is not None:
                 if self.masks is None:
                     self.masks = TokenMasks(self.run.engine.grammars)
-                self.masks.add(len(self.jobs) - 1, job.request.params.constraint)
+                self.masks.add(len(self.jobs) - 1, constraint)
         rows = self.live + list(range(first, len(self.jobs)))
         if not rows:
             return
@@ -107,6 +122,10 @@ class Decoder:
         if self.masks is not None:
             bitmask = self.masks.new_bitmask(len(rows))
             bitmask = bitmask.to(device) if self.masks.fill(bitmask, rows) else None
+        states = self._states(rows, device)
+        if states is not None:
+            own = self.run.engine.automata.tables.bitmask(states)
+            bitmask = own if bitmask is None else bitmask & own
         nxt, lp = params.pick(logits, torch.arange(len(rows), device=device), steps, bitmask)
         tokens = nxt.tolist()
         self._advance_matchers(rows, [[t] for t in tokens])
@@ -120,10 +139,18 @@ class Decoder:
     def cancel(self, job: Job) -> None:
         """A live branch's job was cancelled: it leaves the live set (see ``TreeRun.cancel``)."""
         self.live = [b for b in self.live if self.jobs[b] is not job]
-        if self.masks is not None:
-            for b, j in enumerate(self.jobs):
-                if j is job:
+        for b, j in enumerate(self.jobs):
+            if j is job:
+                self.state.pop(b, None)
+                if self.masks is not None:
                     self.masks.drop(b)
+
+    def _states(self, rows: list[int], device) -> torch.Tensor | None:
+        """The automaton state of each of ``rows`` (free: none), on ``device``; None when no row has one."""
+        if not self.state:
+            return None
+        states = [self.state.get(b, FREE) for b in rows]
+        return torch.tensor(states, dtype=torch.int64, device=device) if any(states) else None
 
     # ---------------------------------------------------------------------------------------------
     def phase(self):
@@ -162,12 +189,17 @@ class Decoder:
                                          history=run.engine.kv_keep_history, num_heads=model.num_heads,
                                          head_dim=model.head_dim, dtype=model.dtype, device=device)
         constrained = self.masks is not None and any(b in self.masks for b in live)
-        kept = None if recorder is not None else self._kept(plan, params, len(live), width, constrained, remaining)
+        states = self._states(live, device)  # (rows that token automata constrain: masks made in the step)
+        tables = run.engine.automata.tables if states is not None else None
+        kept = None if recorder is not None else self._kept(plan, params, len(live), width, constrained, remaining,
+                                                            tables)
         if kept is not None:  # the phase runs in kept buffers (padded), replaying their graphs if captured
-            kept.load(input_ids=input_ids, slots=slots, slot_limit=slot_limit, steps=steps, plan=plan, params=params)
-            input_ids, slots, slot_limit, steps, plan, params = (kept.input_ids, kept.slots, kept.slot_limit,
-                                                                 kept.steps, kept.plan, kept.params)
+            kept.load(input_ids=input_ids, slots=slots, slot_limit=slot_limit, steps=steps, plan=plan, params=params,
+                      states=states)
+            input_ids, slots, slot_limit, steps, plan, params, states = (
+                kept.input_ids, kept.slots, kept.slot_limit, kept.steps, kept.plan, kept.params, kept.states)
             idx, buf, lp_buf, column, bitmask = kept.idx, kept.buf, kept.lp_buf, kept.column, kept.bitmask
+            done, alive = kept.done, kept.alive
             logits_of, graphs = kept.logits, kept.graphs
         else:
             idx = torch.arange(len(live), device=device)
@@ -176,6 +208,8 @@ class Decoder:
             column = torch.zeros(len(live), 1, dtype=torch.int64, device=device)
             # a constraint's token masks: a device buffer the step reads (captured with it), filled from the host
             bitmask = self.masks.new_bitmask(len(live), device=device) if constrained else None
+            done = torch.zeros(len(live), dtype=torch.bool, device=device)  # rows that drew EOS or max_tokens
+            alive = torch.zeros(1, dtype=torch.int64, device=device)  # rows not done
             logits_of, graphs = {}, {}
         attend = run.attend_fn(plan, slots, recorder)
 
@@ -184,13 +218,21 @@ class Decoder:
             logits_of["step"] = model.forward(input_ids, plan.query_pos, attend, gather=False)
 
         def pick() -> None:
-            nxt, lp = params.pick(logits_of["step"], idx, steps, bitmask)
+            mask = bitmask
+            if tables is not None:
+                own = tables.bitmask(states)
+                mask = own if mask is None else mask & own
+            nxt, lp = params.pick(logits_of["step"], idx, steps, mask)
+            if tables is not None:
+                states.copy_(tables.advance(states, nxt))
             buf.scatter_(1, column, nxt.unsqueeze(1))
             lp_buf.scatter_(1, column, lp.unsqueeze(1))
             input_ids.copy_(nxt)
             plan.query_pos.add_(1)
             torch.minimum(slots + 1, slot_limit, out=slots)
             steps.add_(1)
+            done.logical_or_(steps >= params.max_tokens).logical_or_(torch.isin(nxt, self.eos_ids) & params.eos_ends)
+            alive.copy_(done.logical_not().sum().view(1))
             column.add_(1)
             if recorder is not None:
                 recorder.advance()
@@ -211,7 +253,7 @@ class Decoder:
             yield from self._constrained_steps(live, width, forward, pick, bitmask, input_ids[:own], buf[:own],
                                                lp_buf[:own], capturing, graphs, pool)
         else:
-            yield from self._steps(live, width, step, buf[:own], lp_buf[:own], capturing, graphs, pool)
+            yield from self._steps(live, width, step, buf[:own], lp_buf[:own], capturing, graphs, pool, alive)
             logits_of.clear()  # (a step graph's logits are its own temporaries: not kept)
         if kept is not None:
             self.kept.trim()
@@ -269,19 +311,39 @@ class Decoder:
         run.swa_compactions += len(todo)
         run.host_seconds["swa"] += time.perf_counter() - started
 
-    def _steps(self, live: list[int], width: int, step, buf, lp_buf, capturing: bool, graphs: dict, pool):
-        """The steps of a phase without constraints: the host reads the tokens every ``sync_every``
-        steps, pipelined on CUDA (see the module doc). ``capturing``: replay ``step`` as a CUDA graph —
-        ``graphs["step"]`` if kept from an earlier phase, else captured now into ``graphs`` (in ``pool``)."""
+    def _steps(self, live: list[int], width: int, step, buf, lp_buf, capturing: bool, graphs: dict, pool, alive):
+        """The steps of a phase without xgrammar's constraints: the host reads the tokens every
+        ``sync_every`` steps, pipelined on CUDA (see the module doc). ``capturing``: replay ``step`` as a
+        CUDA graph — ``graphs["step"]`` if kept from an earlier phase, else captured now into ``graphs``
+        (in ``pool``). ``alive``: the device's count of rows not done (EOS or ``max_tokens``), which a
+        pipelined phase of one process reads every step (one step behind, without waiting): once the
+        scheduler would end the phase on it, the steps stop there and their tokens are read at once,
+        rather than up to two blocks later (a phase of short answers would run about twice its steps)."""
         run = self.run
         started = time.perf_counter()
         replay = self._replayer("step", step, graphs, pool) if capturing else None
         run.host_seconds["capture"] += time.perf_counter() - started
         pipelined = self.model.device.type == "cuda"
+        watch = pipelined and self.cold_captures  # (cold_captures: one process, see __init__)
+        seen = torch.zeros(WATCH_LAG + 1, dtype=torch.int64, pin_memory=True) if watch else None
+        copied: list = []  # per step, the event after its count's copy into seen[step % (WATCH_LAG + 1)]
         done_steps, pending = 0, None
         for t in range(width):
             (replay or step)()
             run.forward_passes += 1
+            if watch:  # the host stays WATCH_LAG steps ahead of the device at most, reading each step's count
+                seen[t % (WATCH_LAG + 1)].copy_(alive[0], non_blocking=True)
+                copied.append(torch.cuda.Event())
+                copied[-1].record()
+                if t >= WATCH_LAG:
+                    copied[t - WATCH_LAG].synchronize()
+                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(seen[(t - WATCH_LAG) % (WATCH_LAG + 1)])):
+                        run.scheduler.tick(t + 1 - done_steps)
+                        if pending is not None:
+                            self._settle(live, pending)
+                        self._settle(live, _Block(buf, lp_buf, done_steps, t + 1, pipelined))
+                        self.early_ends += 1
+                        return
             if (t + 1) % self.sync_every and t + 1 < width:
                 continue
             run.scheduler.tick(t + 1 - done_steps)
@@ -447,15 +509,26 @@ class Decoder:
         out, before = self.out[b], len(self.out[b])
         result = None
         masks = self.masks if self.masks is not None and b in self.masks else None
+        state = self.state.get(b)
+        automata = self.run.engine.automata if state is not None else None
         for t, lp in zip(new, logprobs):
             out.append(t)
             self.logprobs[b].append(lp)
+            prior, state = state, (automata.walk(state, (t,)) if automata is not None else None)
             result = finished(out, job.request.params, self.eos, self.tokenizer)
             if result is not None:
                 if masks is not None:
                     result = dataclasses.replace(result, constraint_met=masks.matched(b))
                     masks.drop(b)
+                elif automata is not None:  # (a stop token is allowed only where the text is complete)
+                    ended = prior if result.finish_reason == "eos" else state
+                    result = dataclasses.replace(result, constraint_met=ended in automata.final)
                 break
+        if automata is not None:
+            if result is None:
+                self.state[b] = state
+            else:
+                del self.state[b]
         self.tree.extend(job.request.node, out[before:])  # one extend per branch per sync
         self.tokens_done += len(out) - before
         if job.on_tokens is not None:
@@ -473,21 +546,23 @@ class Decoder:
             left = sum(self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in self.live)
             hook(len(self.live), self.tokens_done, self.tokens_done + left)
 
-    def _kept(self, plan, params, rows: int, width: int, constrained: bool, remaining: list[int]):
+    def _kept(self, plan, params, rows: int, width: int, constrained: bool, remaining: list[int], tables=None):
         """The kept buffers a phase like this runs in (:mod:`~treegen.runtime.phase_graphs`): an earlier
         phase's of the same key, or new ones when the phase is worth capturing; None: the phase runs in
-        tensors of its own (no graphs, no kept graphs, or a plan that cannot be padded)."""
+        tensors of its own (no graphs, no kept graphs, or a plan that cannot be padded). ``tables``: the
+        token automata's tables the phase's step reads (kept with the buffers), or None."""
         if self.kept is None or plan.backend != "triton":
             return None
         key = phase_graphs.phase_key(plan, rows=rows, constrained=constrained, params=params,
-                                     pool_generation=self.kv.pool_generation)
+                                     pool_generation=self.kv.pool_generation,
+                                     automata_generation=None if tables is None else tables.generation)
         if key is None:
             return None
         kept = self.kept.get(key, plan, width)
         if kept is None and self._worth_capturing(remaining):
             kept = self.kept.add(key, PhaseBuffers.allocate(
                 plan=plan, params=params, rows=rows, width=width, device=self.model.device,
-                mask_width=self.masks.grammars.mask_width if constrained else None))
+                mask_width=self.masks.grammars.mask_width if constrained else None, automata=tables))
         return kept
 
     def _worth_capturing(self, remaining: list[int]) -> bool:
@@ -538,6 +613,9 @@ class _Params:
         self.top_p = torch.tensor([float(p.top_p) for p in params], device=device)
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
         self.keys = torch.tensor([j.request.key for j in jobs], dtype=torch.int64, device=device)
+        # what ends a row on the device (stop strings end rows on the host only)
+        self.max_tokens = torch.tensor([p.max_tokens for p in params], dtype=torch.int64, device=device)
+        self.eos_ends = torch.tensor([not p.ignore_eos for p in params], dtype=torch.bool, device=device)
         self.all_greedy = all(p.temperature == 0 for p in params)
         self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
 
@@ -558,7 +636,8 @@ class _Params:
             mine[:n].copy_(getattr(params, name))
             mine[n:].fill_(fill)
 
-    _PADDING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "keys": 0}  # padding rows: greedy
+    # padding rows: greedy, done at once
+    _PADDING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "keys": 0, "max_tokens": 0, "eos_ends": False}
 
     def pick(self, logits, idx, steps, bitmask=None):
         """(tokens, logprobs) of rows ``idx`` (see :func:`~treegen.runtime.sampler.pick`)."""

@@ -16,7 +16,8 @@ import torch
 from treegen.kernels.kv_quant import kv_format
 from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 from treegen.runtime import swa
-from treegen.runtime.constraint import Grammars
+from treegen.runtime.constraint import Constraint, Grammars
+from treegen.runtime.token_automata import Automata, Automaton
 from treegen.runtime.distributed import finish_launch
 from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
@@ -66,6 +67,10 @@ class Engine:
     path (treegen's own forward) or the generic path (transformers' own modules with tree attention
     plugged in; exact, slower). The engine logs a one-line notice when it runs the generic path, and
     its repr names the path; CUDA graphs stay off for a model whose modules cannot be captured.
+    token_automata: serve constrained gens whose constraint is a regular language of ASCII text (most
+    regexes and choices) from a token automaton on the device — a step's masks and next states
+    computed in the captured step, no host work per step (:mod:`~treegen.runtime.token_automata`);
+    False: xgrammar's matchers serve every constraint (the host fills each step's masks).
     parallel: this process's place among several (:class:`~treegen.runtime.distributed.Parallel`;
     None: one process) — set by :meth:`load` with ``tensor_parallel`` / ``data_parallel``. The model
     is then this rank's shard, every rank of a replica runs the same programs on the same tree (host
@@ -78,7 +83,7 @@ class Engine:
                  max_batch: int | None = None, kv_dtype: str | None = None, offload: str = "auto",
                  offload_bytes: int | None = None, kv_keep: float | None = None,
                  kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
-                 parallel=None, workers=None) -> None:
+                 token_automata: bool = True, parallel=None, workers=None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         self.model = model
@@ -126,6 +131,10 @@ class Engine:
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 self.kv_format.bytes_per_value, self.kv_format.scale_bytes)
         self._grammars: Grammars | None = None
+        if not isinstance(token_automata, bool):
+            raise ValueError(f"token_automata must be True or False, got {token_automata!r}")
+        self.token_automata = token_automata
+        self._automata: Automata | None = None
 
     def check_swa(self, where: str) -> None:
         """Raise ValueError when this engine cannot run sparse window attention (``where`` asked for it)."""
@@ -164,6 +173,21 @@ class Engine:
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids)
         return self._grammars
+
+    def automaton(self, constraint: Constraint | None) -> Automaton | None:
+        """The device automaton that serves ``constraint`` (regexes and choices of ASCII text, small; built
+        on first use), or None: xgrammar's matchers serve it (see :mod:`~treegen.runtime.token_automata`;
+        ``token_automata=False``: always)."""
+        if not self.token_automata or constraint is None:
+            return None
+        if self._automata is None:
+            self._automata = Automata(self.grammars, self.model.device)
+        return self._automata.get(constraint)
+
+    @property
+    def automata(self) -> Automata | None:
+        """The device tables of the automata built so far (None before the first)."""
+        return self._automata
 
     @classmethod
     def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

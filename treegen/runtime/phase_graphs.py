@@ -53,15 +53,18 @@ def enabled() -> bool:
     return os.environ.get("TREEGEN_KEEP_PHASE_GRAPHS", "1") != "0"
 
 
-def phase_key(plan, *, rows: int, constrained: bool, params, pool_generation: int) -> tuple | None:
+def phase_key(plan, *, rows: int, constrained: bool, params, pool_generation: int,
+              automata_generation: int | None = None) -> tuple | None:
     """What must be equal for two phases to share graphs (None: the plan cannot be padded): the KV pool
     (graphs hold its addresses), padded rows, whether the step is split for a constraint's masks, the
-    sampler's branches (greedy only, top-p/top-k filtering) and the plan's shape key; their tables must
-    also fit (:meth:`PhaseBuffers.fits`)."""
+    token automata's tables the step reads (their generation; None: it reads none), the sampler's
+    branches (greedy only, top-p/top-k filtering) and the plan's shape key; their tables must also fit
+    (:meth:`PhaseBuffers.fits`)."""
     plan_key = plan.shape_key()
     if plan_key is None:
         return None
-    return (pool_generation, bucket(rows), constrained, params.all_greedy, params.filter_needed, plan_key)
+    return (pool_generation, bucket(rows), constrained, automata_generation, params.all_greedy, params.filter_needed,
+            plan_key)
 
 
 def _room(sizes):
@@ -98,13 +101,19 @@ class PhaseBuffers:
     plan: object  # the padded PassPlan
     params: object  # the padded sampling parameters (decode._Params)
     bitmask: torch.Tensor | None  # [R, words] int32: a constrained phase's token masks
+    done: torch.Tensor | None = None  # [R] bool: rows that drew EOS or reached max_tokens (padding: at once)
+    alive: torch.Tensor | None = None  # [1] int64: rows not done
+    states: torch.Tensor | None = None  # [R] int64: each row's token-automaton state (a phase with automata)
+    automata: object = None  # the token automata's tables its graphs read (token_automata.AutomatonTables)
     capacity: tuple = ()  # the plan's tables' (as PassPlan.sizes)
     graphs: dict = field(default_factory=dict)  # name -> torch.cuda.CUDAGraph, captured by the first phase
     logits: dict = field(default_factory=dict)  # a split step's logits, from its forward graph to its pick graph
 
     @classmethod
-    def allocate(cls, *, plan, params, rows: int, width: int, mask_width: int | None, device) -> "PhaseBuffers":
-        """Buffers for phases like one of ``rows`` branches, ``width`` steps, this plan and these params."""
+    def allocate(cls, *, plan, params, rows: int, width: int, mask_width: int | None, device,
+                 automata=None) -> "PhaseBuffers":
+        """Buffers for phases like one of ``rows`` branches, ``width`` steps, this plan and these params;
+        ``automata``: the token automata's tables its step reads (kept alive with its graphs), or None."""
         size = bucket(rows)
         capacity = _room(plan.sizes())
 
@@ -117,7 +126,9 @@ class PhaseBuffers:
                    lp_buf=torch.zeros(size, cols, dtype=torch.float32, device=device),
                    plan=plan.padded(size, capacity), params=params.padded(size), capacity=capacity,
                    bitmask=None if mask_width is None else torch.full((size, mask_width), -1, dtype=torch.int32,
-                                                                      device=device))
+                                                                      device=device),
+                   states=None if automata is None else ints(size), automata=automata,
+                   done=torch.zeros(size, dtype=torch.bool, device=device), alive=ints(1))
 
     @property
     def rows(self) -> int:
@@ -127,8 +138,9 @@ class PhaseBuffers:
         """A phase of this key with ``plan`` and ``width`` steps can run in these buffers."""
         return width <= self.buf.shape[1] and _fits(self.capacity, plan.sizes())
 
-    def load(self, *, input_ids, slots, slot_limit, steps, plan, params) -> None:
-        """Copy one phase's values in (its rows first; see the module doc for the padding rows)."""
+    def load(self, *, input_ids, slots, slot_limit, steps, plan, params, states=None) -> None:
+        """Copy one phase's values in (its rows first; see the module doc for the padding rows, whose
+        automaton state is free)."""
         n = input_ids.numel()
         for mine, theirs, rest in ((self.input_ids, input_ids, 0), (self.steps, steps, 0),
                                    (self.slots, slots, slot_limit[:1]), (self.slot_limit, slot_limit, slot_limit[:1])):
@@ -136,10 +148,14 @@ class PhaseBuffers:
             if n < self.rows:
                 mine[n:].copy_(rest) if torch.is_tensor(rest) else mine[n:].fill_(rest)
         self.column.zero_()
+        self.done.zero_()
         self.plan.load(plan)
         self.params.load(params)
         if self.bitmask is not None:
             self.bitmask.fill_(-1)
+        if self.states is not None:
+            self.states.zero_()
+            self.states[:n].copy_(states)
 
     def own_bytes(self) -> int:
         """Memory this phase keeps for itself (its graphs' temporaries are in the shared pool)."""

@@ -140,7 +140,8 @@ class TreeRun:
                 if not self.model.eos_token_ids:
                     raise ValueError(f"a constrained gen ({request.params.constraint}) ends on an EOS token, "
                                      "and this model has none")
-                self.engine.grammars.compile(request.params.constraint)  # once per constraint, before it runs
+                if self.engine.automaton(request.params.constraint) is None:  # (built once, before it runs)
+                    self.engine.grammars.compile(request.params.constraint)  # (xgrammar's: compiled once)
             if request.params.kv_keep is None and self.engine.kv_keep is not None:  # the engine's default
                 request = dataclasses.replace(request, params=dataclasses.replace(request.params,
                                                                                   kv_keep=self.engine.kv_keep))
