@@ -324,20 +324,21 @@ class Decoder:
         replay = self._replayer("step", step, graphs, pool) if capturing else None
         run.host_seconds["capture"] += time.perf_counter() - started
         pipelined = self.model.device.type == "cuda"
-        watch = pipelined and self.cold_captures  # (cold_captures: one process, see __init__)
-        seen = torch.zeros(WATCH_LAG + 1, dtype=torch.int64, pin_memory=True) if watch else None
-        copied: list = []  # per step, the event after its count's copy into seen[step % (WATCH_LAG + 1)]
+        # (cold_captures: one process, see __init__; rows that only max_tokens ends end where the host knows)
+        watch = pipelined and self.cold_captures and any(not self.jobs[b].request.params.ignore_eos for b in live)
+        seen: list = []  # per step, its count copied into pinned memory, and the event after the copy
         done_steps, pending = 0, None
         for t in range(width):
             (replay or step)()
             run.forward_passes += 1
             if watch:  # the host stays WATCH_LAG steps ahead of the device at most, reading each step's count
-                seen[t % (WATCH_LAG + 1)].copy_(alive[0], non_blocking=True)
-                copied.append(torch.cuda.Event())
-                copied[-1].record()
+                seen.append((torch.empty(1, dtype=torch.int64, pin_memory=True).copy_(alive, non_blocking=True),
+                             torch.cuda.Event()))
+                seen[-1][1].record()
                 if t >= WATCH_LAG:
-                    copied[t - WATCH_LAG].synchronize()
-                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(seen[(t - WATCH_LAG) % (WATCH_LAG + 1)])):
+                    count, copied = seen[t - WATCH_LAG]
+                    copied.synchronize()
+                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0])):
                         run.scheduler.tick(t + 1 - done_steps)
                         if pending is not None:
                             self._settle(live, pending)
