@@ -1,4 +1,5 @@
-"""The grammar state of every constrained branch of a tree run, and the token bitmasks it gives.
+"""The grammar state of every branch that xgrammar constrains in a tree run, and the token bitmasks it gives
+(a branch that a token automaton serves has its state on the device instead: :mod:`~treegen.runtime.token_automata`).
 
 Each constrained branch has its own xgrammar matcher (made from the compiled grammar that all
 branches with the same constraint share, :class:`~treegen.runtime.constraint.Grammars`). After the
