@@ -79,7 +79,8 @@ def test_the_regex_rewriting():
     assert ascii_regex(r"[\d.]") == "[0-9.]"
     assert ascii_regex(r"a\.b\n") == r"a\.b\n"
     assert ascii_regex(r"[]a]") == "[]a]"
-    for bad in (r"a.b", r"[^x]", r"\s", r"\D", r"^a$", r"(a)\1", r"\x41", r"x{129}", r"x{2,200}", "é"):
+    for bad in (r"a.b", r"[^x]", r"[\^a]", r"\s", r"\D", r"^a$", r"(a)\1", r"\x41", r"x{129}", r"x{2,200}", "é",
+                r"(\d{1,64}\.){0,48}"):  # (xgrammar reads "[\^" as "[^"; nested repetitions multiply)
         assert ascii_regex(bad) is None, bad
 
 
@@ -138,3 +139,28 @@ def test_runs_give_the_same_tokens_with_automata_on_and_off(smol, tiny_llama, te
 def test_token_automata_must_be_a_bool(smol, tiny_llama):
     with pytest.raises(ValueError, match="token_automata must be True or False"):
         treegen.Engine(tiny_llama[1], smol.tokenizer, token_automata="yes")
+
+
+def test_large_or_empty_automata():
+    """An automaton whose walk would be too large stays with xgrammar (bounded before it is built); one
+    without a move (the empty text) still steps (to free)."""
+    grammars = Grammars(PieceTokenizer(4096), 4096, {2})
+    automata = Automata(grammars, "cpu")
+    assert automata.get(Constraint.of(regex=r"(\d{1,60}\.){0,60}")) is None
+    empty = automata.get(Constraint.of(regex=r"()"))
+    assert empty is not None and empty.initial in automata.final
+    moved = automata.tables.advance(torch.tensor([empty.initial, FREE]), torch.tensor([2, 5]))
+    assert moved.tolist() == [FREE, FREE]
+
+
+def test_choices_with_control_characters_are_exact():
+    """xgrammar reads a control character's escape greedily ("\\x01" + "b" as "\\x1b"): each is its own
+    literal, so both servers hold the branch to the same choices."""
+    import xgrammar as xgr
+
+    constraint = Constraint.of(choices=["a\x01b", "\x1f", "b"])
+    info = xgr.TokenizerInfo([chr(c) for c in range(0, 127)] + [""], vocab_size=128, stop_token_ids=[127])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(constraint.grammar())
+    for text, ok in [("a\x01b", True), ("a\x1b", False), ("\x1f", True), ("", False), ("b", True)]:
+        m = xgr.GrammarMatcher(compiled)
+        assert (m.accept_string(text) and m.is_completed()) is ok, repr(text)

@@ -169,9 +169,10 @@ def _parse_plain(kind: str, spec):
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(spec)
         # choices: one EBNF alternative per choice, a sequence of string literals (JSON escapes are EBNF
-        # escapes). Each non-ASCII character is a literal of its own: xgrammar 0.2.8 keeps a grammar as
-        # text with \xNN escapes and reads them back greedily, so "\xef" + "c" would become U+0EFC
-        pieces = [re.findall(r"[\x00-\x7f]+|[^\x00-\x7f]", c) for c in spec]
+        # escapes). Each non-ASCII or control character is a literal of its own: xgrammar 0.2.8 keeps a
+        # grammar as text with \xNN escapes and reads them back greedily, so "\xef" + "c" would become
+        # U+0EFC and "\x01" + "b" would become "\x1b"
+        pieces = [re.findall(r"[\x20-\x7e]+|[^\x20-\x7e]", c) for c in spec]
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(
             "(" + " ".join(json.dumps(p, ensure_ascii=False) for p in parts) + ")" for parts in pieces))
     except RuntimeError as e:  # xgrammar's parse errors: "[time] file.cc:line: message"

@@ -316,9 +316,11 @@ class Decoder:
         ``sync_every`` steps, pipelined on CUDA (see the module doc). ``capturing``: replay ``step`` as a
         CUDA graph — ``graphs["step"]`` if kept from an earlier phase, else captured now into ``graphs``
         (in ``pool``). ``alive``: the device's count of rows not done (EOS or ``max_tokens``), which a
-        pipelined phase of one process reads every step (one step behind, without waiting): once the
-        scheduler would end the phase on it, the steps stop there and their tokens are read at once,
-        rather than up to two blocks later (a phase of short answers would run about twice its steps)."""
+        pipelined phase of one process with rows that EOS may end reads every step, ``WATCH_LAG`` steps
+        behind (the host waits for it, so it queues no more than that): once the scheduler would end the
+        phase on it, the steps stop there and their tokens are read at once, rather than up to two blocks
+        later (a phase of short answers ran about twice its steps). The price: at most ``WATCH_LAG``
+        steps are queued while the host settles a block or runs the programs at a ``yield``."""
         run = self.run
         started = time.perf_counter()
         replay = self._replayer("step", step, graphs, pool) if capturing else None

@@ -192,10 +192,13 @@ class PhaseGraphs:
         return None
 
     def add(self, key: tuple, buffers: PhaseBuffers) -> PhaseBuffers:
-        """Keep ``buffers`` under ``key``; phases of an older KV pool (they can never match again) and the
-        least recently used beyond the budget are dropped."""
+        """Keep ``buffers`` under ``key``; phases of an older KV pool or older token-automata tables (they
+        can never match again) and the least recently used beyond the budget are dropped."""
         self.misses += 1
-        for serial in [s for s, (k, _) in self.kept.items() if k[0] != key[0]]:
+        def stale(their: tuple) -> bool:  # an older KV pool, or older token-automata tables
+            return their[0] != key[0] or (their[3] is not None and key[3] is not None and their[3] != key[3])
+
+        for serial in [s for s, (k, _) in self.kept.items() if stale(k)]:
             del self.kept[serial]
         self._serial += 1
         self.kept[self._serial] = (key, buffers)

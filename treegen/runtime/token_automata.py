@@ -43,7 +43,9 @@ from treegen.runtime.constraint import Constraint, Grammars
 
 FREE = 0  # the state of a row without an automaton: every token allowed, stays free
 LONGEST_REPETITION = 128  # a counted repetition beyond this many items stays with xgrammar (as constraint._EXPANDED)
+MOST_REPEATED = 1024  # the product of a regex's counted repetitions' bounds (nested ones multiply states)
 MOST_TRANSITIONS = 1 << 22  # an automaton with more (state, token) pairs stays with xgrammar
+MOST_WALKED = 1 << 26  # states x tokens walked to build one (~0.25 GB of int32): more stays with xgrammar
 
 # xgrammar's readings of the ASCII class escapes (its regex parser: `\d` -> [0-9], `\w` -> [a-zA-Z0-9_])
 _CLASS_BODY = {"d": "0-9", "w": "a-zA-Z0-9_"}
@@ -56,8 +58,9 @@ def ascii_regex(regex: str) -> str | None:
     (xgrammar serves it). Only ASCII, because the token walk here is over characters and a language of
     ASCII text has no token that ends inside a multi-byte character: anything that can match a
     non-ASCII character stays with xgrammar — ``.``, a negated class, ``\D``/``\W``/``\S``, ``\s``
-    (xgrammar's includes U+00A0), non-ASCII text, code-point escapes — as do anchors, back-references
-    and a counted repetition of more than ``LONGEST_REPETITION`` items."""
+    (xgrammar's includes U+00A0), non-ASCII text, code-point escapes — as do anchors, back-references,
+    a counted repetition of more than ``LONGEST_REPETITION`` items and counted repetitions whose bounds
+    multiply past ``MOST_REPEATED`` (nested ones multiply the automaton's states)."""
     out, i, in_class, opened = [], 0, False, False  # opened: the class began at the character before
     while i < len(regex):
         c = regex[i]
@@ -78,7 +81,7 @@ def ascii_regex(regex: str) -> str | None:
             in_class = c != "]" or opened  # (a ']' first in a class is one of its characters)
             opened = False
         elif c == "[":
-            if regex[i + 1:i + 2] == "^":
+            if regex[i + 1:i + 2] == "^" or regex[i + 1:i + 3] == "\\^":  # (xgrammar reads "[\^" as "[^")
                 return None
             in_class = opened = True
         elif c in ".^$":
@@ -88,10 +91,12 @@ def ascii_regex(regex: str) -> str | None:
     if in_class:
         return None
     text = "".join(out)
+    product = 1  # (nested repetitions multiply states: bound them all together, before interegular builds any)
     for least, most in _COUNTED.findall(text):
         if int(least) > LONGEST_REPETITION or (most and int(most) > LONGEST_REPETITION):
             return None
-    return text
+        product *= max(int(least), int(most or 0), 1)
+    return text if product <= MOST_REPEATED else None
 
 
 def choices_regex(choices: tuple[str, ...]) -> str | None:
@@ -213,6 +218,8 @@ class Automata:
             return None
         initial, table, finals = chars
         ids, text = self._ascii_tokens()
+        if table.shape[0] * len(ids) > MOST_WALKED:  # (the walk's memory: states x tokens)
+            return None
         # every (state, token) walked at once: ends[s, j] = the state after token ids[j] from s (-1: not allowed);
         # tokens longest first, so the columns still walking at character p are a prefix
         ends = np.repeat(np.arange(table.shape[0], dtype=np.int32)[:, None], len(ids), axis=1)
@@ -241,8 +248,11 @@ class Automata:
 
     def _upload(self) -> None:
         keys = np.fromiter(self._next, dtype=np.int64, count=len(self._next))
+        if not keys.size:  # (automata without a move, e.g. of the empty text: lookups need one key)
+            keys = np.full(1, -1, dtype=np.int64)
         order = np.argsort(keys)
-        targets = np.fromiter(self._next.values(), dtype=np.int64, count=len(self._next))[order]
+        targets = np.fromiter(self._next.values(), dtype=np.int64, count=len(self._next))
+        targets = targets[order] if targets.size else np.zeros(1, dtype=np.int64)
         self._tables = AutomatonTables(masks=torch.from_numpy(np.stack(self._host_masks)).to(self.device),
                                        keys=torch.from_numpy(keys[order]).to(self.device),
                                        targets=torch.from_numpy(targets).to(self.device),
