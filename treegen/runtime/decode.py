@@ -124,8 +124,7 @@ class Decoder:
             bitmask = bitmask.to(device) if self.masks.fill(bitmask, rows) else None
         states = self._states(rows, device)
         if states is not None:
-            own = self.run.engine.automata.tables.bitmask(states)
-            bitmask = own if bitmask is None else bitmask & own
+            bitmask = self.run.engine.automata.tables.bitmask(states, also=bitmask)
         nxt, lp = params.pick(logits, torch.arange(len(rows), device=device), steps, bitmask)
         tokens = nxt.tolist()
         self._advance_matchers(rows, [[t] for t in tokens])
@@ -218,10 +217,7 @@ class Decoder:
             logits_of["step"] = model.forward(input_ids, plan.query_pos, attend, gather=False)
 
         def pick() -> None:
-            mask = bitmask
-            if tables is not None:
-                own = tables.bitmask(states)
-                mask = own if mask is None else mask & own
+            mask = bitmask if tables is None else tables.bitmask(states, also=bitmask)
             nxt, lp = params.pick(logits_of["step"], idx, steps, mask)
             if tables is not None:
                 states.copy_(tables.advance(states, nxt))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -53,18 +54,27 @@ def enabled() -> bool:
     return os.environ.get("TREEGEN_KEEP_PHASE_GRAPHS", "1") != "0"
 
 
+class PhaseKey(NamedTuple):
+    """What must be equal for two phases to share graphs (see :func:`phase_key`)."""
+
+    pool_generation: int  # the KV pool (graphs hold its addresses)
+    rows: int  # padded rows
+    constrained: bool  # the step is split for xgrammar's masks
+    automata_generation: int | None  # the token automata's tables the step reads (None: it reads none)
+    all_greedy: bool  # the sampler's branches
+    filter_needed: bool
+    plan: tuple  # the plan's shape key
+
+
 def phase_key(plan, *, rows: int, constrained: bool, params, pool_generation: int,
-              automata_generation: int | None = None) -> tuple | None:
-    """What must be equal for two phases to share graphs (None: the plan cannot be padded): the KV pool
-    (graphs hold its addresses), padded rows, whether the step is split for a constraint's masks, the
-    token automata's tables the step reads (their generation; None: it reads none), the sampler's
-    branches (greedy only, top-p/top-k filtering) and the plan's shape key; their tables must also fit
-    (:meth:`PhaseBuffers.fits`)."""
+              automata_generation: int | None = None) -> PhaseKey | None:
+    """The :class:`PhaseKey` of a phase (None: the plan cannot be padded); phases of one key must also
+    have tables that fit to share buffers (:meth:`PhaseBuffers.fits`)."""
     plan_key = plan.shape_key()
     if plan_key is None:
         return None
-    return (pool_generation, bucket(rows), constrained, automata_generation, params.all_greedy, params.filter_needed,
-            plan_key)
+    return PhaseKey(pool_generation, bucket(rows), constrained, automata_generation, params.all_greedy,
+                    params.filter_needed, plan_key)
 
 
 def _room(sizes):
@@ -181,7 +191,7 @@ class PhaseGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def get(self, key: tuple, plan, width: int) -> PhaseBuffers | None:
+    def get(self, key: PhaseKey, plan, width: int) -> PhaseBuffers | None:
         """Kept buffers of ``key`` that ``plan`` and ``width`` fit, the most recently used first."""
         for serial in reversed(self.kept):
             their_key, kept = self.kept[serial]
@@ -191,12 +201,15 @@ class PhaseGraphs:
                 return kept
         return None
 
-    def add(self, key: tuple, buffers: PhaseBuffers) -> PhaseBuffers:
+    def add(self, key: PhaseKey, buffers: PhaseBuffers) -> PhaseBuffers:
         """Keep ``buffers`` under ``key``; phases of an older KV pool or older token-automata tables (they
         can never match again) and the least recently used beyond the budget are dropped."""
         self.misses += 1
-        def stale(their: tuple) -> bool:  # an older KV pool, or older token-automata tables
-            return their[0] != key[0] or (their[3] is not None and key[3] is not None and their[3] != key[3])
+        def stale(their: PhaseKey) -> bool:  # an older KV pool, or older token-automata tables
+            if their.pool_generation != key.pool_generation:
+                return True
+            both = their.automata_generation is not None and key.automata_generation is not None
+            return both and their.automata_generation != key.automata_generation
 
         for serial in [s for s, (k, _) in self.kept.items() if stale(k)]:
             del self.kept[serial]

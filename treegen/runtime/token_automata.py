@@ -164,9 +164,11 @@ class AutomatonTables:
     vocab_size: int
     generation: int
 
-    def bitmask(self, states: torch.Tensor) -> torch.Tensor:
-        """``[rows, words]`` int32: the allowed tokens of each row's state (free rows: all)."""
-        return self.masks.index_select(0, states)
+    def bitmask(self, states: torch.Tensor, also: torch.Tensor | None = None) -> torch.Tensor:
+        """``[rows, words]`` int32: the allowed tokens of each row's state (free rows: all), and of
+        ``also`` (another bitmask of the same rows, e.g. xgrammar's) when given."""
+        own = self.masks.index_select(0, states)
+        return own if also is None else own & also
 
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Each row's next state after its token (none — a free row, a stop token —: free)."""
@@ -276,6 +278,7 @@ class Automata:
 
     @property
     def states(self) -> int:
+        """How many states the tables hold (ids ``0 .. states - 1``; 0 is free)."""
         return len(self._host_masks)
 
     @property
@@ -286,7 +289,7 @@ class Automata:
 
     # --------------------------------------------------------------------------------------------- host
     def walk(self, state: int, tokens) -> int:
-        """The state after ``tokens`` from ``state`` (as :meth:`advance`, on the host)."""
+        """The state after ``tokens`` from ``state`` (as :meth:`AutomatonTables.advance`, on the host)."""
         step, vocab = self._next, self.vocab_size
         for t in tokens:
             if state == FREE:
