@@ -6,7 +6,7 @@ import torch
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.requests import GenRequest, Job, ScoreRequest
 from treegen.runtime.sampler import SamplingParams
-from treegen.runtime.scheduler import KVBudget, Scheduler
+from treegen.runtime.scheduler import SHRINK_AFTER_STEPS, KVBudget, Scheduler
 from treegen.tree.sharing_tree import SharingTree
 
 
@@ -135,8 +135,12 @@ def test_a_phase_ends_when_half_is_done_or_enough_new_work_waits():
     tree, kv, sched = setup(max_batch=100)
     assert not sched.phase_should_end(64, 40)
     assert sched.phase_should_end(64, 32)  # half finished
+    # with nothing waiting, a young phase of short answers runs on rather than set up a smaller one
+    assert not sched.phase_should_end(64, 32, steps=SHRINK_AFTER_STEPS - 1)
+    assert sched.phase_should_end(64, 32, steps=SHRINK_AFTER_STEPS) and sched.phase_should_end(64, 0, steps=1)
     for _ in range(2):
         sched.submit(gen(tree.add_node(None, [1])))
+    assert sched.phase_should_end(64, 32, steps=1)  # work waits: half done makes room for it at once
     assert not sched.phase_should_end(64, 60)  # 4 finished + 2 new < half the phase
     assert not sched.phase_should_end(64, 35) and sched.phase_should_end(64, 34)  # 30 finished + 2 new: half
     sched.tick(64)

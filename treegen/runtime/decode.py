@@ -18,7 +18,7 @@ them while the GPU keeps going). On CUDA this is pipelined: a block's tokens are
 asynchronously and read while the next block's steps already run, so the decode loop never drains
 the GPU (a finished branch may run one block longer; its extra tokens are dropped). The phase ends
 when the scheduler says so (:meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end`: at most
-half the branches live, or enough new work waiting); branches that take nothing more
+half the branches live — once it has run a while, when nothing waits — or enough new work waiting); branches that take nothing more
 (``GenRequest.final``) free their KV then. Sampling is counter-based (see
 :mod:`treegen.runtime.sampler`), so a branch's tokens do not depend on phases, batch composition or
 ``sync_every``.
@@ -336,7 +336,7 @@ class Decoder:
                 if t >= WATCH_LAG:
                     count, copied = seen[t - WATCH_LAG]
                     copied.synchronize()
-                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0])):
+                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), t + 1):
                         run.scheduler.tick(t + 1 - done_steps)
                         if pending is not None:
                             self._settle(live, pending)
@@ -354,7 +354,7 @@ class Decoder:
                     continue
             before = len(self.live)
             self._settle(live, block)
-            if run.scheduler.phase_should_end(len(live), len(self.live)):
+            if run.scheduler.phase_should_end(len(live), len(self.live), t + 1):
                 break
             if len(self.live) < before:
                 yield  # jobs completed: their programs may resume (and queue work) while the GPU runs
@@ -455,7 +455,7 @@ class Decoder:
                         self._settle(live, block, advance=False)
                         parts["settle"] += clock() - t0
                         block, dirty = None, True
-                        if run.scheduler.phase_should_end(len(live), len(self.live)):
+                        if run.scheduler.phase_should_end(len(live), len(self.live), t):
                             return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
                         if len(self.live) < before:
                             paused = clock()

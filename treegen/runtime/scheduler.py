@@ -55,6 +55,13 @@ from treegen.runtime.swa import DEFAULT_EVERY, reserve_slots
 REPLAN_FRACTION = 0.5
 # ...or once new work has waited this many decode steps, whatever its size.
 MAX_WAIT_STEPS = 64
+# With nothing waiting, a phase half of whose branches are done shrinks to the rest only once it has run
+# this many steps: the new phase's set-up (a plan, often a CUDA graph capture: about ten steps at 256
+# TinyLlama branches) pays only over many steps at the smaller batch, and a phase whose first half ended
+# sooner is one of short answers whose second half ends soon too. Measured on an H100 (bench_constrained,
+# answer regex, 256 branches, 2-17 tokens each): shrinking at half done made the decode 1.8x the same
+# token work's time (a second capture); see the issue notes.
+SHRINK_AFTER_STEPS = 32
 # Decode steps are counted in windows of this many (from the run's first step); a job submitted in an
 # earlier window is admitted before every job of a later one, whatever their depth or length, so later
 # shallow work holds a job back for at most the rest of its window and the next. (The benchmark's runs,
@@ -181,9 +188,12 @@ class Scheduler:
     def tick(self, steps: int = 1) -> None:
         self.clock += steps
 
-    def phase_should_end(self, size: int, live: int) -> bool:
-        """A decode phase of ``size`` branches, ``live`` of them still generating: stop it now?"""
-        if live == 0 or 2 * live <= size:
+    def phase_should_end(self, size: int, live: int, steps: int | None = None) -> bool:
+        """A decode phase of ``size`` branches, ``live`` of them still generating, ``steps`` steps run
+        (None: many): stop it now? Half done ends it when work waits or after ``SHRINK_AFTER_STEPS``."""
+        if live == 0:
+            return True
+        if 2 * live <= size and (steps is None or steps >= SHRINK_AFTER_STEPS or self.has_work()):
             return True
         done = size - live
         if self.memory_blocked and self.waiting and not self.admitted and self.kv.slots_reserved() >= self._blocked_at:
