@@ -51,6 +51,13 @@ CONSTRAINED_PARTS = ("wait", "accept", "fill", "upload", "settle", "launch", "ot
 CLOCK = time.perf_counter
 
 
+def _age(capturing: bool):
+    """A phase's steps as :meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end` weighs them: a
+    captured phase's (a smaller phase after it would capture again), an uncaptured one's as None (its
+    successor costs only a plan: shrink as soon as half is done)."""
+    return (lambda steps: steps) if capturing else (lambda steps: None)
+
+
 class Decoder:
     """The generating branches of one :class:`~treegen.runtime.tree_run.TreeRun` (see module doc)."""
 
@@ -325,6 +332,7 @@ class Decoder:
         # (cold_captures: one process, see __init__; rows that only max_tokens ends end where the host knows)
         watch = pipelined and self.cold_captures and any(not self.jobs[b].request.params.ignore_eos for b in live)
         seen: list = []  # per step, its count copied into pinned memory, and the event after the copy
+        age = _age(capturing)
         done_steps, pending = 0, None
         for t in range(width):
             (replay or step)()
@@ -336,7 +344,7 @@ class Decoder:
                 if t >= WATCH_LAG:
                     count, copied = seen[t - WATCH_LAG]
                     copied.synchronize()
-                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), t + 1):
+                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), age(t + 1)):
                         run.scheduler.tick(t + 1 - done_steps)
                         if pending is not None:
                             self._settle(live, pending)
@@ -354,7 +362,7 @@ class Decoder:
                     continue
             before = len(self.live)
             self._settle(live, block)
-            if run.scheduler.phase_should_end(len(live), len(self.live), t + 1):
+            if run.scheduler.phase_should_end(len(live), len(self.live), age(t + 1)):
                 break
             if len(self.live) < before:
                 yield  # jobs completed: their programs may resume (and queue work) while the GPU runs
@@ -383,6 +391,7 @@ class Decoder:
         host = masks.new_bitmask(bitmask.shape[0], pinned=pipelined)  # rows of the others stay all ones
         parts = self.constrained_host
         clock = CLOCK
+        age = _age(capturing)
         # the active branches' matchers and rows, kept beside `active` (no per-branch lookups per step)
         matchers = masks.handles([masks.matchers[b] for b in active])
         rows = [row_of[b] for b in active]
@@ -455,7 +464,7 @@ class Decoder:
                         self._settle(live, block, advance=False)
                         parts["settle"] += clock() - t0
                         block, dirty = None, True
-                        if run.scheduler.phase_should_end(len(live), len(self.live), t):
+                        if run.scheduler.phase_should_end(len(live), len(self.live), age(t)):
                             return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
                         if len(self.live) < before:
                             paused = clock()

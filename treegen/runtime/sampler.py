@@ -12,6 +12,10 @@ over tensor-parallel ranks (:mod:`treegen.runtime.vocab_split`): since a token's
 on ``(key, step, token id)``, each rank scores its own tokens, and the best score of all ranks (the
 lowest token id among equal ones, as ``argmax`` over the whole row) is the token ``sample`` draws
 from the whole logits. Top-p / top-k need the whole distribution: the logits are then gathered.
+
+On CUDA a step without top-p / top-k draws in one pass over the logits, the noise made in registers
+(:func:`treegen.kernels.sampling.gumbel_argmax`, the same tokens as the PyTorch ops here, which serve the
+CPU and top-p / top-k rows).
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treegen.kernels import sampling
+from treegen.kernels.sampling import gumbel_noise, uniform_noise, unit_interval  # noqa: F401 (the noise, re-exported)
 from treegen.runtime.constraint import Constraint
 from treegen.runtime.swa import check_kv_keep
 from treegen.runtime.token_masks import apply_bitmask
-
-_MASK32 = 0xFFFFFFFF
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -97,36 +100,6 @@ def branch_key(seed: int, path: tuple) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _hash32(x: Tensor) -> Tensor:
-    """lowbias32 integer hash on int64 tensors holding 32-bit values."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(keys: Tensor, steps: Tensor, vocab_size: int, start: int = 0) -> Tensor:
-    """Counter-based uniforms in (0, 1). keys, steps: [B] int64 → [B, vocab_size] float32, of token
-    ids ``start .. start + vocab_size - 1`` (a slice of the vocabulary gets that slice's noise)."""
-    ids = torch.arange(start, start + vocab_size, device=keys.device, dtype=torch.int64)
-    x = _hash32((keys.unsqueeze(1) * 0x9E3779B1 + steps.unsqueeze(1)) & _MASK32)
-    x = _hash32((x ^ ids.unsqueeze(0)) & _MASK32)
-    return unit_interval(_hash32((x + 0x632BE5AB) & _MASK32))
-
-
-def gumbel_noise(keys: Tensor, steps: Tensor, vocab_size: int, start: int = 0) -> Tensor:
-    """Gumbel noise ``-log(-log(u))`` of :func:`uniform_noise`'s uniforms: [B, vocab_size] float32."""
-    return -torch.log(-torch.log(uniform_noise(keys, steps, vocab_size, start)))
-
-
-def unit_interval(x: Tensor) -> Tensor:
-    """32-bit hashes (int64) → float32 uniforms strictly inside (0, 1): the top 24 bits, centred in
-    their cell. The largest, (2^24 - 0.5) / 2^24, rounds to 1.0 in float32, whose Gumbel noise is +inf
-    (a token drawn whatever its logit, a forbidden one included), so it is clamped below 1."""
-    return (((x >> 8).float() + 0.5) / float(1 << 24)).clamp_max(1.0 - 2.0 ** -24)
-
-
 def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, steps: Tensor,
            all_greedy: bool = False, filter_needed: bool = True) -> Tensor:
     """Sample one token per row.
@@ -171,6 +144,9 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
         logits, split = split.gather(logits), None
     if split is not None:
         return _pick_split(logits, split, bitmask, **args)
+    if (all_greedy or not filter_needed) and sampling.available(logits):  # one pass, the noise in registers
+        tokens, _, logit, lse = sampling.gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy)
+        return tokens, logit - lse
     if bitmask is None:
         tokens = sample(logits, **args)
         return tokens, logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -189,6 +165,11 @@ def _pick_split(logits: Tensor, split, bitmask: Tensor | None, *, temperature: T
     log-sum-exp of its slice): one all-gather of ``[B, 4]`` fp32. The token of the best score (the
     lowest rank among equal ones) is the whole row's argmax; its log-probability is its logit less the
     log-sum-exp over the ranks' log-sum-exps."""
+    if sampling.available(logits):  # one pass over the slice, the noise in registers
+        best, score, logit, lse = sampling.gumbel_argmax(
+            logits, temperature, keys, steps, None if bitmask is None else split.bitmask(bitmask), start=split.start,
+            all_greedy=all_greedy)
+        return _combine_ranks(split, torch.stack([score, (best + split.start).float(), logit, lse], dim=1))
     lse = logits.logsumexp(-1, keepdim=True)  # this rank's part of the normaliser, before the mask
     if bitmask is not None:
         apply_bitmask(logits, split.bitmask(bitmask))
@@ -198,7 +179,13 @@ def _pick_split(logits: Tensor, split, bitmask: Tensor | None, *, temperature: T
         score = torch.where((temperature == 0).unsqueeze(1), logits,
                             scaled + gumbel_noise(keys, steps, split.width, start=split.start))
     best = score.argmax(-1, keepdim=True)  # [B, 1]: the lowest id among equal scores, as argmax of the whole row
-    mine = torch.cat([score.gather(1, best), (best + split.start).float(), logits.gather(1, best), lse], dim=1)
+    return _combine_ranks(split, torch.cat([score.gather(1, best), (best + split.start).float(),
+                                            logits.gather(1, best), lse], dim=1))
+
+
+def _combine_ranks(split, mine: Tensor) -> tuple[Tensor, Tensor]:
+    """Every rank's ``[B, 4]`` (best score, its token id, its logit, the slice's log-sum-exp) → the
+    whole row's token and log-probability (see :func:`_pick_split`)."""
     every = split.tp.all_gather(mine)  # [ranks, B, 4]
     winner = every[:, :, 0].argmax(0)  # [B]: the first rank among equal best scores
     row = every.gather(0, winner.view(1, -1, 1).expand(1, -1, every.shape[2])).squeeze(0)  # [B, 4]

@@ -1,0 +1,117 @@
+"""Drawing a step's tokens: the one-pass kernel (``treegen/kernels/sampling.py``) against the PyTorch ops
+the sampler ran before (``sampler.sample`` + the log-probability gather; a mask applied by xgrammar's
+kernel first), each captured in a CUDA graph and replayed, in the same run on the same GPU.
+
+Rows ``--batches`` x vocabularies ``--vocabs`` (TinyLlama 32,000, Llama-3 128,256), temperature 1
+(``sampled``) or 0 (``greedy``), with a random token bitmask or none. The floor: the logits' bytes
+(fp32, read once) at the GPU's HBM peak (``--hbm-tbps``, H100 SXM 3.35).
+
+    python benchmarks/bench_sampling.py --out benchmarks/results/sampling_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+import triton
+
+from treegen.kernels.sampling import gumbel_argmax
+from treegen.runtime.sampler import sample
+from treegen.runtime.token_masks import apply_bitmask
+
+
+def torch_ops(logits, temperature, keys, steps, bitmask, all_greedy):
+    """What ``sampler.pick`` ran before the kernel: mask (in place), sample, the log-probability."""
+    rows = logits.shape[0]
+    lse = logits.logsumexp(-1)
+    if bitmask is not None:
+        apply_bitmask(logits, bitmask)
+    tokens = sample(logits, temperature=temperature, top_p=torch.ones(rows, device=logits.device),
+                    top_k=torch.zeros(rows, dtype=torch.int64, device=logits.device), keys=keys, steps=steps,
+                    all_greedy=all_greedy, filter_needed=False)
+    return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+
+
+def kernel(logits, temperature, keys, steps, bitmask, all_greedy):
+    tokens, _, logit, lse = gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy)
+    return tokens, logit - lse
+
+
+def graphed_us(fn, reps: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
+    parser.add_argument("--hbm-tbps", type=float, default=3.35)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows_out = []
+    for vocab in args.vocabs:
+        for batch in args.batches:
+            g = torch.Generator(device="cuda").manual_seed(batch)
+            logits0 = torch.randn(batch, vocab, device="cuda", generator=g) * 3
+            keys = torch.randint(0, 2 ** 32, (batch,), device="cuda", generator=g)
+            steps = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
+            words = -(-vocab // 32)
+            mask = torch.randint(-2 ** 31, 2 ** 31, (batch, words), device="cuda", generator=g, dtype=torch.int64
+                                 ).to(torch.int32)
+            for mode in ("sampled", "greedy"):
+                temperature = torch.full((batch,), 1.0 if mode == "sampled" else 0.0, device="cuda")
+                for masked in (False, True):
+                    bitmask = mask if masked else None
+                    logits = logits0.clone()
+                    want = torch_ops(logits.clone(), temperature, keys, steps, bitmask, mode == "greedy")
+                    got = kernel(logits, temperature, keys, steps, bitmask, mode == "greedy")
+                    same = bool(torch.equal(want[0], got[0]))
+                    t_torch = graphed_us(lambda: torch_ops(logits, temperature, keys, steps, bitmask, mode == "greedy"))
+                    t_kernel = graphed_us(lambda: kernel(logits0, temperature, keys, steps, bitmask, mode == "greedy"))
+                    floor = batch * vocab * 4 / (args.hbm_tbps * 1e12) * 1e6
+                    row = {"vocab": vocab, "batch": batch, "mode": mode, "bitmask": masked, "torch_us": t_torch,
+                           "kernel_us": t_kernel, "speedup": t_torch / t_kernel, "floor_us": floor,
+                           "kernel_x_floor": t_kernel / floor, "same_tokens": same,
+                           "max_logprob_diff": float((want[1] - got[1]).abs().max())}
+                    rows_out.append(row)
+                    print(row, flush=True)
+    result = {"benchmark": "sampling", "device": torch.cuda.get_device_name(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                           "python": platform.python_version()},
+              "method": "each way captured in a CUDA graph, median of 5 x 50 replays; floor = fp32 logits read once "
+                        f"at {args.hbm_tbps} TB/s", "rows": rows_out}
+    out = Path(args.out or Path(__file__).parent / "results" / "sampling.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("| vocab | batch | mode | bitmask | torch us | kernel us | speed-up | x floor | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows_out:
+        print(f"| {r['vocab']} | {r['batch']} | {r['mode']} | {r['bitmask']} | {r['torch_us']:.1f} | {r['kernel_us']:.1f} | "
+              f"{r['speedup']:.1f}x | {r['kernel_x_floor']:.2f} | {r['same_tokens']} |")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

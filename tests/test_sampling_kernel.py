@@ -1,0 +1,93 @@
+"""The one-pass sampling kernel (treegen/kernels/sampling.py) against its PyTorch reference and the
+sampler's own ops: the same tokens, the same scores and logits, the log-sum-exp within float rounding
+(CPU: the Triton interpreter; GPU: compiled, in tests/test_runtime_gpu.py's run of the sampler)."""
+
+import pytest
+import torch
+
+from treegen.kernels import sampling
+from treegen.kernels.sampling import gumbel_argmax, gumbel_argmax_reference
+from treegen.runtime.sampler import sample
+
+pytestmark = pytest.mark.skipif(sampling.triton is None, reason="needs triton")
+
+
+def _inputs(rows: int, vocab: int, seed: int, greedy_rows: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.2
+    if greedy_rows:
+        temperature[0] = 0.0  # a greedy row among sampled ones
+    keys = torch.randint(0, 2 ** 32, (rows,), generator=g)
+    steps = torch.randint(0, 5000, (rows,), generator=g)
+    return logits, temperature, keys, steps
+
+
+@pytest.mark.parametrize("rows,vocab,start", [(6, 3000, 0), (3, 20000, 0), (5, 999, 4096), (1, 8193, 32)])
+def test_kernel_draws_the_reference_tokens(rows, vocab, start):
+    logits, temperature, keys, steps = _inputs(rows, vocab, seed=vocab)
+    got = gumbel_argmax(logits, temperature, keys, steps, start=start)
+    want = gumbel_argmax_reference(logits, temperature, keys, steps, start=start)
+    assert got[0].tolist() == want[0].tolist()
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)  # (the interpreter's log is numpy's)
+    assert torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-5)
+    if start == 0:  # the sampler's own ops (the CPU path) draw the same
+        top = torch.ones(rows)
+        assert sample(logits, temperature=temperature, top_p=top, top_k=torch.zeros(rows, dtype=torch.int64),
+                      keys=keys, steps=steps, filter_needed=False).tolist() == got[0].tolist()
+
+
+def test_kernel_honours_the_bitmask_and_greedy_rows():
+    rows, vocab = 4, 20000
+    logits, temperature, keys, steps = _inputs(rows, vocab, seed=1)
+    g = torch.Generator().manual_seed(2)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = 0
+    bitmask[1, 400] = 1 << 7  # row 1 allows one token: 400 * 32 + 7
+    for all_greedy in (False, True):
+        temps = torch.zeros(rows) if all_greedy else temperature
+        got = gumbel_argmax(logits, temps, keys, steps, bitmask, all_greedy=all_greedy)
+        want = gumbel_argmax_reference(logits, temps, keys, steps, bitmask, all_greedy=all_greedy)
+        assert got[0].tolist() == want[0].tolist() and got[0][1] == 400 * 32 + 7
+        allowed = sampling.allowed_tokens(bitmask, vocab)
+        assert allowed[torch.arange(rows), got[0]].all()
+        torch.testing.assert_close(got[3], logits.logsumexp(-1), rtol=1e-6, atol=1e-5)  # before the mask
+    assert gumbel_argmax(logits, torch.zeros(rows), keys, steps)[0].tolist() == logits.argmax(-1).tolist()
+
+
+def test_ties_go_to_the_lowest_token_and_bad_input_is_named():
+    logits = torch.zeros(2, 9000)
+    logits[:, 10] = logits[:, 8500] = 5.0  # equal best logits in different chunks
+    token = gumbel_argmax(logits, torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))[0]
+    assert token.tolist() == [10, 10]
+    with pytest.raises(ValueError, match="fp32 logits"):
+        gumbel_argmax(logits.half(), torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="bitmask must be int32"):
+        gumbel_argmax(logits, torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                      torch.zeros(2, 3, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 128256])
+def test_compiled_kernel_draws_the_sampler_ops_tokens_on_the_gpu(vocab):
+    """Compiled (libdevice's logf, rounded division): the tokens of the sampler's PyTorch ops on the GPU,
+    for every row of a large batch, masked and not; inside a CUDA graph too."""
+    rows = 512
+    logits, temperature, keys, steps = (t.cuda() for t in _inputs(rows, vocab, seed=vocab))
+    g = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=g, dtype=torch.int64).to(torch.int32)
+    for mask in (None, bitmask.cuda()):
+        want = gumbel_argmax_reference(logits, temperature, keys, steps, mask)
+        got = gumbel_argmax(logits, temperature, keys, steps, mask)
+        assert got[0].tolist() == want[0].tolist()
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-5)
+    static = [torch.empty(rows, dtype=torch.int64, device="cuda")]
+    gumbel_argmax(logits, temperature, keys, steps)  # (compiled before capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static[0].copy_(gumbel_argmax(logits, temperature, keys, steps)[0])
+    steps += 1
+    graph.replay()
+    assert static[0].tolist() == gumbel_argmax_reference(logits, temperature, keys, steps)[0].tolist()
