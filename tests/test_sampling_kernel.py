@@ -2,6 +2,8 @@
 sampler's own ops: the same tokens, the same scores and logits, the log-sum-exp within float rounding
 (CPU: the Triton interpreter; GPU: compiled, in tests/test_runtime_gpu.py's run of the sampler)."""
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from treegen.kernels.sampling import gumbel_argmax, gumbel_argmax_reference
 from treegen.runtime.sampler import sample
 
 pytestmark = pytest.mark.skipif(sampling.triton is None, reason="needs triton")
+# the CPU cases run the kernel in Triton's interpreter (compiled kernels need CUDA tensors)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
 def _inputs(rows: int, vocab: int, seed: int, greedy_rows: bool = True):
@@ -23,6 +27,7 @@ def _inputs(rows: int, vocab: int, seed: int, greedy_rows: bool = True):
     return logits, temperature, keys, steps
 
 
+@interpreted
 @pytest.mark.parametrize("rows,vocab,start", [(6, 3000, 0), (3, 20000, 0), (5, 999, 4096), (1, 8193, 32)])
 def test_kernel_draws_the_reference_tokens(rows, vocab, start):
     logits, temperature, keys, steps = _inputs(rows, vocab, seed=vocab)
@@ -38,6 +43,7 @@ def test_kernel_draws_the_reference_tokens(rows, vocab, start):
                       keys=keys, steps=steps, filter_needed=False).tolist() == got[0].tolist()
 
 
+@interpreted
 def test_kernel_honours_the_bitmask_and_greedy_rows():
     rows, vocab = 4, 20000
     logits, temperature, keys, steps = _inputs(rows, vocab, seed=1)
@@ -56,6 +62,7 @@ def test_kernel_honours_the_bitmask_and_greedy_rows():
     assert gumbel_argmax(logits, torch.zeros(rows), keys, steps)[0].tolist() == logits.argmax(-1).tolist()
 
 
+@interpreted
 def test_ties_go_to_the_lowest_token_and_bad_input_is_named():
     logits = torch.zeros(2, 9000)
     logits[:, 10] = logits[:, 8500] = 5.0  # equal best logits in different chunks
