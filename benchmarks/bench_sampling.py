@@ -7,6 +7,7 @@ Rows ``--batches`` x vocabularies ``--vocabs`` (TinyLlama 32,000, Llama-3 128,25
 (fp32, read once) at the GPU's HBM peak (``--hbm-tbps``, H100 SXM 3.35).
 
     python benchmarks/bench_sampling.py --out benchmarks/results/sampling_h100.json
+    python benchmarks/bench_sampling.py --plot benchmarks/results/sampling_h100.json   (the plot again)
 """
 
 from __future__ import annotations
@@ -62,13 +63,46 @@ def graphed_us(fn, reps: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def plot(result: dict, out: Path) -> None:
+    """Kernel and PyTorch-ops microseconds per batch, one panel per vocabulary (sampled and greedy, no mask)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vocabs = sorted({r["vocab"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(vocabs), figsize=(5.5 * len(vocabs), 4), squeeze=False)
+    for ax, vocab in zip(axes[0], vocabs):
+        for mode, style in (("sampled", "-"), ("greedy", "--")):
+            rows = sorted((r for r in result["rows"] if r["vocab"] == vocab and r["mode"] == mode and not r["bitmask"]),
+                          key=lambda r: r["batch"])
+            batches = [r["batch"] for r in rows]
+            ax.plot(batches, [r["torch_us"] for r in rows], "o" + style, color="tab:gray", label=f"PyTorch ops, {mode}")
+            ax.plot(batches, [r["kernel_us"] for r in rows], "o" + style, color="tab:blue", label=f"kernel, {mode}")
+            if mode == "sampled":
+                ax.plot(batches, [r["floor_us"] for r in rows], ":", color="black", label="floor (logits read once)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows (branches)")
+        ax.set_ylabel("us per step (CUDA graph)")
+        ax.set_title(f"vocabulary {vocab:,}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"drawing a step's tokens, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
     parser.add_argument("--hbm-tbps", type=float, default=3.35)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=None, metavar="JSON", help="only draw the plot of an earlier run's JSON")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return
     rows_out = []
     for vocab in args.vocabs:
         for batch in args.batches:
@@ -105,6 +139,7 @@ def main() -> None:
     out = Path(args.out or Path(__file__).parent / "results" / "sampling.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
     print("| vocab | batch | mode | bitmask | torch us | kernel us | speed-up | x floor | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:
