@@ -11,9 +11,9 @@ from treegen.kernels import sampling
 from treegen.kernels.sampling import gumbel_argmax, gumbel_argmax_reference
 from treegen.runtime.sampler import sample
 
-pytestmark = pytest.mark.skipif(sampling.triton is None, reason="needs triton")
 # the CPU cases run the kernel in Triton's interpreter (compiled kernels need CUDA tensors)
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+interpreted = pytest.mark.skipif(sampling.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="needs triton and TRITON_INTERPRET=1")
 
 
 def _inputs(rows: int, vocab: int, seed: int, greedy_rows: bool = True):
@@ -98,3 +98,30 @@ def test_compiled_kernel_draws_the_sampler_ops_tokens_on_the_gpu(vocab):
     steps += 1
     graph.replay()
     assert static[0].tolist() == gumbel_argmax_reference(logits, temperature, keys, steps)[0].tolist()
+
+
+def test_the_cpu_noise_has_the_reference_bits():
+    """The CPU's numpy noise (wrapping 32-bit arithmetic) equals the int64 PyTorch definition bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    keys = torch.cat([torch.randint(0, 2 ** 32, (6,), generator=g), torch.tensor([0, 2 ** 32 - 1])])
+    steps = torch.cat([torch.randint(0, 10 ** 6, (6,), generator=g), torch.tensor([0, 123456])])
+    for vocab, start in ((4099, 0), (1000, 64000)):
+        assert torch.equal(sampling.uniform_noise(keys, steps, vocab, start),
+                           sampling.uniform_noise_reference(keys, steps, vocab, start))
+
+
+@pytest.mark.parametrize("spread", [1.0, 8.0, 40.0])
+def test_the_cpu_draw_with_noise_only_where_a_token_can_win_is_the_whole_draw(spread):
+    """gumbel_argmax_sparse (the CPU sampler) equals the argmax over every token's noise: peaked rows
+    (few tokens within the noise's range of the best), flat ones, filtered (-inf) tokens, huge scaled logits."""
+    g = torch.Generator().manual_seed(int(spread))
+    rows, vocab = 24, 5000
+    scaled = torch.randn(rows, vocab, generator=g) * spread
+    scaled[0, 100:] = float("-inf")  # a filtered row
+    scaled[1] *= 1e6  # a greedy row's logits over the clamped temperature
+    scaled[2, 7] = scaled[2, 4000] = scaled[2].max() + 100.0  # two far above the rest: their noise decides
+    keys = torch.randint(0, 2 ** 32, (rows,), generator=g)
+    steps = torch.randint(0, 1000, (rows,), generator=g)
+    want = (scaled + sampling.gumbel_noise(keys, steps, vocab)).argmax(-1)
+    assert sampling.gumbel_argmax_sparse(scaled, keys, steps).tolist() == want.tolist()
+    assert want[2] in (7, 4000)

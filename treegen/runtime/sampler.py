@@ -121,7 +121,10 @@ def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor,
         drop = (mass_before >= top_p.unsqueeze(1)) | ((top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1)))
         drop[:, 0] = False
         scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    sampled = (scaled + gumbel_noise(keys, steps, logits.shape[1])).argmax(dim=-1)
+    if logits.device.type == "cpu":  # noise only for the tokens that can win (the same draw)
+        sampled = sampling.gumbel_argmax_sparse(scaled, keys, steps)
+    else:
+        sampled = (scaled + gumbel_noise(keys, steps, logits.shape[1])).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)
 
 
