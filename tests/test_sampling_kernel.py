@@ -59,6 +59,10 @@ def test_kernel_honours_the_bitmask_and_greedy_rows():
         allowed = sampling.allowed_tokens(bitmask, vocab)
         assert allowed[torch.arange(rows), got[0]].all()
         torch.testing.assert_close(got[3], logits.logsumexp(-1), rtol=1e-6, atol=1e-5)  # before the mask
+    # a tensor-parallel rank's slice: its own words of the mask, the noise of its token ids
+    got = gumbel_argmax(logits, temperature, keys, steps, bitmask, start=64000)
+    want = gumbel_argmax_reference(logits, temperature, keys, steps, bitmask, start=64000)
+    assert got[0].tolist() == want[0].tolist() and got[0][1] == 400 * 32 + 7
     assert gumbel_argmax(logits, torch.zeros(rows), keys, steps)[0].tolist() == logits.argmax(-1).tolist()
 
 
