@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import json
 import random
 import re
 
@@ -22,11 +23,23 @@ from treegen.runtime.token_automata import FREE, Automata, ascii_regex
 SERVED = [Constraint.of(regex=r"The answer is (0|[1-9][0-9]{0,3})\."), Constraint.of(regex=r"-?[0-9]+"),
           Constraint.of(regex=r"[A-D]\) [a-z ]{1,20}\n(-?\d{1,3}[.,]){0,4}"), Constraint.of(regex=r"(a0)*b?"),
           Constraint.of(regex=r"\w+(, \w+)*[!?]"), Constraint.of(regex=r"[\]\-a&~[]+x"),
-          Constraint.of(choices=["yes", "no", "maybe so", "D) none of the above", 'a "quoted" \\ one'])]
+          Constraint.of(choices=["yes", "no", "maybe so", "D) none of the above", 'a "quoted" \\ one']),
+          # JSON schemas and grammars whose xgrammar grammar is plainly regular (treegen/runtime/regular_grammar.py)
+          Constraint.of(json_schema={"type": "integer"}),
+          Constraint.of(json_schema={"type": "object", "properties": {
+              "answer": {"type": "integer", "minimum": 0, "maximum": 9999},
+              "unit": {"enum": ["cows", "dollars", "apples"]}, "sure": {"type": "boolean"},
+              "score": {"type": "number"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+              "extra": {"type": "integer"}},
+              "required": ["answer", "unit", "sure", "score", "tags"], "additionalProperties": False}),
+          Constraint.of(grammar='root ::= "a" [0-9]'),
+          Constraint.of(grammar='root ::= ("x" | "yz")+ " = " num? ";"\nnum ::= [1-9] [0-9]* | "0"')]
 KEPT = [Constraint.of(regex=r"[a-z0-9 ,.]{300,}"), Constraint.of(regex=r"x.y"), Constraint.of(regex=r"[^a]+"),
         Constraint.of(regex=r"\s*[0-9]+"), Constraint.of(regex=r"\S+"), Constraint.of(regex=r"é+"),
-        Constraint.of(choices=["naïve", "café"]), Constraint.of(json_schema={"type": "integer"}),
-        Constraint.of(grammar='root ::= "a" [0-9]')]
+        Constraint.of(choices=["naïve", "café"]),
+        Constraint.of(json_schema={"type": "object", "properties": {"why": {"type": "string"}}}),  # free strings
+        Constraint.of(grammar='root ::= "(" root ")" | "x"'),  # nesting: not regular
+        Constraint.of(grammar='root ::= "a" [^b]')]  # a negated class: may match non-ASCII text
 
 
 def _walk_and_compare(grammars, automata, constraint, vocab, stops, walks, steps, seed=0):
@@ -114,25 +127,34 @@ def _run(engine, constraint, *, temperature, max_tokens, seeds=6):
     return results
 
 
+ANSWER_JSON = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                                "sure": {"type": "boolean"}},
+               "required": ["answer", "sure"], "additionalProperties": False}
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_runs_give_the_same_tokens_with_automata_on_and_off(smol, tiny_llama, temperature):
+@pytest.mark.parametrize("constraint,enough", [(Constraint.of(regex=r"The answer is (0|[1-9][0-9]{0,3})\."), 40),
+                                               (Constraint.of(json_schema=ANSWER_JSON), 64)], ids=["regex", "json"])
+def test_runs_give_the_same_tokens_with_automata_on_and_off(smol, tiny_llama, temperature, constraint, enough):
     """The same masks, counter-based sampling: every branch's tokens, its finish and whether its
     constraint is met are the same whichever serves the constraint (beside an unconstrained branch)."""
     model = tiny_llama[1]
-    constraint = Constraint.of(regex=r"The answer is (0|[1-9][0-9]{0,3})\.")
     on = treegen.Engine(model, smol.tokenizer)
     off = treegen.Engine(model, smol.tokenizer, token_automata=False)
     assert on.automaton(constraint) is not None and off.automaton(constraint) is None
-    for max_tokens in (40, 5):  # (5: cut short, constraint not met)
+    for max_tokens in (enough, 5):  # (5: cut short, constraint not met)
         a = _run(on, constraint, temperature=temperature, max_tokens=max_tokens)
         b = _run(off, constraint, temperature=temperature, max_tokens=max_tokens)
         assert [(r.tokens, r.finish_reason, r.constraint_met) for r in a] == \
             [(r.tokens, r.finish_reason, r.constraint_met) for r in b]
         for r in a[:-1]:
-            if max_tokens == 40:
+            if max_tokens == 5:
+                assert r.finish_reason == "length" and r.constraint_met is False
+            elif constraint.kind == "regex":
                 assert r.constraint_met and re.fullmatch(constraint.spec, r.text), r
             else:
-                assert r.finish_reason == "length" and r.constraint_met is False
+                value = json.loads(r.text)
+                assert r.constraint_met and set(value) == {"answer", "sure"} and 0 <= value["answer"] <= 9999, r
         assert a[-1].constraint_met is None
 
 

@@ -2,9 +2,9 @@
 
 A constraint served by xgrammar (:mod:`~treegen.runtime.token_masks`) needs the host every step: each
 matcher must see its branch's token before the next mask can be filled, so a constrained decode phase
-syncs per step and its host work must hide under each forward. A *regular* constraint — a regex or a
-list of choices — has a finite token-level automaton instead: states, each with the tokens it allows
-and, for each of those, the next state. Kept on the device, a step's masks are one gather
+syncs per step and its host work must hide under each forward. A *regular* constraint — a regex, a
+list of choices, a JSON schema without free strings — has a finite token-level automaton instead:
+states, each with the tokens it allows and, for each of those, the next state. Kept on the device, a step's masks are one gather
 (``masks[state]``) and its next states one lookup (``(state, token)`` in sorted keys), both inside the
 captured decode step, so such phases run the unconstrained loop (the host reads tokens every 8 steps,
 pipelined) at the unconstrained speed.
@@ -20,8 +20,11 @@ xgrammar's), so the automaton takes only regexes and choices whose text is ASCII
 :func:`ascii_regex` for what stays out, and why; ``\\d`` and ``\\w`` are written as xgrammar's ASCII
 classes) and whose automaton is small: no counted repetition of more than ``LONGEST_REPETITION`` items
 (``[a-z]{1000,}`` has a thousand states, each allowing thousands of tokens), at most
-``MOST_TRANSITIONS`` (state, token) pairs. xgrammar serves every other constraint — JSON schemas, EBNF
-grammars, the rest of the regexes. (Tests compare the masks of the two along random walks.)
+``MOST_TRANSITIONS`` (state, token) pairs. A JSON schema or EBNF grammar is served too where xgrammar's
+own grammar of it is plainly regular and ASCII (:mod:`~treegen.runtime.regular_grammar`: a schema of
+integers, numbers, booleans, enums and fixed keys — no free strings — or a small non-nesting grammar),
+read as one regex. xgrammar serves every other constraint. (Tests compare the masks of the two along
+random walks.)
 
 State ids are global to an engine: 0 is *free* (every token allowed, no transitions; unconstrained and
 padding rows, and a branch after its EOS), each automaton's states follow. The tables grow when a new
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 
 from treegen.runtime.constraint import Constraint, Grammars
+from treegen.runtime.regular_grammar import grammar_regex
 
 FREE = 0  # the state of a row without an automaton: every token allowed, stays free
 LONGEST_REPETITION = 128  # a counted repetition beyond this many items stays with xgrammar (as constraint._EXPANDED)
@@ -210,7 +214,9 @@ class Automata:
             return choices_regex(constraint.spec)
         if constraint.kind == "regex":
             return ascii_regex(constraint.spec)
-        return None
+        # a JSON schema or EBNF grammar: xgrammar's own grammar of it, where that is plainly regular
+        regex = grammar_regex(str(constraint.grammar()))
+        return None if regex is None else ascii_regex(regex)
 
     def _build(self, constraint: Constraint) -> Automaton | None:
         regex = self._regex(constraint)
