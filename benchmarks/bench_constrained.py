@@ -158,31 +158,35 @@ def measure(engine: Engine, name: str, constraint, batch: int, prompt: list[int]
     graphs a first run captures are not counted in any row). ``lengths``: per-branch token counts for an
     unconstrained baseline (see timed_run)."""
     def pair():
+        """One timed pair; the run's figures taken and the run dropped at once (a run holds its KV pool:
+        keeping the repeats' runs alive held several pools, and the 8B shape's 1,024 ran out of memory)."""
         t1, _, _ = timed_run(engine, batch=batch, prompt=prompt, new=1, constraint=constraint, temperature=temperature)
         tn, results, run = timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=constraint,
                                      temperature=temperature, lengths=lengths)
-        return tn - t1, t1, tn, results, run
+        if lengths is None:  # every sample of every run valid
+            check(results, name, new)
+        else:
+            assert [len(r.tokens) for r in results] == lengths, "the baseline made other lengths than asked"
+        figures = {"forward_passes": run.forward_passes, "constrained_steps": run.decoder.constrained_steps,
+                   "decode_phases": len(run.decode_phases), "host_ms_per_step": host_parts(run),
+                   "host_accept_s": run.host_seconds["accept"], "host_capture_s": run.host_seconds["capture"],
+                   "memory_waits": run.scheduler.memory_waits}
+        del run
+        gc.collect()
+        return tn - t1, t1, tn, [r.tokens for r in results], [r.constraint_met for r in results], figures
 
     if warm:
         pair()
     pairs = sorted((pair() for _ in range(max(repeats, 1))), key=lambda p: p[0])
     decode_s = [p[0] for p in pairs]
-    _, t1, tn, results, run = pairs[len(pairs) // 2]
-    del pairs
-    made = sum(len(r.tokens) for r in results)
+    _, t1, tn, tokens, met, figures = pairs[len(pairs) // 2]
+    made = sum(len(t) for t in tokens)
     row = {"constraint": name, "kind": "stress" if name in STRESS else "realistic" if name in REALISTIC else "none",
            "batch": batch, "prefix": len(prompt), "new": new, "tokens_made": made,
-           "longest": max(len(r.tokens) for r in results),
-           "complete_share": sum(bool(r.constraint_met) for r in results) / len(results),
-           "total_s": tn, "prefill_s": t1,
-           "tok_s": (made - batch) / (tn - t1), "forward_passes": run.forward_passes,
-           "constrained_steps": run.decoder.constrained_steps, "decode_phases": len(run.decode_phases),
-           "host_ms_per_step": host_parts(run),
-           "host_accept_s": run.host_seconds["accept"], "host_capture_s": run.host_seconds["capture"],
-           "memory_waits": run.scheduler.memory_waits, "decode_s_runs": decode_s}
+           "longest": max(len(t) for t in tokens), "complete_share": sum(bool(m) for m in met) / len(met),
+           "total_s": tn, "prefill_s": t1, "tok_s": (made - batch) / (tn - t1), **figures, "decode_s_runs": decode_s}
     if name in REALISTIC:
-        row["lengths"] = [len(r.tokens) for r in results]  # (for its baseline; taken out of the row there)
-    del run, results
+        row["lengths"] = [len(t) for t in tokens]  # (for its baseline; taken out of the row there)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
