@@ -138,8 +138,8 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     :class:`~treegen.runtime.vocab_split.VocabSplit`), this rank's slice ``[B, split.width]``: every
     rank of the group calls this alike and gets the same tokens, those :func:`sample` draws from the
     whole logits. bitmask: ``[B, ceil(V / 32)]`` int32 on the logits' device (the whole vocabulary's:
-    a constraint's allowed tokens, :func:`~treegen.runtime.token_masks.apply_bitmask`) or None; it is
-    applied to ``logits`` in place. The other arguments are :func:`sample`'s. No host sync (a CUDA
+    a constraint's allowed tokens, :func:`~treegen.runtime.token_masks.apply_bitmask`) or None (the
+    PyTorch path masks ``logits`` in place; the kernel leaves them as they are). The other arguments are :func:`sample`'s. No host sync (a CUDA
     graph captures it, collectives included)."""
     args = dict(temperature=temperature, top_p=top_p, top_k=top_k, keys=keys, steps=steps, all_greedy=all_greedy,
                 filter_needed=filter_needed)
