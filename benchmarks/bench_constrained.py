@@ -160,7 +160,7 @@ def measure(engine: Engine, name: str, constraint, batch: int, prompt: list[int]
     def pair():
         """One timed pair; the run's figures taken and the run dropped at once (a run holds its KV pool:
         keeping the repeats' runs alive held several pools, and the 8B shape's 1,024 ran out of memory)."""
-        t1, _, _ = timed_run(engine, batch=batch, prompt=prompt, new=1, constraint=constraint, temperature=temperature)
+        t1 = timed_run(engine, batch=batch, prompt=prompt, new=1, constraint=constraint, temperature=temperature)[0]
         tn, results, run = timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=constraint,
                                      temperature=temperature, lengths=lengths)
         if lengths is None:  # every sample of every run valid

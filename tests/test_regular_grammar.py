@@ -62,3 +62,13 @@ def test_free_strings_non_ascii_literals_and_malformed_text_are_refused():
     assert grammar_regex('x ::= "a"') is None  # no root
     assert grammar_regex("root ::= [a-") is None
     assert grammar_regex('root ::= "\\q"') is None  # an escape this reader does not know
+
+
+def test_macros_deep_rule_chains_and_escaped_punctuation():
+    # xgrammar prints its regex macro as Regex("..."): never read as a rule of that name
+    assert ebnf_regex('root ::= Regex("[a-c]+")\nRegex ::= "q"') is None
+    # a schema of hundreds of keys is a chain of hundreds of rules: refused, not a RecursionError
+    chain = "\n".join([f'root ::= "a" r0'] + [f'r{i} ::= "a" r{i + 1}' for i in range(2000)] + ['r2000 ::= "b"'])
+    assert grammar_regex(chain) is None
+    regex = schema_regex({"enum": ["a?b", "c*d"]})  # xgrammar prints "?" as "\?"
+    assert re.fullmatch(regex, '"a?b"') and re.fullmatch(regex, '"c*d"') and not re.fullmatch(regex, '"ab"')

@@ -129,3 +129,15 @@ def test_the_cpu_draw_with_noise_only_where_a_token_can_win_is_the_whole_draw(sp
     want = (scaled + sampling.gumbel_noise(keys, steps, vocab)).argmax(-1)
     assert sampling.gumbel_argmax_sparse(scaled, keys, steps).tolist() == want.tolist()
     assert want[2] in (7, 4000)
+
+
+def test_the_cpu_draw_of_rows_without_a_finite_best_is_the_whole_draw():
+    """A row whose best scaled logit is NaN or inf (no bound to prune by) draws as the definition does,
+    never an id past the vocabulary."""
+    g = torch.Generator().manual_seed(9)
+    scaled = torch.randn(4, 1000, generator=g) * 50
+    scaled[0, 5], scaled[1, 7] = float("nan"), float("inf")
+    keys, steps = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    want = (scaled + sampling.gumbel_noise(keys, steps, 1000)).argmax(-1)
+    got = sampling.gumbel_argmax_sparse(scaled, keys, steps)
+    assert got.tolist() == want.tolist() and got[0] == 5 and got[1] == 7

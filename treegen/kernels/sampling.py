@@ -117,7 +117,9 @@ def gumbel_argmax_sparse(scaled: Tensor, keys: Tensor, steps: Tensor) -> Tensor:
     top = scaled.max(-1, keepdim=True).values
     margin = GUMBEL_SPAN + 1.0 + top.abs() * 2.0 ** -16  # (rounding of large scaled logits)
     can_win = scaled >= top - margin
-    if int(can_win.sum()) * 4 > can_win.numel():  # flat rows (a random model's): the whole noise is cheaper
+    # flat rows (a random model's): the whole noise is cheaper; a row whose best is not finite (NaN, inf,
+    # every token filtered) has no bound to prune by: the whole noise, as the definition
+    if int(can_win.sum()) * 4 > can_win.numel() or not bool(torch.isfinite(top).all()):
         return (scaled + gumbel_noise(keys, steps, vocab)).argmax(-1)
     rows, cols = can_win.nonzero(as_tuple=True)  # row-major: each row's tokens in id order
     base = _row_bases_numpy(keys[rows], steps[rows])

@@ -175,8 +175,8 @@ class Engine:
         return self._grammars
 
     def automaton(self, constraint: Constraint | None) -> Automaton | None:
-        """The device automaton that serves ``constraint`` (regexes, choices, and JSON schemas or grammars
-        that are plainly regular, of ASCII text, small; built on first use), or None: xgrammar's matchers serve it (see :mod:`~treegen.runtime.token_automata`;
+        """The device automaton that serves ``constraint`` (regexes, choices, and JSON schemas that are
+        plainly regular, of ASCII text, small; built on first use), or None: xgrammar's matchers serve it (see :mod:`~treegen.runtime.token_automata`;
         ``token_automata=False``: always)."""
         if not self.token_automata or constraint is None:
             return None

@@ -15,6 +15,8 @@ assertion (xgrammar's JSON strings), or a literal with a character outside print
 and carriage return gives None — xgrammar serves the constraint. Character classes are copied as they
 are; the token automata's own check (:func:`~treegen.runtime.token_automata.ascii_regex`) then refuses
 what could match a non-ASCII character (negated classes, ``\\0``/``\\x`` escapes) and long repetitions.
+That check is also what keeps the printed form's one ambiguity out: xgrammar prints the class ``[\\^a]``
+(``^`` or ``a``) as ``[^a]``, so every class that begins with ``^`` must be refused, never read.
 """
 
 from __future__ import annotations
@@ -84,9 +86,12 @@ def _parse_body(text: str, i: int = 0, closing: str | None = None) -> tuple[_Alt
             while i < len(text) and text[i] != '"':
                 if text[i] == "\\":
                     e = text[i + 1:i + 2]
-                    if e not in _LITERAL_ESCAPES:
+                    if e in _LITERAL_ESCAPES:
+                        out.append(_LITERAL_ESCAPES[e])
+                    elif e and " " <= e <= "~" and not e.isalnum():  # (xgrammar prints "?" as "\?")
+                        out.append(e)
+                    else:  # \x.., \u.., \0 ...: characters this reader leaves to xgrammar
                         raise NotRegular(f"the literal escape \\{e}")
-                    out.append(_LITERAL_ESCAPES[e])
                     i += 2
                 else:
                     out.append(text[i])
@@ -120,6 +125,8 @@ def _parse_body(text: str, i: int = 0, closing: str | None = None) -> tuple[_Alt
             m = _IDENT.match(text, i)
             if not m:
                 raise NotRegular(f"{c!r} at {i}")
+            if text.startswith("(", m.end()):  # a macro (Regex("..."), TagDispatch(...)), not a rule
+                raise NotRegular(f"the macro {m.group(0)}")
             seq.append(_Ref(m.group(0)))
             i = m.end()
 
@@ -249,7 +256,7 @@ def grammar_regex(grammar_text: str) -> str | None:
     ``str(grammar)``), or None where it is not plainly regular (see the module doc)."""
     try:
         return _Inliner(_rules(grammar_text)).rule("root")
-    except NotRegular:
+    except (NotRegular, RecursionError):  # (RecursionError: a chain of rules deeper than Python's stack)
         return None
 
 

@@ -20,10 +20,11 @@ xgrammar's), so the automaton takes only regexes and choices whose text is ASCII
 :func:`ascii_regex` for what stays out, and why; ``\\d`` and ``\\w`` are written as xgrammar's ASCII
 classes) and whose automaton is small: no counted repetition of more than ``LONGEST_REPETITION`` items
 (``[a-z]{1000,}`` has a thousand states, each allowing thousands of tokens), at most
-``MOST_TRANSITIONS`` (state, token) pairs. A JSON schema or EBNF grammar is served too where xgrammar's
-own grammar of it is plainly regular and ASCII (:mod:`~treegen.runtime.regular_grammar`: a schema of
-integers, numbers, booleans, enums and fixed keys — no free strings — or a small non-nesting grammar),
-read as one regex. xgrammar serves every other constraint. (Tests compare the masks of the two along
+``MOST_TRANSITIONS`` (state, token) pairs. A JSON schema is served too where xgrammar's own grammar of
+it is plainly regular and ASCII (:mod:`~treegen.runtime.regular_grammar`: integers, numbers, booleans,
+enums, fixed keys, arrays of those — no free strings), read as one regex. xgrammar serves every other
+constraint, EBNF grammars included (a small one can make the character automaton's construction take
+minutes; a JSON schema's grammar is regular in the tame way xgrammar writes it). (Tests compare the masks of the two along
 random walks.)
 
 State ids are global to an engine: 0 is *free* (every token allowed, no transitions; unconstrained and
@@ -214,9 +215,12 @@ class Automata:
             return choices_regex(constraint.spec)
         if constraint.kind == "regex":
             return ascii_regex(constraint.spec)
-        # a JSON schema or EBNF grammar: xgrammar's own grammar of it, where that is plainly regular
-        regex = grammar_regex(str(constraint.grammar()))
-        return None if regex is None else ascii_regex(regex)
+        if constraint.kind == "json_schema":  # xgrammar's own grammar of it, where that is plainly regular
+            regex = grammar_regex(str(constraint.grammar()))
+            return None if regex is None else ascii_regex(regex)
+        # an EBNF grammar stays with xgrammar: a small one can make interegular's automaton construction
+        # run for minutes (nested repetitions of alternatives), and it runs where the gen is submitted
+        return None
 
     def _build(self, constraint: Constraint) -> Automaton | None:
         regex = self._regex(constraint)
