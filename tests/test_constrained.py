@@ -207,7 +207,7 @@ def test_tg_constrained_vote_needs_no_extract(smol):
 def test_noise_stays_inside_the_unit_interval():
     """The largest hash gave u = 1.0 in float32, so Gumbel noise +inf: that token was drawn whatever its
     logit (about 0.15% of rows per step over a 49k vocabulary), a masked one included."""
-    from treegen.runtime.sampler import unit_interval
+    from treegen.kernels.sampling import unit_interval
 
     u = unit_interval(torch.tensor([0, 0xFFFFFF00, 0xFFFFFFFF], dtype=torch.int64))
     assert (u > 0).all() and (u < 1).all()

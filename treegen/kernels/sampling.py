@@ -95,11 +95,21 @@ def _unit_interval_numpy(x: np.ndarray) -> Tensor:
     return torch.from_numpy(np.minimum(u, np.float32(1.0 - 2.0 ** -24)))
 
 
-def _uniform_noise_numpy(keys: Tensor, steps: Tensor, vocab_size: int, start: int) -> Tensor:
-    x = _row_bases_numpy(keys, steps)[:, None] ^ np.arange(start, start + vocab_size, dtype=np.uint32)[None, :]
-    x = _hash32_numpy(x)
+def _uniforms_numpy(bases: np.ndarray, ids: np.ndarray) -> Tensor:
+    """The uniforms of token ``ids`` under their rows' ``bases`` (broadcast together), as
+    :func:`uniform_noise_reference`'s last steps."""
+    x = _hash32_numpy(bases ^ ids)
     x += np.uint32(_LAST_ADD)
     return _unit_interval_numpy(_hash32_numpy(x))
+
+
+def _uniform_noise_numpy(keys: Tensor, steps: Tensor, vocab_size: int, start: int) -> Tensor:
+    return _uniforms_numpy(_row_bases_numpy(keys, steps)[:, None],
+                           np.arange(start, start + vocab_size, dtype=np.uint32)[None, :])
+
+
+def _gumbel(u: Tensor) -> Tensor:
+    return -torch.log(-torch.log(u))
 
 
 # the range of gumbel_noise's values: u in [2^-25, 1 - 2^-24] gives -log(-log(u)) in about [-2.852, 16.636]
@@ -122,11 +132,8 @@ def gumbel_argmax_sparse(scaled: Tensor, keys: Tensor, steps: Tensor) -> Tensor:
     if int(can_win.sum()) * 4 > can_win.numel() or not bool(torch.isfinite(top).all()):
         return (scaled + gumbel_noise(keys, steps, vocab)).argmax(-1)
     rows, cols = can_win.nonzero(as_tuple=True)  # row-major: each row's tokens in id order
-    base = _row_bases_numpy(keys[rows], steps[rows])
-    x = _hash32_numpy(base ^ cols.numpy().astype(np.uint32))
-    x += np.uint32(_LAST_ADD)
-    u = _unit_interval_numpy(_hash32_numpy(x))
-    score = scaled[rows, cols] - torch.log(-torch.log(u))
+    u = _uniforms_numpy(_row_bases_numpy(keys, steps)[rows.numpy()], cols.numpy().astype(np.uint32))
+    score = scaled[rows, cols] + _gumbel(u)
     best = torch.full((rows_n,), float("-inf")).scatter_reduce(0, rows, score, "amax")
     first = score == best[rows]  # the lowest id among equal best scores, as argmax
     return torch.full((rows_n,), vocab, dtype=torch.int64).scatter_reduce(0, rows[first], cols[first], "amin")
@@ -134,7 +141,7 @@ def gumbel_argmax_sparse(scaled: Tensor, keys: Tensor, steps: Tensor) -> Tensor:
 
 def gumbel_noise(keys: Tensor, steps: Tensor, vocab_size: int, start: int = 0) -> Tensor:
     """Gumbel noise ``-log(-log(u))`` of :func:`uniform_noise`'s uniforms: [B, vocab_size] float32."""
-    return -torch.log(-torch.log(uniform_noise(keys, steps, vocab_size, start)))
+    return _gumbel(uniform_noise(keys, steps, vocab_size, start))
 
 
 def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:

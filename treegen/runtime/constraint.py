@@ -9,9 +9,9 @@ regex, schema or grammar is refused where the ``gen`` is written.
 
 :class:`Grammars` compiles constraints against one tokenizer (once each: every branch with the same
 constraint, forked or not, shares the compiled grammar) and makes a fresh matcher per branch, for the
-constraints that no token automaton on the device serves (:mod:`~treegen.runtime.token_automata`: regexes and
-choices of ASCII text). Those automata and token masks are xgrammar's: it compiles a grammar into a pushdown automaton with a
-precomputed token mask cache, and fills a branch's next-token bitmask (``[ceil(vocab / 32)]`` int32,
+constraints that no token automaton on the device serves (:mod:`~treegen.runtime.token_automata`:
+regexes, choices and string-free JSON schemas of ASCII text). Those automata and token masks are
+xgrammar's: it compiles a grammar into a pushdown automaton with a precomputed token mask cache, and fills a branch's next-token bitmask (``[ceil(vocab / 32)]`` int32,
 bit ``i % 32`` of word ``i // 32`` set = token ``i`` allowed) in microseconds.
 """
 

@@ -18,9 +18,9 @@ them while the GPU keeps going). On CUDA this is pipelined: a block's tokens are
 asynchronously and read while the next block's steps already run, so the decode loop never drains
 the GPU (a finished branch may run one block longer; its extra tokens are dropped). The phase ends
 when the scheduler says so (:meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end`: at most
-half the branches live — once it has run a while, when nothing waits — or enough new work waiting); branches that take nothing more
-(``GenRequest.final``) free their KV then. Sampling is counter-based (see
-:mod:`treegen.runtime.sampler`), so a branch's tokens do not depend on phases, batch composition or
+half the branches live — with nothing waiting, only once a captured phase has run a while — or enough
+new work waiting); branches that take nothing more (``GenRequest.final``) free their KV then.
+Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a branch's tokens do not depend on phases, batch composition or
 ``sync_every``.
 """
 
@@ -49,13 +49,6 @@ WATCH_LAG = 2
 CONSTRAINED_PARTS = ("wait", "accept", "fill", "upload", "settle", "launch", "other")
 # the clock those parts are timed by (a benchmark on a shared CPU may set time.process_time)
 CLOCK = time.perf_counter
-
-
-def _age(capturing: bool):
-    """A phase's steps as :meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end` weighs them: a
-    captured phase's (a smaller phase after it would capture again), an uncaptured one's as None (its
-    successor costs only a plan: shrink as soon as half is done)."""
-    return (lambda steps: steps) if capturing else (lambda steps: None)
 
 
 class Decoder:
@@ -332,7 +325,6 @@ class Decoder:
         # (cold_captures: one process, see __init__; rows that only max_tokens ends end where the host knows)
         watch = pipelined and self.cold_captures and any(not self.jobs[b].request.params.ignore_eos for b in live)
         seen: list = []  # per step, its count copied into pinned memory, and the event after the copy
-        age = _age(capturing)
         done_steps, pending = 0, None
         for t in range(width):
             (replay or step)()
@@ -344,7 +336,8 @@ class Decoder:
                 if t >= WATCH_LAG:
                     count, copied = seen[t - WATCH_LAG]
                     copied.synchronize()
-                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), age(t + 1)):
+                    ran = t + 1 if capturing else None  # (an uncaptured phase's successor costs no capture)
+                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), ran):
                         run.scheduler.tick(t + 1 - done_steps)
                         if pending is not None:
                             self._settle(live, pending)
@@ -362,7 +355,7 @@ class Decoder:
                     continue
             before = len(self.live)
             self._settle(live, block)
-            if run.scheduler.phase_should_end(len(live), len(self.live), age(t + 1)):
+            if run.scheduler.phase_should_end(len(live), len(self.live), t + 1 if capturing else None):
                 break
             if len(self.live) < before:
                 yield  # jobs completed: their programs may resume (and queue work) while the GPU runs
@@ -391,7 +384,6 @@ class Decoder:
         host = masks.new_bitmask(bitmask.shape[0], pinned=pipelined)  # rows of the others stay all ones
         parts = self.constrained_host
         clock = CLOCK
-        age = _age(capturing)
         # the active branches' matchers and rows, kept beside `active` (no per-branch lookups per step)
         matchers = masks.handles([masks.matchers[b] for b in active])
         rows = [row_of[b] for b in active]
@@ -464,7 +456,7 @@ class Decoder:
                         self._settle(live, block, advance=False)
                         parts["settle"] += clock() - t0
                         block, dirty = None, True
-                        if run.scheduler.phase_should_end(len(live), len(self.live), age(t)):
+                        if run.scheduler.phase_should_end(len(live), len(self.live), t if capturing else None):
                             return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
                         if len(self.live) < before:
                             paused = clock()

@@ -176,8 +176,8 @@ class Engine:
 
     def automaton(self, constraint: Constraint | None) -> Automaton | None:
         """The device automaton that serves ``constraint`` (regexes, choices, and JSON schemas that are
-        plainly regular, of ASCII text, small; built on first use), or None: xgrammar's matchers serve it (see :mod:`~treegen.runtime.token_automata`;
-        ``token_automata=False``: always)."""
+        plainly regular, of ASCII text, small; built on first use), or None: xgrammar's matchers serve it
+        (see :mod:`~treegen.runtime.token_automata`; ``token_automata=False``: always)."""
         if not self.token_automata or constraint is None:
             return None
         if self._automata is None:

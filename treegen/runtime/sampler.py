@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from treegen.kernels import sampling
-from treegen.kernels.sampling import gumbel_noise, uniform_noise, unit_interval  # noqa: F401 (the noise, re-exported)
+from treegen.kernels.sampling import gumbel_noise
 from treegen.runtime.constraint import Constraint
 from treegen.runtime.swa import check_kv_keep
 from treegen.runtime.token_masks import apply_bitmask
@@ -105,7 +105,7 @@ def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor,
     """Sample one token per row.
 
     logits: [B, V] fp32; temperature, top_p: [B] float; top_k: [B] int64 (0 = all);
-    keys, steps: [B] int64 (see :func:`uniform_noise`). Returns [B] int64 token ids.
+    keys, steps: [B] int64 (see :func:`treegen.kernels.sampling.uniform_noise`). Returns [B] int64 token ids.
     all_greedy / filter_needed: host-side facts about the batch's parameters (no device sync here):
     every row greedy → argmax only; no row with top_p < 1 or top_k > 0 → the sort is skipped.
     """
@@ -139,8 +139,8 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     rank of the group calls this alike and gets the same tokens, those :func:`sample` draws from the
     whole logits. bitmask: ``[B, ceil(V / 32)]`` int32 on the logits' device (the whole vocabulary's:
     a constraint's allowed tokens, :func:`~treegen.runtime.token_masks.apply_bitmask`) or None (the
-    PyTorch path masks ``logits`` in place; the kernel leaves them as they are). The other arguments are :func:`sample`'s. No host sync (a CUDA
-    graph captures it, collectives included)."""
+    PyTorch path masks ``logits`` in place; the kernel leaves them as they are). The other arguments
+    are :func:`sample`'s. No host sync (a CUDA graph captures it, collectives included)."""
     args = dict(temperature=temperature, top_p=top_p, top_k=top_k, keys=keys, steps=steps, all_greedy=all_greedy,
                 filter_needed=filter_needed)
     if split is not None and filter_needed and not all_greedy:  # top-p / top-k sort the whole distribution

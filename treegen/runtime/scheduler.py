@@ -190,7 +190,8 @@ class Scheduler:
 
     def phase_should_end(self, size: int, live: int, steps: int | None = None) -> bool:
         """A decode phase of ``size`` branches, ``live`` of them still generating, ``steps`` steps run
-        (None: many): stop it now? Half done ends it when work waits or after ``SHRINK_AFTER_STEPS``."""
+        (None: a phase whose successor costs only a plan, no capture): stop it now? Half done ends it when
+        work waits, after ``SHRINK_AFTER_STEPS``, or at once for ``steps=None``."""
         if live == 0:
             return True
         if 2 * live <= size and (steps is None or steps >= SHRINK_AFTER_STEPS or self.has_work()):
