@@ -15,7 +15,7 @@ grammar needs token texts; no tokenizer is downloaded). The constraints:
   every branch makes exactly ``new`` tokens (``finish_reason="length"``, ``constraint_met=False``):
   ``regex`` — ``[a-z0-9 ,.]{N,}``; ``json`` — ``{"reasoning": string of minLength N, "answer": integer}``.
 
-A constraint that a token automaton serves (``Engine.automaton``: the ``answer`` regex, ``choice``) is
+A constraint that a token automaton serves (``Engine.automaton``: the ``answer`` regex, ``choice``, ``json_answer``) is
 measured twice, by the automaton and by xgrammar's matchers (an engine with ``token_automata=False`` on
 the same model); ``served_by`` in the rows says which. Phases with xgrammar's constraints sync with the host every step (each matcher must see its token before the next
 mask): the step runs as two CUDA graphs, forward and pick (mask + sample), and the host advances the
