@@ -136,8 +136,8 @@ def test_kept_phase_graphs_give_the_same_constrained_samples(bf16):
 
 
 def test_token_automata_draw_what_xgrammar_draws_and_phases_end_at_their_answers(bf16):
-    """At 256 branches with graphs: the regex and the choices served by token automata on the device
-    (no host step) give every branch the tokens xgrammar's matchers give it, and the phases, which read
+    """At 256 branches with graphs: the regex, the choices and the JSON schema served by token automata on
+    the device (no host step) give every branch the tokens xgrammar's matchers give it, and the phases, which read
     the device's count of rows still generating, run about as many steps as the longest answer (not up
     to two 8-step blocks more)."""
     from treegen.runtime.decode import WATCH_LAG
@@ -146,11 +146,12 @@ def test_token_automata_draw_what_xgrammar_draws_and_phases_end_at_their_answers
     got = {}
     for automata in (True, False):
         engine = Engine(bf16, tok, token_automata=automata)
-        assert (engine.automaton(KINDS[0]) is not None) is automata and engine.automaton(KINDS[1]) is None
+        served = [engine.automaton(k) is not None for k in KINDS]
+        assert served == [automata, automata, automata, False], served  # (EBNF grammars stay on xgrammar)
         run = engine.start()
         leaves = branches(run, tok, 256)
         choices = Constraint.of(choices=["19", "17", "twenty"])  # (ASCII: an automaton serves it)
-        reqs = [GenRequest(leaf, SamplingParams(max_tokens=64, temperature=1.0, constraint=(KINDS[0], choices)[i % 2]),
+        reqs = [GenRequest(leaf, SamplingParams(max_tokens=64, temperature=1.0, constraint=(KINDS[0], choices, KINDS[1])[i % 3]),
                            key=i) for i, leaf in enumerate(leaves)]
         results, _ = run.execute(reqs, [])
         got[automata] = [(r.tokens, r.finish_reason, r.constraint_met) for r in results]
@@ -159,6 +160,8 @@ def test_token_automata_draw_what_xgrammar_draws_and_phases_end_at_their_answers
             assert run.decoder.early_ends >= 1
             longest = max(len(r.tokens) for r in results)
             assert run.forward_passes <= longest + 1 + WATCH_LAG + len(run.decode_phases), (run.forward_passes, longest)
-            assert all(re.fullmatch(REGEX, r.text) for r in results[::2])
-            assert {r.text for r in results[1::2]} <= {"19", "17", "twenty"}
+            assert all(re.fullmatch(REGEX, r.text) for r in results[::3])
+            assert {r.text for r in results[1::3]} <= {"19", "17", "twenty"}
+            for r in results[2::3]:
+                assert r.finish_reason == "length" or set(json.loads(r.text)) == {"answer", "unit", "sure"}, r.text
     assert got[True] == got[False]
