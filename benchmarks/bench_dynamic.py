@@ -55,6 +55,7 @@ import triton
 
 import treegen
 from treegen.kernels.launch import Launcher
+from treegen.runtime.decode import Decoder
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
@@ -333,8 +334,19 @@ def arrival_order():
         Scheduler.priority = saved
 
 
+@contextlib.contextmanager
+def programs_after_phase():
+    """Programs of jobs that complete where a phase ends resume after it (GPU idle), as before
+    ``Decoder.overlap_programs``."""
+    Decoder.overlap_programs = False
+    try:
+        yield
+    finally:
+        Decoder.overlap_programs = True
+
+
 # the engine as it is, and with one of its choices undone (an A/B: --variants default fifo)
-VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order}
+VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order, "programs-after-phase": programs_after_phase}
 
 
 def variant_of(row: dict) -> str:

@@ -6,7 +6,7 @@ the methods listed in ``MARKED``, by this script only). The GPU's busy time is t
 and copies; every gap between them is idle, and each instant of a gap is charged to the innermost
 marked range the host was in then ("unmarked": none; program code is split by whether a decode phase
 was running: ``programs_in_phase``, ``programs_between``). Reported: wall time, busy fraction, idle ms
-by range, the gaps by size, and the host's time in each range.
+by range, the gaps by size, the host's time in each range, and the longest gaps each with the host events inside.
 
 The profiler slows the host (every operator is recorded): the traced run is slower than an untraced
 one; what it shows is where the gaps are, not their exact size.
@@ -61,6 +61,7 @@ MARKED = {
     (ProgramRun, "submit"): "program_submit",
 }
 GAP_SIZES_US = (10, 100, 1_000, 10_000)  # the gap histogram's bin edges
+LONG_GAPS = 16  # the longest gaps, each with the host events inside it
 
 
 @contextlib.contextmanager
@@ -117,12 +118,15 @@ def analyse(prof) -> dict:
     events = prof.profiler.kineto_results.events()
     gpu, ranges = [], []
     labels = set(MARKED.values()) | {"programs_in_phase", "programs_between"}
+    host = []  # every other host event: (start, end, name, thread), to say what the host did in long gaps
     for e in events:
         kind = str(e.device_type())
         if "CUDA" in kind and e.duration_ns() > 0:
             gpu.append((e.start_ns(), e.end_ns()))
         elif e.name() in labels:
             ranges.append((e.start_ns(), e.end_ns(), e.name()))
+        elif e.duration_ns() > 0:
+            host.append((e.start_ns(), e.end_ns(), e.name(), e.start_thread_id()))
     busy = union(gpu)
     begin, end = busy[0][0], busy[-1][1]
     gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] > a[1]]
@@ -133,6 +137,18 @@ def analyse(prof) -> dict:
         bin_ = next((f"<{b}us" for b in GAP_SIZES_US if e - s < 1000 * b), f">={GAP_SIZES_US[-1]}us")
         n, t = histogram.get(bin_, (0, 0.0))
         histogram[bin_] = (n + 1, t + (e - s) / 1e6)
+    long_gaps = []  # the longest gaps: when, what range covered them, the host events inside (by time)
+    for gs, ge in sorted(gaps, key=lambda g: g[0] - g[1])[:LONG_GAPS]:
+        inside: dict[tuple[str, int], float] = {}
+        for s, e, name, thread in host:
+            if e > gs and s < ge:
+                key = (name, thread)
+                inside[key] = inside.get(key, 0.0) + (min(e, ge) - max(s, gs)) / 1e6
+        covering = sorted({lab for s, e, lab in ranges if s < ge and e > gs})
+        long_gaps.append({"at_ms": round((gs - begin) / 1e6, 2), "ms": round((ge - gs) / 1e6, 2),
+                          "ranges": covering, "charged": {k: round(v / 1e6, 2) for k, v in attribute([(gs, ge)], ranges).items()},
+                          "host_events": [f"{n} (thread {t}): {ms:.2f} ms" for (n, t), ms in
+                                          sorted(inside.items(), key=lambda x: -x[1])[:12]]})
     host_ms = {}
     for s, e, lab in ranges:
         host_ms[lab] = host_ms.get(lab, 0.0) + (e - s) / 1e6
@@ -141,7 +157,7 @@ def analyse(prof) -> dict:
             "idle_ms_by_host_range": {k: round(v / 1e6, 2) for k, v in sorted(charged.items(), key=lambda x: -x[1])},
             "gaps_by_size": {k: {"count": n, "ms": round(t, 2)} for k, (n, t) in histogram.items()},
             "host_ms_in_range": {k: round(v, 2) for k, v in sorted(host_ms.items(), key=lambda x: -x[1])},
-            "gpu_events": len(gpu)}
+            "gpu_events": len(gpu), "long_gaps": long_gaps}
 
 
 def main() -> None:

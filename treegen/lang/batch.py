@@ -140,9 +140,10 @@ class Cooperative:
                     continue
                 if not any(w.waiting and not w.done for w in self.workers) and not run.tree_run.busy():
                     return
-                if not run.tree_run.advance() and not ready:
+                if not run.tree_run.advance():  # the engine ran out of work (a phase may end after its last job)
                     stuck = [w.index for w in self.workers if w.waiting and not w.done]
-                    raise RuntimeError(f"programs {stuck} wait for work the engine does not have (an interpreter bug)")
+                    if stuck:
+                        raise RuntimeError(f"programs {stuck} wait for work the engine does not have (an interpreter bug)")
         finally:
             for w in self.workers:
                 if not w.done and w.thread.is_alive():

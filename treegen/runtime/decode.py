@@ -54,6 +54,10 @@ CLOCK = time.perf_counter
 class Decoder:
     """The generating branches of one :class:`~treegen.runtime.tree_run.TreeRun` (see module doc)."""
 
+    # programs resume while the GPU decodes: a block that completes jobs yields before the phase decides
+    # whether to end, and a phase ending early runs a tail for them (False: the order before; an A/B)
+    overlap_programs = True
+
     def __init__(self, run) -> None:
         self.run = run
         self.model, self.tree, self.kv = run.model, run.tree, run.kv
@@ -316,7 +320,10 @@ class Decoder:
         behind (the host waits for it, so it queues no more than that): once the scheduler would end the
         phase on it, the steps stop there and their tokens are read at once, rather than up to two blocks
         later (a phase of short answers ran about twice its steps). The price: at most ``WATCH_LAG``
-        steps are queued while the host settles a block or runs the programs at a ``yield``."""
+        steps are queued while the host settles a block or runs the programs at a ``yield`` — so a
+        phase that ends so with programs to resume and branches still generating runs its ``_tail``.
+        A block that completes jobs yields before the phase decides whether to end, so that decision
+        sees the work their programs queued."""
         run = self.run
         started = time.perf_counter()
         replay = self._replayer("step", step, graphs, pool) if capturing else None
@@ -339,10 +346,14 @@ class Decoder:
                     ran = t + 1 if capturing else None  # (an uncaptured phase's successor costs no capture)
                     if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), ran):
                         run.scheduler.tick(t + 1 - done_steps)
+                        before = set(self.live)
                         if pending is not None:
                             self._settle(live, pending)
                         self._settle(live, _Block(buf, lp_buf, done_steps, t + 1, pipelined))
                         self.early_ends += 1
+                        if self.overlap_programs and self.live and any(
+                                self.jobs[b].on_done is not None for b in before.difference(self.live)):
+                            yield from self._tail(live, t + 1, width, replay or step, buf, lp_buf)
                         return
             if (t + 1) % self.sync_every and t + 1 < width:
                 continue
@@ -355,12 +366,35 @@ class Decoder:
                     continue
             before = len(self.live)
             self._settle(live, block)
+            completed = len(self.live) < before
+            if completed and self.overlap_programs and self.live:
+                # jobs completed: their programs may resume (and queue work, which the decision below
+                # then sees) while the GPU runs the next block (with none live, the phase ends first)
+                yield
+                completed = False
             if run.scheduler.phase_should_end(len(live), len(self.live), t + 1 if capturing else None):
                 break
-            if len(self.live) < before:
-                yield  # jobs completed: their programs may resume (and queue work) while the GPU runs
+            if completed:
+                yield
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
             self._settle(live, pending)
+
+    def _tail(self, live: list[int], begun: int, width: int, step, buf, lp_buf):
+        """A phase that ends early with branches just finished (whose jobs someone waits on: their
+        ``on_done`` resumes programs) and others still generating: one more block of steps
+        (``sync_every``, within the phase's ``width``) for those still generating, queued before the
+        programs resume at the ``yield`` — their host work would otherwise leave the GPU idle until the
+        next step is planned — then accepted. ``begun``: steps run so far."""
+        more = min(self.sync_every, width - begun)
+        if more <= 0:
+            return
+        for _ in range(more):
+            step()
+            self.run.forward_passes += 1
+        block = _Block(buf, lp_buf, begun, begun + more, pipelined=True)
+        yield
+        self.run.scheduler.tick(more)
+        self._settle(live, block)
 
     def _constrained_steps(self, live: list[int], width: int, forward, pick, bitmask, last, buf, lp_buf,
                            capturing: bool, graphs: dict, pool):
