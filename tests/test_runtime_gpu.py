@@ -118,11 +118,14 @@ def test_workload_larger_than_gpu_memory_runs_in_groups_with_the_same_outputs():
     assert grouped == alone
 
 
-def test_continuous_batch_with_mixed_steps_equals_each_program_alone():
+@pytest.mark.parametrize("ends_on_device", [False, True])
+def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_device):
     """Programs that grow as they run, on the GPU with CUDA graphs: new work is prefilled in the same
     forward passes as the live branches' decode rows, phases are replanned as work joins and leaves,
     and every program's greedy tokens equal those of the program run alone (fp32: IEEE kernels, so
-    batch composition cannot flip a greedy choice)."""
+    batch composition cannot flip a greedy choice). ``ends_on_device``: EOS may end a branch, so phases
+    watch the device's count of rows still generating and end early, decoding a tail for the live
+    branches while the programs of those just finished resume."""
     import random
 
     import treegen
@@ -140,17 +143,19 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone():
         s += prefix + question
         for width in lengths:
             b = s.fork(len(width))
-            b += lambda i: treegen.gen("a", max_tokens=width[i], ignore_eos=True)
+            b += lambda i: treegen.gen("a", max_tokens=width[i], ignore_eos=not ends_on_device)
             s.join(b)
             s += " " + s["a"][0].split()[-1]
         return s["a"]
 
     inputs = [{"question": ids(rng.randint(1, 40)),
                "lengths": [[rng.randint(1, 60) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]}
-              for _ in range(24)]
+              for _ in range(24 + 40 * ends_on_device)]
     roots = grows.run_batch(engine, inputs)
     run = roots[0]._run.tree_run
     assert run.mixed_steps > 3 and len(run.decode_phases) > 3
+    if ends_on_device:
+        assert run.decoder.early_ends >= 1 and run.decoder.tails >= 1, (run.decoder.early_ends, run.decoder.tails)
     for x, root in zip(inputs, roots):
         assert root.ret_value == grows.run(engine, **x).ret_value
 

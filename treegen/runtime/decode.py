@@ -93,6 +93,7 @@ class Decoder:
         # a pipelined phase looks at the device's count of rows still generating every step and ends as
         # soon as the scheduler would (one process only: ranks would see the count at different steps)
         self.early_ends = 0  # phases ended on that count before their block's tokens were read
+        self.tails = 0  # early ends that decoded one more block while programs resumed (see _tail)
 
     # ---------------------------------------------------------------------------------------------
     def decode_rows(self) -> list[tuple[int, int]]:
@@ -388,6 +389,7 @@ class Decoder:
         more = min(self.sync_every, width - begun)
         if more <= 0:
             return
+        self.tails += 1
         for _ in range(more):
             step()
             self.run.forward_passes += 1
