@@ -59,7 +59,9 @@ def replay(kind: str, branches: int, width: int, oversubscribe: int) -> dict:
             "ideal_passes": round(total / branches), "mixed_steps": run.mixed_steps, "decode_phases": len(phases),
             "tail_passes": sum(p["passes"] for p in tail), "tail_rows_at_most": max((p["rows"] for p in tail), default=0),
             "phase_rows": phase_rows, "row_occupancy": total / max(1, phase_rows),
-            "phases": phases, "cpu_seconds": elapsed}
+            "phases": phases, "cpu_seconds": elapsed,
+            # the engine's host time by part (on this CPU; the model's own time is in none of them)
+            "host_seconds": {k: round(v, 3) for k, v in run.host_seconds.items()}}
 
 
 def main() -> None:
