@@ -55,6 +55,7 @@ import triton
 
 import treegen
 from treegen.kernels.launch import Launcher
+from treegen.runtime import collector
 from treegen.runtime.decode import Decoder
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
@@ -345,8 +346,19 @@ def programs_after_phase():
         Decoder.overlap_programs = True
 
 
+@contextlib.contextmanager
+def full_collections():
+    """Python's full garbage collections run during the batch (``treegen.runtime.collector`` not applied)."""
+    collector.enabled = False
+    try:
+        yield
+    finally:
+        collector.enabled = True
+
+
 # the engine as it is, and with one of its choices undone (an A/B: --variants default fifo)
-VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order, "programs-after-phase": programs_after_phase}
+VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order, "programs-after-phase": programs_after_phase,
+            "gc-full-collections": full_collections}
 
 
 def variant_of(row: dict) -> str:

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable
 
 from treegen.lang.interpreter import ProgramRun, State, TokenStream
+from treegen.runtime.collector import full_collections_paused
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 
 # a program that keeps generating without end is stopped here (its own error; the others go on)
@@ -189,7 +190,8 @@ def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 
     scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)])
     run.scheduler = scheduler
     try:
-        scheduler.run(run)
+        with full_collections_paused():  # (pauses of the whole host otherwise: see treegen.runtime.collector)
+            scheduler.run(run)
     except KeyboardInterrupt:
         raise BatchInterrupted([r if run.is_done(r.program) and r.error is None else None for r in roots]) from None
     finally:

@@ -33,6 +33,7 @@ import networkx as nx
 import torch
 
 from treegen.kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
+from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
@@ -160,6 +161,10 @@ class TreeRun:
     def advance(self) -> list[Job]:
         """Run the engine's loop until at least one job completes; returns the jobs that did (their
         ``on_done`` already called). An empty list: nothing is left to run."""
+        with full_collections_paused():  # (see treegen.runtime.collector)
+            return self._advance()
+
+    def _advance(self) -> list[Job]:
         while not self._completed:
             if self._phase is not None:
                 try:
