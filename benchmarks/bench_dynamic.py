@@ -156,6 +156,34 @@ class Busy:
         return sum(self.samples) / (100 * len(self.samples)) if self.ok and self.samples else None
 
 
+class Collections:
+    """Python's garbage collections while in the block: count and seconds, full (oldest generation) and young."""
+
+    def __init__(self) -> None:
+        self.counts = {"full": 0, "young": 0}
+        self.seconds = {"full": 0.0, "young": 0.0}
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        kind = "full" if info["generation"] == 2 else "young"
+        self.counts[kind] += 1
+        self.seconds[kind] += time.perf_counter() - self._started
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def as_dict(self) -> dict:
+        return {f"gc_{k}_collections": self.counts[k] for k in self.counts} | \
+               {f"gc_{k}_s": round(self.seconds[k], 4) for k in self.seconds}
+
+
 def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_up: bool = True) -> dict:
     """The workload run twice with different inputs of the same sizes; the second is measured (only the
     measured one when ``warm_up`` is false). (A smaller warm-up left kernel variants of the full run's
@@ -170,7 +198,7 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
         torch.cuda.synchronize()
         cold = time.perf_counter() - start
     variants = kernel_variants()
-    with Busy() as busy:
+    with Busy() as busy, Collections() as collections:
         start = time.perf_counter()
         roots = prog.run_batch(engine, inputs)
         torch.cuda.synchronize()
@@ -191,7 +219,7 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
             "new_kernel_variants": kernel_variants() - variants,
             "phase_rows": tree_run.decode_phases, "phase_passes": tree_run.phase_passes,
             "phase_capture_ms": [round(1e3 * s, 1) for s in tree_run.phase_capture_seconds],
-            "gpu_busy": busy.fraction}
+            "gpu_busy": busy.fraction, **collections.as_dict()}
 
 
 def kernel_variants() -> int:

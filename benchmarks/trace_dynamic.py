@@ -7,6 +7,7 @@ and copies; every gap between them is idle, and each instant of a gap is charged
 marked range the host was in then ("unmarked": none; program code is split by whether a decode phase
 was running: ``programs_in_phase``, ``programs_between``). Reported: wall time, busy fraction, idle ms
 by range, the gaps by size, the host's time in each range, and the longest gaps each with the host events inside.
+Python's garbage collections are ranges too (``gc0``/``gc1``: young, ``gc2``: full).
 
 The profiler slows the host (every operator is recorded): the traced run is slower than an untraced
 one; what it shows is where the gaps are, not their exact size.
@@ -20,6 +21,7 @@ import argparse
 import bisect
 import contextlib
 import functools
+import gc
 import json
 import time
 from pathlib import Path
@@ -78,9 +80,20 @@ def marked():
                 return _fn(*args, **kwargs)
 
         setattr(owner, name, wrapper)
+    open_gc: list = []
+
+    def gc_range(phase: str, info: dict) -> None:  # Python's garbage collections: a range of their own
+        if phase == "start":
+            open_gc.append(record_function(f"gc{info['generation']}"))
+            open_gc[-1].__enter__()
+        elif open_gc:
+            open_gc.pop().__exit__(None, None, None)
+
+    gc.callbacks.append(gc_range)
     try:
         yield
     finally:
+        gc.callbacks.remove(gc_range)
         for (owner, name), fn in saved.items():
             setattr(owner, name, fn)
 
@@ -117,7 +130,7 @@ def attribute(gaps: list[tuple[int, int]], ranges: list[tuple[int, int, str]]) -
 def analyse(prof) -> dict:
     events = prof.profiler.kineto_results.events()
     gpu, ranges = [], []
-    labels = set(MARKED.values()) | {"programs_in_phase", "programs_between"}
+    labels = set(MARKED.values()) | {"programs_in_phase", "programs_between", "gc0", "gc1", "gc2"}
     host = []  # every other host event: (start, end, name, thread), to say what the host did in long gaps
     for e in events:
         kind = str(e.device_type())
