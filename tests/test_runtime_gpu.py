@@ -124,8 +124,7 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_dev
     forward passes as the live branches' decode rows, phases are replanned as work joins and leaves,
     and every program's greedy tokens equal those of the program run alone (fp32: IEEE kernels, so
     batch composition cannot flip a greedy choice). ``ends_on_device``: EOS may end a branch, so phases
-    watch the device's count of rows still generating and end early, decoding a tail for the live
-    branches while the programs of those just finished resume."""
+    watch the device's count of rows still generating and end early, with programs resuming between."""
     import random
 
     import treegen
@@ -155,7 +154,7 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_dev
     run = roots[0]._run.tree_run
     assert run.mixed_steps > 3 and len(run.decode_phases) > 3
     if ends_on_device:
-        assert run.decoder.early_ends >= 1 and run.decoder.tails >= 1, (run.decoder.early_ends, run.decoder.tails)
+        assert run.decoder.early_ends >= 1, run.decoder.early_ends
     for x, root in zip(inputs, roots):
         assert root.ret_value == grows.run(engine, **x).ret_value
 

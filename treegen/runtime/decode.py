@@ -55,7 +55,9 @@ class Decoder:
     """The generating branches of one :class:`~treegen.runtime.tree_run.TreeRun` (see module doc)."""
 
     # programs resume while the GPU decodes: a block that completes jobs yields before the phase decides
-    # whether to end, and a phase ending early runs a tail for them (False: the order before; an A/B)
+    # whether to end (False: after it, the order before; an A/B). (Decoding one more block for the live
+    # branches where a phase ends at a block boundary, while its last jobs' programs run, measured no
+    # gain: tot / rounds at 256 branches on an H100, -0.01 / +0.03 of the static ratio, within the spread.)
     overlap_programs = True
 
     def __init__(self, run) -> None:
@@ -93,7 +95,6 @@ class Decoder:
         # a pipelined phase looks at the device's count of rows still generating every step and ends as
         # soon as the scheduler would (one process only: ranks would see the count at different steps)
         self.early_ends = 0  # phases ended on that count before their block's tokens were read
-        self.tails = 0  # phase ends that decoded one more block while programs resumed (see _end)
 
     # ---------------------------------------------------------------------------------------------
     def decode_rows(self) -> list[tuple[int, int]]:
@@ -321,10 +322,9 @@ class Decoder:
         behind (the host waits for it, so it queues no more than that): once the scheduler would end the
         phase on it, the steps stop there and their tokens are read at once, rather than up to two blocks
         later (a phase of short answers ran about twice its steps). The price: at most ``WATCH_LAG``
-        steps are queued while the host settles a block or runs the programs at a ``yield`` — so a
-        phase that ends so with programs to resume and branches still generating decodes a tail (``_end``).
-        A block that completes jobs yields before the phase decides whether to end, so that decision
-        sees the work their programs queued."""
+        steps are queued while the host settles a block or runs the programs at a ``yield``. A block
+        that completes jobs yields before the phase decides whether to end (``overlap_programs``), so
+        the programs run while the next block does and the decision sees the work they queued."""
         run = self.run
         started = time.perf_counter()
         replay = self._replayer("step", step, graphs, pool) if capturing else None
@@ -347,11 +347,10 @@ class Decoder:
                     ran = t + 1 if capturing else None  # (an uncaptured phase's successor costs no capture)
                     if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), ran):
                         run.scheduler.tick(t + 1 - done_steps)
+                        if pending is not None:
+                            self._settle(live, pending)
+                        self._settle(live, _Block(buf, lp_buf, done_steps, t + 1, pipelined))
                         self.early_ends += 1
-                        last = [b for b in (pending, _Block(buf, lp_buf, done_steps, t + 1, pipelined)) if b]
-                        # (rows done that the host has not seen: jobs complete when these blocks are read)
-                        yield from self._end(live, t + 1, width, replay or step, buf, lp_buf, last,
-                                             tail=int(count[0]) < len(self.live))
                         return
             if (t + 1) % self.sync_every and t + 1 < width:
                 continue
@@ -376,33 +375,6 @@ class Decoder:
                 yield
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
             self._settle(live, pending)
-
-    def _end(self, live: list[int], begun: int, width: int, step, buf, lp_buf, last: list, tail: bool):
-        """End a phase early, after ``begun`` steps: accept its ``last`` blocks. With ``tail`` (jobs are
-        expected to complete in them), branches left generating and programs waiting on jobs (``on_done``:
-        they resume at a ``yield``), first queue one more block of steps (``sync_every``, within the
-        phase's ``width``) for the branches still generating — the programs' host work would otherwise
-        leave the GPU idle until the next step is planned — and accept it after the programs ran. (The
-        same tail where a phase ends at a block boundary measured no gain: tot / rounds at 256 branches
-        on an H100, -0.01 / +0.03 of the static ratio, within the runs' spread.)"""
-        more = min(self.sync_every, width - begun)
-        waited_on = any(self.jobs[b].on_done is not None for b in self.live)
-        block = None
-        if tail and self.overlap_programs and self.live and waited_on and more > 0:
-            self.tails += 1
-            for _ in range(more):
-                step()
-                self.run.forward_passes += 1
-            block = _Block(buf, lp_buf, begun, begun + more, pipelined=True)
-        before = len(self.live)
-        for b in last:
-            self._settle(live, b)
-        if block is None:
-            return
-        if len(self.live) < before:
-            yield
-        self.run.scheduler.tick(more)
-        self._settle(live, block)
 
     def _constrained_steps(self, live: list[int], width: int, forward, pick, bitmask, last, buf, lp_buf,
                            capturing: bool, graphs: dict, pool):
