@@ -353,40 +353,25 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def arrival_order():
-    """The scheduler admits waiting work in arrival order (its order before priorities existed)."""
-    saved = Scheduler.priority
-    Scheduler.priority = lambda self, job: (self._submitted,)
+def undone(owner, name: str, value):
+    """``owner.name`` set to ``value`` (an engine choice undone) for the block, then restored."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        Scheduler.priority = saved
+        setattr(owner, name, saved)
 
 
-@contextlib.contextmanager
-def programs_after_phase():
-    """Programs of jobs that complete where a phase ends resume after it (GPU idle), as before
-    ``Decoder.overlap_programs``."""
-    Decoder.overlap_programs = False
-    try:
-        yield
-    finally:
-        Decoder.overlap_programs = True
-
-
-@contextlib.contextmanager
-def full_collections():
-    """Python's full garbage collections run during the batch (``treegen.runtime.collector`` not applied)."""
-    collector.enabled = False
-    try:
-        yield
-    finally:
-        collector.enabled = True
-
-
-# the engine as it is, and with one of its choices undone (an A/B: --variants default fifo)
-VARIANTS = {"default": contextlib.nullcontext, "fifo": arrival_order, "programs-after-phase": programs_after_phase,
-            "gc-full-collections": full_collections}
+# the engine as it is, and with one of its choices undone (an A/B: --variants default fifo):
+# fifo — the scheduler admits waiting work in arrival order (its order before priorities existed);
+# programs-after-phase — a block that completes jobs resumes their programs after the phase's end
+# decision (``Decoder.overlap_programs``); gc-full-collections — Python's full garbage collections run
+# during the batch (``treegen.runtime.collector`` not applied)
+VARIANTS = {"default": contextlib.nullcontext,
+            "fifo": lambda: undone(Scheduler, "priority", lambda self, job: (self._submitted,)),
+            "programs-after-phase": lambda: undone(Decoder, "overlap_programs", False),
+            "gc-full-collections": lambda: undone(collector, "enabled", False)}
 
 
 def variant_of(row: dict) -> str:

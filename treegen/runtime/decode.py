@@ -337,6 +337,7 @@ class Decoder:
         for t in range(width):
             (replay or step)()
             run.forward_passes += 1
+            ran = t + 1 if capturing else None  # (for phase_should_end: an uncaptured phase's successor costs no capture)
             if watch:  # the host stays WATCH_LAG steps ahead of the device at most, reading each step's count
                 seen.append((torch.empty(1, dtype=torch.int64, pin_memory=True).copy_(alive, non_blocking=True),
                              torch.cuda.Event()))
@@ -344,7 +345,6 @@ class Decoder:
                 if t >= WATCH_LAG:
                     count, copied = seen[t - WATCH_LAG]
                     copied.synchronize()
-                    ran = t + 1 if capturing else None  # (an uncaptured phase's successor costs no capture)
                     if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), ran):
                         run.scheduler.tick(t + 1 - done_steps)
                         if pending is not None:
@@ -364,14 +364,14 @@ class Decoder:
             before = len(self.live)
             self._settle(live, block)
             completed = len(self.live) < before
-            if completed and self.overlap_programs and self.live:
+            resume_first = completed and self.overlap_programs and bool(self.live)
+            if resume_first:
                 # jobs completed: their programs may resume (and queue work, which the decision below
                 # then sees) while the GPU runs the next block (with none live, the phase ends first)
                 yield
-                completed = False
-            if run.scheduler.phase_should_end(len(live), len(self.live), t + 1 if capturing else None):
+            if run.scheduler.phase_should_end(len(live), len(self.live), ran):
                 break
-            if completed:
+            if completed and not resume_first:
                 yield
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
             self._settle(live, pending)
