@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -162,10 +163,13 @@ class Collections:
     def __init__(self) -> None:
         self.counts = {"full": 0, "young": 0}
         self.seconds = {"full": 0.0, "young": 0.0}
+        self.full_where: list[str] = []  # per full collection: the caller that started it (file:line function)
         self._started = 0.0
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
+            if info["generation"] == 2:
+                self.full_where.append(started_at())
             self._started = time.perf_counter()
             return
         kind = "full" if info["generation"] == 2 else "young"
@@ -181,7 +185,19 @@ class Collections:
 
     def as_dict(self) -> dict:
         return {f"gc_{k}_collections": self.counts[k] for k in self.counts} | \
-               {f"gc_{k}_s": round(self.seconds[k], 4) for k in self.seconds}
+               {f"gc_{k}_s": round(self.seconds[k], 4) for k in self.seconds} | {"gc_full_where": self.full_where}
+
+
+def started_at() -> str:
+    """Where the code that started a garbage collection was: its innermost frame outside this file (an
+    explicit ``gc.collect()`` names its caller; an automatic collection, the allocation that crossed the
+    threshold)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
 def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_up: bool = True) -> dict:
