@@ -74,6 +74,22 @@ def test_a_batch_runs_with_full_collections_paused(tok_engine):
     assert gc.get_threshold() == before
 
 
+def test_the_pause_covers_binding_the_inputs(tok_engine, monkeypatch):
+    """A full collection that a batch's own set-up would start (binding hundreds of inputs) waits too."""
+    from treegen.lang import dsl
+
+    seen = []
+    bind = dsl._bind
+    monkeypatch.setattr(dsl, "_bind", lambda program, x: (seen.append(gc.get_threshold()[2]), bind(program, x))[1])
+
+    @treegen.program
+    def looks(s, x):
+        s += x
+
+    looks.run_batch(tok_engine, [{"x": " 5"}])
+    assert seen == [collector._PAUSED_THRESHOLD]
+
+
 @pytest.fixture(scope="module")
 def tok_engine():
     import torch

@@ -27,6 +27,7 @@ from treegen.lang import views
 from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, check_callback, run_batch_here
 from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
+from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.constraint import Constraint
 from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
@@ -251,9 +252,11 @@ class Program:
         names it and carries every result (``.results``). Ctrl-C raises
         :class:`~treegen.lang.batch.BatchInterrupted` with the programs finished so far.
         """
-        return run_batch(engine, [_bind(self, x) for x in inputs], seed=seed, seeds=seeds,
-                         share_prefixes=share_prefixes, min_shared_saving=min_shared_saving, on_programs=on_programs,
-                         on_result=on_result, on_tokens=on_tokens, max_program_tokens=max_program_tokens)
+        with full_collections_paused():  # from the inputs' binding on (see treegen.runtime.collector)
+            return run_batch(engine, [_bind(self, x) for x in inputs], seed=seed, seeds=seeds,
+                             share_prefixes=share_prefixes, min_shared_saving=min_shared_saving,
+                             on_programs=on_programs, on_result=on_result, on_tokens=on_tokens,
+                             max_program_tokens=max_program_tokens)
 
     def compile_batch(self, inputs, /, *, tokenizer, kv_shape: KVShape | None = None, share_prefixes: bool = True,
                       min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING) -> CompiledProgram:
@@ -376,9 +379,10 @@ def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, se
                                        min_shared_saving=min_shared_saving, on_programs=on_programs,
                                        on_result=on_result, on_tokens=on_tokens,
                                        max_program_tokens=max_program_tokens, describe=describe)
-    return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
-                          min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
-                          on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
+    with full_collections_paused():  # the programs' roots and results too, not only their run
+        return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
+                              min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
+                              on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
 
 
 def program(fn: Callable[..., Any]) -> Program:
