@@ -230,3 +230,39 @@ def test_kv_layer_views_follow_the_pool_when_it_grows():
     assert k.data_ptr() == kv.k[1].data_ptr() and v.data_ptr() == kv.v[1].data_ptr() and ks is None and vs is None
     start = kv.segments[0].start
     assert (k[start : start + 4] == 5.0).all() and k.shape[0] == kv.num_slots
+
+
+@treegen.program
+def endings(s):
+    s += "The quick brown fox jumps over the lazy dog. " * 2
+    b = s.fork(5, content=[f" Variant {i}:" for i in range(5)])
+    b += lambda i: treegen.gen("x", max_tokens=3 + 3 * i, ignore_eos=i == 4)
+    s.join(b)
+
+
+def test_blocks_of_several_tokens_end_branches_where_single_tokens_do(tiny_model, tokenizer, monkeypatch):
+    """The host takes a branch's tokens every few steps on a GPU (``sync_every``): a branch ends at its
+    EOS or ``max_tokens`` inside a block exactly as when it takes them one at a time (the CPU's way)."""
+    from treegen.runtime.decode import Decoder
+
+    def generated(root):
+        def ids(node):
+            return [t for n in root.tree.path(node) for t in root.tree.tokens(n)]
+        return [(ids(st.node)[st.info["x"]["start"]:][: st.info["x"]["tokens"]], st.info["x"]["finish_reason"])
+                for st in root._run.states[1:]]
+
+    _, model = tiny_model
+    one = generated(endings.run(Engine(model, tokenizer)))
+    eos = one[3][0][6]  # drawn mid-block (the first token comes from the prefill step): as EOS it ends
+    # the branches that reach it (not the ignore_eos one)
+    monkeypatch.setattr(model, "eos_token_ids", model.eos_token_ids | {eos})
+    runs = {}
+    init = Decoder.__init__
+    for every in (1, 4):
+        def with_blocks(self, run, every=every):
+            init(self, run)
+            self.sync_every = every
+        monkeypatch.setattr(Decoder, "__init__", with_blocks)
+        runs[every] = generated(endings.run(Engine(model, tokenizer)))
+    assert runs[4] == runs[1]
+    assert [len(t) for t, _ in runs[1]][4] == 15 and ("eos" in [r for _, r in runs[1]])

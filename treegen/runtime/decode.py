@@ -525,11 +525,21 @@ class Decoder:
         masks = self.masks if self.masks is not None and b in self.masks else None
         state = self.state.get(b)
         automata = self.run.engine.automata if state is not None else None
+        params = job.request.params
+        if masks is None and automata is None and not params.stop:
+            # only EOS and max_tokens can end it: cut where the first does, take the tokens at once
+            cut = min(len(new), params.max_tokens - before)
+            if not params.ignore_eos and not self.eos.isdisjoint(new[:cut]):
+                cut = next(i for i, t in enumerate(new) if t in self.eos) + 1
+            out.extend(new[:cut])
+            self.logprobs[b].extend(logprobs[:cut])
+            new = ()  # (taken; the loop below is the general path)
+            result = finished(out, params, self.eos, self.tokenizer) if cut > 0 else None
         for t, lp in zip(new, logprobs):
             out.append(t)
             self.logprobs[b].append(lp)
             prior, state = state, (automata.walk(state, (t,)) if automata is not None else None)
-            result = finished(out, job.request.params, self.eos, self.tokenizer)
+            result = finished(out, params, self.eos, self.tokenizer)
             if result is not None:
                 if masks is not None:
                     result = dataclasses.replace(result, constraint_met=masks.matched(b))
