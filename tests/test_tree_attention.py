@@ -229,9 +229,10 @@ def test_library_segment_is_the_large_shared_one_cut_into_chunks():
     assert few.plan(8, 1, library=True).triton.library is None  # 4 tiles would need 32 chunks (over 8)
 
 
-def test_library_segment_only_for_a_power_of_two_group(monkeypatch):
-    """Where cuDNN is available, a large shared prefix goes to it for 4 query heads per KV head, but not for 3
-    (Phi-4-mini's 24/8: slower than the Triton kernels, measured), nor 6."""
+def test_library_segment_for_any_group(monkeypatch):
+    """Where cuDNN is available, a large shared prefix goes to it for 4 query heads per KV head and for
+    3 or 6 (Phi-4-mini's 24/8: folded into the rows, see test_folded_heads_give_the_gqa_partials) — a
+    folded group only in at most two chunks (more spill the leaves' registers: triton_plan)."""
     from treegen.kernels import tree_attention as module
 
     monkeypatch.setattr(module, "library_available", lambda device, dtype: True)
@@ -243,8 +244,35 @@ def test_library_segment_only_for_a_power_of_two_group(monkeypatch):
                                    backend="triton", num_heads=num_heads, num_kv_heads=num_kv_heads, device="cpu",
                                    dtype=torch.bfloat16).triton.library
 
-    assert planned(8, 2) is not None and planned(16, 2) is not None
-    assert planned(6, 2) is None and planned(12, 2) is None
+    assert all(planned(h, 2) is not None for h in (8, 16))
+    assert planned(24, 8).chunks == 2  # 300 rows x 3 heads: 8 tiles of 128 x 8 KV heads, 2 waves' worth
+    assert planned(6, 2) is None  # 8 tiles x 2 KV heads: 4 chunks to fill the GPU, more than 2
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (9, 3), (24, 8)])
+def test_folded_heads_give_the_gqa_partials(heads, kv_heads):
+    """cuDNN gets a group that is not a power of two as multi-head attention over ``group`` times the rows
+    (library_attention.fold_heads); unfolded, its partials are those of grouped-query attention."""
+    from treegen.kernels import library_attention as lib
+
+    assert lib.folds_heads(heads // kv_heads) and not lib.folds_heads(4) and not lib.folds_heads(1)
+    torch.manual_seed(heads)
+    chunks, rows, keys, dim = 3, 5, 7, 16
+    q = torch.randn(rows, heads, dim)
+    q4 = q.permute(1, 0, 2).unsqueeze(0).expand(chunks, -1, -1, -1)  # as _operands gives them
+    k4, v4 = torch.randn(chunks, kv_heads, keys, dim), torch.randn(chunks, kv_heads, keys, dim)
+
+    def attend(q4, group):  # plain softmax attention, key heads repeated for the group
+        k, v = (t.repeat_interleave(group, 1) for t in (k4, v4))
+        s = q4 @ k.transpose(-1, -2) * 0.3
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+    want_out, want_lse = attend(q4, heads // kv_heads)
+    folded = lib.fold_heads(q4, kv_heads)
+    assert folded.shape == (chunks, kv_heads, heads // kv_heads * rows, dim)
+    out, lse = lib.unfold_heads(*attend(folded, 1), heads)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
 
 
 @pytest.mark.parametrize("fuse", [True, False])

@@ -25,7 +25,8 @@ def plans(parent, start, length, pos, query_segment, query_pos, heads, kv, dtype
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch,prefix,suffix", [(64, 1024, 32), (256, 4096, 256), (1024, 1024, 32), (3, 16384, 1)])
-@pytest.mark.parametrize("heads,kv,head_dim", [(8, 1, 128), (32, 8, 128), (32, 32, 128), (9, 3, 64), (16, 8, 256)])
+@pytest.mark.parametrize("heads,kv,head_dim", [(8, 1, 128), (32, 8, 128), (32, 32, 128), (9, 3, 64), (16, 8, 256),
+                                               (24, 8, 128)])
 def test_paper_grid_shapes(dtype, batch, prefix, suffix, heads, kv, head_dim):
     torch.manual_seed(0)
     parent = [-1] + [0] * batch
@@ -67,19 +68,22 @@ def test_random_trees(seed, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_library_segment_below_the_root(dtype, fuse):
+@pytest.mark.parametrize("heads", [32, 24])
+def test_library_segment_below_the_root(dtype, fuse, heads):
     """cuDNN attends a 4099-key middle node read by 200 of 210 branches (its rows gathered, keys in two
-    chunks plus a one-key Triton tail); the result equals the Triton-only plan's and plain attention's."""
+    chunks plus a one-key Triton tail); the result equals the Triton-only plan's and plain attention's.
+    24/8 heads (400 of 410 branches): the groups of 3 folded into cuDNN's rows."""
     if not library_available("cuda", dtype):
         pytest.skip("no cuDNN fused attention on this GPU")
     rng = random.Random(3)
     torch.manual_seed(3)
-    parent = [-1, 0, 0] + [2] * 10 + [1] * 200
-    length = [100, 4099, 50] + [rng.randint(1, 40) for _ in range(210)]
+    below = {32: 200, 24: 400}[heads]  # (24/8: enough rows for two chunks, the most a folded group gets)
+    parent = [-1, 0, 0] + [2] * 10 + [1] * below
+    length = [100, 4099, 50] + [rng.randint(1, 40) for _ in range(10 + below)]
     start, pos, slots = layout(parent, length, rng)
-    query_segment = list(range(3, 213))
+    query_segment = list(range(3, 13 + below))
     query_pos = [pos[s] + length[s] - 1 for s in query_segment]
-    heads, kv, head_dim = 32, 8, 128
+    kv, head_dim = 8, 128
     q = torch.randn(len(query_pos), heads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)
     v = torch.randn(slots, kv, head_dim, device="cuda", dtype=dtype)

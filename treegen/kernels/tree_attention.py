@@ -227,10 +227,7 @@ def plan_tree_attention(
     if backend == "triton":
         plain = window is None and softcap is None  # the library kernel computes plain causal attention
         group = num_heads // num_kv_heads
-        # cuDNN with a group that is not a power of two was slower than the Triton kernels: Phi-4-mini (24/8)
-        # at batch 256 below 2,048 keys, end to end on an H200 33.0K vs 39.8K tok/s (1,024: equal)
-        options = {"library": plain and dtype is not None and group & (group - 1) == 0
-                   and library_available(device, dtype),
+        options = {"library": plain and dtype is not None and library_available(device, dtype),
                    **(triton_options or {})}
         return TreeAttentionPlan(
             num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treegen.kernels.library_attention import LibrarySegment
+from treegen.kernels.library_attention import LibrarySegment, folds_heads
 
 # the GPU the launch shapes were measured on: an H100's streaming multiprocessors
 _SMS = 132
@@ -37,6 +37,11 @@ _LIBRARY_MIN_SHARE = 0.9
 # ... and when at most this many chunks fill the GPU: each is a partial every row merges. 64 branches x 8/1
 # heads under a 16K root needs 32: 38 us vs 32 all-Triton; 8 (64 x 4K): 23 vs 26 us
 _LIBRARY_MAX_CHUNKS = 8
+# ... at most this many for a group cuDNN gets folded into its rows (library_attention.folds_heads): with
+# more, the leaves' one-warp programs reading every chunk's partial spill registers (Phi-4-mini 24/8 at
+# batch 256, 3 chunks: 52 spills, leaves 52 us; cuDNN 26 us + a tail launch 7 us: 33.0K tok/s end to end
+# against 39.7K with the Triton kernels alone; at batch 1,024, 1 chunk: 55.7K vs 54.0K; H200)
+_LIBRARY_MAX_FOLDED_CHUNKS = 2
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,7 @@ def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, nu
         return None  # the other shared segments' launch would run after it, not beside it
     tiles = -(-len(rows_of[s]) * group // 128) * num_kv_heads
     chunks = max(1, min(round(_SMS / tiles), segment_len[s] // _LIBRARY_MIN_CHUNK))
-    if chunks > _LIBRARY_MAX_CHUNKS:
+    if chunks > (_LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS):
         return None
     rows = rows_of[s]
     every = rows == list(range(len(paths)))
