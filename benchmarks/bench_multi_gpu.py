@@ -1,6 +1,6 @@
-"""Decode throughput on two GPUs: tensor parallel (tp=2) and data parallel (dp=2) against one GPU.
+"""Decode throughput on N GPUs: tensor parallel (tp=N) and data parallel (dp=N) against one GPU.
 
-Run under torchrun, one process per GPU (NVLink multicast off):
+Run under torchrun, one process per GPU (NVLink multicast off); N is torchrun's world size:
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py
 
@@ -9,14 +9,14 @@ branches of ``--new`` greedy tokens (EOS ignored), random bf16 weights of the re
 not depend on the weights), tree attention, CUDA graphs. Decode tok/s = batch*(new-1)/(t(new)-t(1)).
 
 * ``tp=1``: one GPU (rank 0; rank 1 waits);
-* ``tp=2``: the model split over both GPUs (every rank runs the same steps; one all-reduce after o and
+* ``tp=N``: the model split over all N GPUs (every rank runs the same steps; one all-reduce after o and
   after down in every layer), with the LM head whole on each GPU or split by vocabulary
   (``--vocab-parallel on|off|both``; ``both``, the default, measures the two alternately at every
   batch; each row records ``vocab_parallel``);
-* ``dp=2``: each GPU a whole model and half the branches (the prefix subtree split in two, as
+* ``dp=N``: each GPU a whole model and 1/N of the branches (the prefix subtree split N ways, as
   ``run_batch`` splits a batch of programs sharing one prefix); the time is the slower replica's.
 
-Llama-3-8B shape: all three over ``--batches``; Llama-3-70B shape at tp=2 over ``--batches-70b``
+Llama-3-8B shape: all three over ``--batches``; Llama-3-70B shape at tp=N over ``--batches-70b``
 with its attention-free (``none``) ceiling. JSON: benchmarks/results/multi_gpu_<device>.json (a row
 per point: shape, batch, tp, dp, tok_s, speedup_vs_1gpu / ratio_to_none) and a PNG beside it.
 """
@@ -81,11 +81,16 @@ def main() -> None:
     args = p.parse_args()
     args.heads = {"on": [True], "off": [False], "both": [False, True]}[args.vocab_parallel]
 
-    tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=1800)  # the two GPUs as one replica
-    dp2 = init_parallel(tensor_parallel=1, data_parallel=2, device="cuda", timeout_s=1800)  # two replicas
+    gpus = int(os.environ.get("WORLD_SIZE", "2"))
+    tp2 = init_parallel(tensor_parallel=gpus, device="cuda", timeout_s=1800)  # all GPUs as one replica
+    dp2 = init_parallel(tensor_parallel=1, data_parallel=gpus, device="cuda", timeout_s=1800)  # a replica each
+    # dp x tp=2 (four or more GPUs): replicas of two GPUs each
+    hybrid = init_parallel(tensor_parallel=2, data_parallel=gpus // 2, device="cuda", timeout_s=1800) \
+        if gpus >= 4 and gpus % 2 == 0 else None
+    args.gpus = gpus
     leader = tp2.rank == 0
     out = Path(args.out or Path(__file__).parent / "results" /
-               f"multi_gpu_{torch.cuda.get_device_name().split()[-1].lower()}.json")
+               f"multi_gpu_{torch.cuda.get_device_name().split()[-1].lower()}{'' if gpus == 2 else f'_x{gpus}'}.json")
     if args.skip_70b:
         args.shapes = ["llama3-8b"]
     # Rows of shapes this run does not measure are kept from the file (the shapes may run separately).
@@ -103,19 +108,24 @@ def main() -> None:
 
     if "llama3-8b" in args.shapes:
         measure_8b(args, tp2, dp2, record, new_tokens)
+        if hybrid is not None:
+            measure_8b_hybrid(args, hybrid, record, new_tokens, one_gpu_8b)
     if "llama3-70b" in args.shapes:
         measure_70b(args, tp2, record, new_tokens)
     if leader:
-        plot(rows, out.with_suffix(".png"))
+        plot(rows, out.with_suffix(".png"), gpus)
     dist.barrier()
     dist.destroy_process_group()
 
 
+one_gpu_8b: dict[int, float] = {}  # the 8B shape's one-GPU tok/s by batch (rank 0), for the dp x tp rows
+
+
 def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
-    """Llama-3-8B shape: one GPU, tp=2, dp=2 at every batch."""
+    """Llama-3-8B shape: one GPU, tp=N, dp=N at every batch."""
     leader = tp2.rank == 0
     cfg = config_of("llama3-8b")
-    one_gpu: dict[int, float] = {}
+    one_gpu = one_gpu_8b
     if leader:
         model = LlamaFamilyModel.random(cfg, device=tp2.device)
         engine = Engine(model, IdTokenizer())
@@ -138,7 +148,7 @@ def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
             dist.barrier()
             dt, total = decode_time(engine, batch, args.prefix, args.new)
             tok_s = new_tokens(batch, dt)
-            record({"shape": "llama3-8b", "batch": batch, "tp": 2, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
+            record({"shape": "llama3-8b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
                     "total_s": total, "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
                     "all_reduce": tp2.tensor.all_reduce_path})
     del engines
@@ -148,22 +158,45 @@ def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
     model = LlamaFamilyModel.random(cfg, device=dp2.device)
     engine = Engine(model, IdTokenizer(), parallel=dp2)
     for batch in args.batches:
-        mine = batch // 2 + (batch % 2 if dp2.dp_rank == 0 else 0)
+        mine = batch // args.gpus + (1 if dp2.dp_rank < batch % args.gpus else 0)
         dist.barrier()
         dt, total = decode_time(engine, mine, args.prefix, args.new)
         times = dp2.gather((dt, total))  # the batch is done when the slower replica is
         slowest = max(t for t, _ in times)
         tok_s = new_tokens(batch, slowest)
-        row = {"shape": "llama3-8b", "batch": batch, "tp": 1, "dp": 2, "tok_s": tok_s,
-               "total_s": max(t for _, t in times), "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None}
-        if leader and batch // 2 in one_gpu and batch % 2 == 0:
-            # The most dp=2 can give: two GPUs each as fast as one GPU at half the batch.
-            row["ideal_speedup_vs_1gpu"] = 2 * one_gpu[batch // 2] / one_gpu[batch]
+        row = {"shape": "llama3-8b", "batch": batch, "tp": 1, "dp": args.gpus, "tok_s": tok_s,
+               "total_s": max(t for _, t in times), "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
+               # the slowest replica's decode time over the replicas' mean
+               "replica_imbalance": slowest / (sum(t for t, _ in times) / len(times))}
+        if leader and batch // args.gpus in one_gpu and batch % args.gpus == 0:
+            # The most dp=N can give: N GPUs each as fast as one GPU at 1/N of the batch.
+            row["ideal_speedup_vs_1gpu"] = args.gpus * one_gpu[batch // args.gpus] / one_gpu[batch]
         record(row)
     del model, engine
     gc.collect()
     torch.cuda.empty_cache()
 
+
+
+def measure_8b_hybrid(args, par, record, new_tokens, one_gpu: dict[int, float]) -> None:
+    """Llama-3-8B shape at dp x tp=2: each replica two GPUs and 1/dp of the branches; the slowest replica's time."""
+    model = LlamaFamilyModel.random(config_of("llama3-8b"), device=par.device, tp=split_head(par, False))
+    engine = Engine(model, IdTokenizer(), parallel=par)
+    for batch in args.batches:
+        mine = batch // par.dp + (1 if par.dp_rank < batch % par.dp else 0)
+        dist.barrier()
+        dt, total = decode_time(engine, mine, args.prefix, args.new)
+        times = par.gather((dt, total))
+        slowest = max(t for t, _ in times)
+        tok_s = new_tokens(batch, slowest)
+        record({"shape": "llama3-8b", "batch": batch, "tp": par.tp, "dp": par.dp, "vocab_parallel": False,
+                "tok_s": tok_s, "total_s": max(t for _, t in times),
+                "speedup_vs_1gpu": tok_s / one_gpu[batch] if par.rank == 0 else None,
+                "replica_imbalance": slowest / (sum(t for t, _ in times) / len(times)),
+                "all_reduce": par.tensor.all_reduce_path})
+    del model, engine
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def split_head(tp2, split: bool):
@@ -172,7 +205,7 @@ def split_head(tp2, split: bool):
 
 
 def measure_70b(args, tp2, record, new_tokens) -> None:
-    """Llama-3-70B shape at tp=2, with its attention-free ceiling at every batch; one head after the
+    """Llama-3-70B shape at tp=N, with its attention-free ceiling at every batch; one head after the
     other (two 70B models do not fit two GPUs)."""
     for split in args.heads:
         model = LlamaFamilyModel.random(config_of("llama3-70b"), device=tp2.device, tp=split_head(tp2, split))
@@ -184,7 +217,7 @@ def measure_70b(args, tp2, record, new_tokens) -> None:
                 dt, total = decode_time(engine, batch, args.prefix, args.new)
                 speeds[mode] = new_tokens(batch, dt)
                 del engine
-            record({"shape": "llama3-70b", "batch": batch, "tp": 2, "dp": 1, "vocab_parallel": split,
+            record({"shape": "llama3-70b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split,
                     "tok_s": speeds["tree"], "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"],
                     "all_reduce": tp2.tensor.all_reduce_path})
         del model
@@ -194,31 +227,32 @@ def measure_70b(args, tp2, record, new_tokens) -> None:
 
 def write_json(args, rows: list[dict], out: Path) -> None:
     """The results so far (written after every point: a run cut short keeps what it measured)."""
-    result = {"benchmark": "multi_gpu", "devices": [torch.cuda.get_device_name(i) for i in range(2)],
-              "gpus": 2, "dtype": "bfloat16", "prefix": args.prefix, "new": args.new,
+    result = {"benchmark": "multi_gpu", "devices": [torch.cuda.get_device_name(i) for i in range(args.gpus)],
+              "gpus": args.gpus, "dtype": "bfloat16", "prefix": args.prefix, "new": args.new,
               "shapes": {s: SHAPES[s] for s in ("llama3-8b", "llama3-70b")},
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "transformers": transformers.__version__, "cuda": torch.version.cuda,
                            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "python": platform.python_version()},
               "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); greedy, EOS ignored, tree attention, CUDA graphs; "
-                        "one warm-up run per point; dp=2: half the branches per GPU, the slower replica's time; "
-                        "tp=2 rows: vocab_parallel = LM head split by vocabulary (else whole on each GPU), the 8B "
+                        "one warm-up run per point; dp=N: 1/N of the branches per GPU, the slowest replica's time; "
+                        "tp=N rows: vocab_parallel = LM head split by vocabulary (else whole on each GPU), the 8B "
                         "shape's two heads measured alternately at every batch",
               "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def plot(rows: list[dict], out: Path) -> None:
-    """Left: 8B shape, tok/s against batch for tp=1, tp=2, dp=2. Right: 70B shape at tp=2 and its ceiling."""
+def plot(rows: list[dict], out: Path, n: int = 2) -> None:
+    """Left: 8B shape, tok/s against batch for tp=1, tp=N, dp=N. Right: 70B shape at tp=N and its ceiling."""
     plt = pyplot()
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     small = [r for r in rows if r["shape"] == "llama3-8b"]
-    for tp, dp, split, label in ((1, 1, None, "one GPU"), (2, 1, False, "tp=2"), (2, 1, True, "tp=2, head split by vocab"),
-                                 (1, 2, None, "dp=2")):
+    for tp, dp, split, label in ((1, 1, None, "one GPU"), (n, 1, False, f"tp={n}"),
+                                 (n, 1, True, f"tp={n}, head split by vocab"), (1, n, None, f"dp={n}"),
+                                 *([(2, n // 2, False, f"dp={n // 2} x tp=2")] if n >= 4 else [])):
         pts = sorted((r["batch"], r["tok_s"]) for r in small
                      if r["tp"] == tp and r["dp"] == dp and (tp == 1 or bool(r.get("vocab_parallel")) == split))
         if pts:
@@ -230,12 +264,12 @@ def plot(rows: list[dict], out: Path) -> None:
                      key=lambda r: r["batch"])
         if big:
             head = ", head split" if split else ""
-            axes[1].plot([r["batch"] for r in big], [r["tok_s"] for r in big], marker="o", label=f"tp=2 tree{head}")
+            axes[1].plot([r["batch"] for r in big], [r["tok_s"] for r in big], marker="o", label=f"tp={n} tree{head}")
             axes[1].plot([r["batch"] for r in big], [r["none_tok_s"] for r in big], marker="x", ls="--",
-                         label=f"tp=2 no attention (ceiling){head}")
-    axes[1].set_title("Llama-3-70B shape, tp=2")
+                         label=f"tp={n} no attention (ceiling){head}")
+    axes[1].set_title(f"Llama-3-70B shape, tp={n}")
     throughput_axes(axes[1], "batch")
-    fig.suptitle("treegen decode on 2 GPUs (prefix 2048, 128 new tokens, bf16)")
+    fig.suptitle(f"treegen decode on {n} GPUs (prefix 2048, 128 new tokens, bf16)")
     save(fig, out)
 
 
