@@ -6,7 +6,8 @@ Under torchrun with N processes: rank 0 runs the whole batch alone (one GPU), th
 as one data-parallel batch (``run_batch`` splits the programs by whole prefix subtrees, balanced by
 expected tokens; the results come back in input order). Reported: wall time of each, the speedup, and
 each replica's own finish time (when its last program was done; the slowest over the mean is the
-imbalance). Random bf16 weights of the named shape; one warm-up batch before each timed one.
+imbalance). Random bf16 weights of the named shape; a warm-up batch of the same sizes (other tokens)
+before each timed one.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 benchmarks/bench_run_batch_dp.py --problems 64 --samples 16
 """

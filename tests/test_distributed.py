@@ -1,4 +1,4 @@
-"""Tensor and data parallel on the CPU (gloo, 2 processes under torchrun) give the tokens of one process;
+"""Tensor and data parallel on the CPU (gloo, 2 and 4 processes under torchrun) give the tokens of one process;
 a rank that raises ends the whole run promptly with its error; layouts that cannot run are refused."""
 
 import json
@@ -50,16 +50,16 @@ def one_process(checkpoint):
     return workload(Engine.load(str(checkpoint)))
 
 
-def torchrun(checkpoint, out: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def torchrun(checkpoint, out: Path, *args: str, timeout: float = 120, nproc: int = 2) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(WORKER), str(checkpoint), str(out), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def ranks(out: Path) -> list[dict]:
-    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+def ranks(out: Path, n: int = 2) -> list[dict]:
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(n)]
 
 
 @pytest.mark.parametrize("layout", [("--tp", "2"), ("--tp", "1", "--dp", "2")], ids=["tp2", "dp2"])
@@ -67,6 +67,16 @@ def test_two_processes_generate_the_tokens_of_one(checkpoint, one_process, tmp_p
     done = torchrun(checkpoint, tmp_path / "out.json", *layout)
     assert done.returncode == 0, done.stderr[-3000:]
     for got in ranks(tmp_path / "out.json"):  # every rank returns every result, in input order
+        assert got == one_process
+
+
+@pytest.mark.parametrize("layout", [("--tp", "2", "--dp", "2"), ("--tp", "4")], ids=["dp2xtp2", "tp4"])
+def test_four_processes_generate_the_tokens_of_one(checkpoint, one_process, tmp_path, layout):
+    """The layouts of a 4-GPU host at the same rank count: two replicas of two ranks (each with its own
+    tensor-parallel group), and four ranks over 2 KV heads (each KV head on two ranks)."""
+    done = torchrun(checkpoint, tmp_path / "out.json", *layout, nproc=4, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for got in ranks(tmp_path / "out.json", 4):
         assert got == one_process
 
 
