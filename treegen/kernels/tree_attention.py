@@ -117,6 +117,10 @@ def _pad(rows: Sequence[Sequence[int]], fill: int, device) -> Tensor:
     return out.to(device)
 
 
+# planning: marks a segment whose path is being walked (met again on the walk: a cycle)
+_ON_CHAIN: list = []
+
+
 def plan_tree_attention(
     *,
     segment_parent: Sequence[int],
@@ -190,20 +194,23 @@ def plan_tree_attention(
     else:
         query_pos_t = torch.as_tensor(list(query_pos), dtype=torch.int64).to(device)
 
-    depth = [-1] * n
-    for s in range(n):  # iterative depth with cycle detection
+    # every segment's root-to-segment path, checking the parents (in range, no cycle) on the way; a
+    # segment's path is its parent's plus itself, so each segment is walked once (its depth: the length - 1)
+    path_of: list[list[int] | None] = [None] * n
+    for s in range(n):
         chain, cur = [], s
-        while cur != -1 and depth[cur] == -1:
-            if cur in chain:
-                raise ValueError(f"segment_parent has a cycle through segment {cur}")
-            if not -1 <= segment_parent[cur] < n:
-                raise ValueError(f"segment {cur} has parent {segment_parent[cur]}, outside [-1, {n})")
+        while cur != -1 and path_of[cur] is None:
+            parent = segment_parent[cur]
+            if not -1 <= parent < n:
+                raise ValueError(f"segment {cur} has parent {parent}, outside [-1, {n})")
+            path_of[cur] = _ON_CHAIN
             chain.append(cur)
-            cur = segment_parent[cur]
-        base = -1 if cur == -1 else depth[cur]
+            cur = parent
+        if cur != -1 and path_of[cur] is _ON_CHAIN:
+            raise ValueError(f"segment_parent has a cycle through segment {cur}")
+        path = [] if cur == -1 else path_of[cur]
         for c in reversed(chain):
-            base += 1
-            depth[c] = base
+            path = path_of[c] = [*path, c]
 
     rows_of: dict[int, list[int]] = {}
     paths: list[list[int]] = []
@@ -211,19 +218,19 @@ def plan_tree_attention(
     for row, seg in enumerate(query_segment):
         if not 0 <= seg < n:
             raise ValueError(f"query row {row} names segment {seg}, outside [0, {n})")
-        cur, path, local = seg, [], []
-        while cur != -1:
-            # an ancestor whose last key is outside this row's window is not read at all
-            if cur == seg or window is None or segment_pos[cur] + segment_len[cur] - 1 > query_pos[row] - window:
-                below = rows_of.get(cur)
-                if below is None:
-                    below = rows_of[cur] = []
-                local.append(len(below))
-                below.append(row)
-                path.append(cur)
-            cur = segment_parent[cur]
-        paths.append(path[::-1])
-        path_local.append(local[::-1])
+        path = path_of[seg]
+        if window is not None:  # an ancestor whose last key is outside this row's window is not read at all
+            oldest = query_pos[row] - window
+            path = [s for s in path if s == seg or segment_pos[s] + segment_len[s] - 1 > oldest]
+        local = []
+        for s in path:
+            below = rows_of.get(s)
+            if below is None:
+                below = rows_of[s] = []
+            local.append(len(below))
+            below.append(row)
+        paths.append(path)
+        path_local.append(local)
     if backend == "triton":
         plain = window is None and softcap is None  # the library kernel computes plain causal attention
         group = num_heads // num_kv_heads
@@ -238,7 +245,8 @@ def plan_tree_attention(
         )
 
     levels = []
-    for d in sorted({depth[s] for s in rows_of}):
+    depth = {s: len(path_of[s]) - 1 for s in rows_of}
+    for d in sorted(set(depth.values())):
         segs = sorted(s for s in rows_of if depth[s] == d)
         slots = [range(segment_start[s], segment_start[s] + segment_len[s]) for s in segs]
         pos = [range(segment_pos[s], segment_pos[s] + segment_len[s]) for s in segs]
