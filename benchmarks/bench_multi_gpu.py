@@ -8,13 +8,14 @@ Workload as in bench_end_to_end.py: one shared prompt of ``--prefix`` random tok
 branches of ``--new`` greedy tokens (EOS ignored), random bf16 weights of the real shape (speed does
 not depend on the weights), tree attention, CUDA graphs. Decode tok/s = batch*(new-1)/(t(new)-t(1)).
 
-* ``tp=1``: one GPU (rank 0; rank 1 waits);
+* ``tp=1``: one GPU (rank 0; the others wait);
 * ``tp=N``: the model split over all N GPUs (every rank runs the same steps; one all-reduce after o and
   after down in every layer), with the LM head whole on each GPU or split by vocabulary
   (``--vocab-parallel on|off|both``; ``both``, the default, measures the two alternately at every
   batch; each row records ``vocab_parallel``);
 * ``dp=N``: each GPU a whole model and 1/N of the branches (the prefix subtree split N ways, as
-  ``run_batch`` splits a batch of programs sharing one prefix); the time is the slower replica's.
+  ``run_batch`` splits a batch of programs sharing one prefix); the time is the slowest replica's;
+* ``dp=N/2 x tp=2`` (4 or more GPUs): replicas of two GPUs each.
 
 Llama-3-8B shape: all three over ``--batches``; Llama-3-70B shape at tp=N over ``--batches-70b``
 with its attention-free (``none``) ceiling. JSON: benchmarks/results/multi_gpu_<device>.json (a row
@@ -76,19 +77,19 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama3-70b"], choices=["llama3-8b", "llama3-70b"])
     p.add_argument("--skip-70b", action="store_true", help="the same as --shapes llama3-8b")
     p.add_argument("--vocab-parallel", choices=["on", "off", "both"], default="both",
-                   help="tp=2: the LM head split by vocabulary (on), whole on each GPU (off), or both, alternately")
+                   help="tp=N: the LM head split by vocabulary (on), whole on each GPU (off), or both, alternately")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.heads = {"on": [True], "off": [False], "both": [False, True]}[args.vocab_parallel]
 
     gpus = int(os.environ.get("WORLD_SIZE", "2"))
-    tp2 = init_parallel(tensor_parallel=gpus, device="cuda", timeout_s=1800)  # all GPUs as one replica
-    dp2 = init_parallel(tensor_parallel=1, data_parallel=gpus, device="cuda", timeout_s=1800)  # a replica each
+    tpn = init_parallel(tensor_parallel=gpus, device="cuda", timeout_s=1800)  # all GPUs as one replica
+    dpn = init_parallel(tensor_parallel=1, data_parallel=gpus, device="cuda", timeout_s=1800)  # a replica each
     # dp x tp=2 (four or more GPUs): replicas of two GPUs each
     hybrid = init_parallel(tensor_parallel=2, data_parallel=gpus // 2, device="cuda", timeout_s=1800) \
         if gpus >= 4 and gpus % 2 == 0 else None
     args.gpus = gpus
-    leader = tp2.rank == 0
+    leader = tpn.rank == 0
     out = Path(args.out or Path(__file__).parent / "results" /
                f"multi_gpu_{torch.cuda.get_device_name().split()[-1].lower()}{'' if gpus == 2 else f'_x{gpus}'}.json")
     if args.skip_70b:
@@ -107,11 +108,11 @@ def main() -> None:
         return batch * (args.new - 1) / seconds
 
     if "llama3-8b" in args.shapes:
-        measure_8b(args, tp2, dp2, record, new_tokens)
+        measure_8b(args, tpn, dpn, record, new_tokens)
         if hybrid is not None:
             measure_8b_hybrid(args, hybrid, record, new_tokens, one_gpu_8b)
     if "llama3-70b" in args.shapes:
-        measure_70b(args, tp2, record, new_tokens)
+        measure_70b(args, tpn, record, new_tokens)
     if leader:
         plot(rows, out.with_suffix(".png"), gpus)
     dist.barrier()
@@ -121,13 +122,13 @@ def main() -> None:
 one_gpu_8b: dict[int, float] = {}  # the 8B shape's one-GPU tok/s by batch (rank 0), for the dp x tp rows
 
 
-def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
+def measure_8b(args, tpn, dpn, record, new_tokens) -> None:
     """Llama-3-8B shape: one GPU, tp=N, dp=N at every batch."""
-    leader = tp2.rank == 0
+    leader = tpn.rank == 0
     cfg = config_of("llama3-8b")
     one_gpu = one_gpu_8b
     if leader:
-        model = LlamaFamilyModel.random(cfg, device=tp2.device)
+        model = LlamaFamilyModel.random(cfg, device=tpn.device)
         engine = Engine(model, IdTokenizer())
         for batch in args.batches:
             dt, total = decode_time(engine, batch, args.prefix, args.new)
@@ -141,8 +142,8 @@ def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
 
     # both heads' models at once (8B at tp=2: ~8.5 GB a GPU each), measured alternately at every batch, so
     # drift over the run falls on both alike
-    engines = {split: Engine(LlamaFamilyModel.random(cfg, device=tp2.device, tp=split_head(tp2, split)), IdTokenizer(),
-                             parallel=tp2) for split in args.heads}
+    engines = {split: Engine(LlamaFamilyModel.random(cfg, device=tpn.device, tp=split_head(tpn, split)), IdTokenizer(),
+                             parallel=tpn) for split in args.heads}
     for batch in args.batches:
         for split, engine in (engines.items() if batch % 2 == 0 else reversed(engines.items())):
             dist.barrier()
@@ -150,18 +151,18 @@ def measure_8b(args, tp2, dp2, record, new_tokens) -> None:
             tok_s = new_tokens(batch, dt)
             record({"shape": "llama3-8b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
                     "total_s": total, "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
-                    "all_reduce": tp2.tensor.all_reduce_path})
+                    "all_reduce": tpn.tensor.all_reduce_path})
     del engines
     gc.collect()
     torch.cuda.empty_cache()
 
-    model = LlamaFamilyModel.random(cfg, device=dp2.device)
-    engine = Engine(model, IdTokenizer(), parallel=dp2)
+    model = LlamaFamilyModel.random(cfg, device=dpn.device)
+    engine = Engine(model, IdTokenizer(), parallel=dpn)
     for batch in args.batches:
-        mine = batch // args.gpus + (1 if dp2.dp_rank < batch % args.gpus else 0)
+        mine = batch // args.gpus + (1 if dpn.dp_rank < batch % args.gpus else 0)
         dist.barrier()
         dt, total = decode_time(engine, mine, args.prefix, args.new)
-        times = dp2.gather((dt, total))  # the batch is done when the slower replica is
+        times = dpn.gather((dt, total))  # the batch is done when the slowest replica is
         slowest = max(t for t, _ in times)
         tok_s = new_tokens(batch, slowest)
         row = {"shape": "llama3-8b", "batch": batch, "tp": 1, "dp": args.gpus, "tok_s": tok_s,
@@ -199,27 +200,27 @@ def measure_8b_hybrid(args, par, record, new_tokens, one_gpu: dict[int, float]) 
     torch.cuda.empty_cache()
 
 
-def split_head(tp2, split: bool):
-    """tp2's tensor-parallel group, the LM head split by vocabulary or whole."""
-    return dataclasses.replace(tp2.tensor, vocab_parallel=split)
+def split_head(tpn, split: bool):
+    """tpn's tensor-parallel group, the LM head split by vocabulary or whole."""
+    return dataclasses.replace(tpn.tensor, vocab_parallel=split)
 
 
-def measure_70b(args, tp2, record, new_tokens) -> None:
+def measure_70b(args, tpn, record, new_tokens) -> None:
     """Llama-3-70B shape at tp=N, with its attention-free ceiling at every batch; one head after the
     other (two 70B models do not fit two GPUs)."""
     for split in args.heads:
-        model = LlamaFamilyModel.random(config_of("llama3-70b"), device=tp2.device, tp=split_head(tp2, split))
+        model = LlamaFamilyModel.random(config_of("llama3-70b"), device=tpn.device, tp=split_head(tpn, split))
         for batch in args.batches_70b:
             speeds = {}
             for mode in ("none", "tree"):
-                engine = Engine(model, IdTokenizer(), attention=mode, parallel=tp2)
+                engine = Engine(model, IdTokenizer(), attention=mode, parallel=tpn)
                 dist.barrier()
                 dt, total = decode_time(engine, batch, args.prefix, args.new)
                 speeds[mode] = new_tokens(batch, dt)
                 del engine
             record({"shape": "llama3-70b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split,
                     "tok_s": speeds["tree"], "none_tok_s": speeds["none"], "ratio_to_none": speeds["tree"] / speeds["none"],
-                    "all_reduce": tp2.tensor.all_reduce_path})
+                    "all_reduce": tpn.tensor.all_reduce_path})
         del model
         gc.collect()
         torch.cuda.empty_cache()

@@ -61,7 +61,7 @@ def timed_batch(engine, batch: list[dict]) -> tuple[float, float]:
     start = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
-        if done == total:
+        if done == total and total > 0:  # (a replica given no programs: its finish is the batch's end)
             torch.cuda.synchronize()
             done_at[0] = time.perf_counter() - start
 

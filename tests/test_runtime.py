@@ -233,16 +233,18 @@ def test_kv_layer_views_follow_the_pool_when_it_grows():
 
 
 @treegen.program
-def endings(s):
+def endings(s, stop=()):
     s += "The quick brown fox jumps over the lazy dog. " * 2
     b = s.fork(5, content=[f" Variant {i}:" for i in range(5)])
-    b += lambda i: treegen.gen("x", max_tokens=3 + 3 * i, ignore_eos=i == 4)
+    b += lambda i: treegen.gen("x", max_tokens=3 + 3 * i, ignore_eos=i == 4, stop=stop)
     s.join(b)
 
 
 def test_blocks_of_several_tokens_end_branches_where_single_tokens_do(tiny_model, tokenizer, monkeypatch):
     """The host takes a branch's tokens every few steps on a GPU (``sync_every``): a branch ends at its
-    EOS or ``max_tokens`` inside a block exactly as when it takes them one at a time (the CPU's way)."""
+    EOS or ``max_tokens`` inside a block exactly as when it takes them one at a time (the CPU's way),
+    whether it takes a block at once (no stop strings) or token by token (a stop string that never
+    matches sends it through the general loop)."""
     from treegen.runtime.decode import Decoder
 
     def generated(root):
@@ -258,11 +260,12 @@ def test_blocks_of_several_tokens_end_branches_where_single_tokens_do(tiny_model
     monkeypatch.setattr(model, "eos_token_ids", model.eos_token_ids | {eos})
     runs = {}
     init = Decoder.__init__
-    for every in (1, 4):
+    for every, stop in ((1, ()), (4, ()), (4, ("never in this text",))):
         def with_blocks(self, run, every=every):
             init(self, run)
             self.sync_every = every
         monkeypatch.setattr(Decoder, "__init__", with_blocks)
-        runs[every] = generated(endings.run(Engine(model, tokenizer)))
-    assert runs[4] == runs[1]
+        runs[every, stop] = generated(endings.run(Engine(model, tokenizer), stop))
+    assert runs[4, ()] == runs[1, ()] == runs[4, ("never in this text",)]
+    runs[1] = runs[1, ()]
     assert [len(t) for t, _ in runs[1]][4] == 15 and ("eos" in [r for _, r in runs[1]])

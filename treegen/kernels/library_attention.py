@@ -101,8 +101,9 @@ def folds_heads(group: int) -> bool:
 
 def fold_heads(q4: Tensor, kv_heads: int) -> Tensor:
     """``[chunks, Hq, rows, D]`` queries as ``[chunks, kv_heads, group * rows, D]``: the ``group`` query
-    heads of one key head stacked along the rows (head ``h * group + g``'s row ``r`` at ``g * rows + r``).
-    Exact for a segment every row sees whole (no mask: rows are independent)."""
+    heads of one key head stacked along the rows (KV head ``kv``: query head ``kv * group + g``'s row ``r``
+    at ``g * rows + r``), copied once (the chunks share it). Exact for a segment every row sees whole (no
+    mask: rows are independent)."""
     chunks, heads, rows, dim = q4.shape
     return q4[:1].reshape(1, kv_heads, heads // kv_heads * rows, dim).expand(chunks, -1, -1, -1)
 

@@ -309,9 +309,9 @@ if triton is not None:
         l_sum = tl.where(lse > float("-inf"), 1.0, 0.0)
         acc = out * l_sum[:, None]
         if LIB_BY_ROW > 0:
-            # one chunk at a time (unrolled; the loads do not depend on each other): all at once, a one-warp
-            # program's [16, chunks, D] fp32 tile of 3-4 chunks spilled its registers (Phi-4-mini at batch 256,
-            # 3 chunks: the leaves' launch 57 us against 42 without the library, H200)
+            # one chunk at a time (unrolled; the loads do not depend on each other) rather than a [16, chunks, D]
+            # fp32 tile at once: Phi-4-mini at batch 256, 3 chunks, the leaves' one-warp launch 57 -> 52 us on an
+            # H200 (still 52 spills; 43 us without the library, which is why triton_plan limits folded groups)
             # (names of their own: compiled Triton types a name once, and the loop below reuses p/ok/...)
             for c_lib in tl.static_range(LIB_BY_ROW):
                 p_lib = -1 - (c_lib * lib_rows + qrow[:, None])

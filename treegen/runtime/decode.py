@@ -528,7 +528,7 @@ class Decoder:
         params = job.request.params
         if masks is None and automata is None and not params.stop:
             # only EOS and max_tokens can end it: cut where the first does, take the tokens at once
-            cut = min(len(new), params.max_tokens - before)
+            cut = max(0, min(len(new), params.max_tokens - before))
             if not params.ignore_eos and not self.eos.isdisjoint(new[:cut]):
                 cut = next(i for i, t in enumerate(new) if t in self.eos) + 1
             out.extend(new[:cut])
