@@ -165,6 +165,7 @@ class Cooperative:
         run.tree_run.host_seconds["programs"] += time.perf_counter() - started
 
 
+@full_collections_paused()  # the whole batch, its roots and results too (pauses of the host otherwise: see the collector)
 def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
                    share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
                    on_programs: Callable[[int, int], None] | None = None,
@@ -190,8 +191,7 @@ def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 
     scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)])
     run.scheduler = scheduler
     try:
-        with full_collections_paused():  # (pauses of the whole host otherwise: see treegen.runtime.collector)
-            scheduler.run(run)
+        scheduler.run(run)
     except KeyboardInterrupt:
         raise BatchInterrupted([r if run.is_done(r.program) and r.error is None else None for r in roots]) from None
     finally:

@@ -252,7 +252,7 @@ class Program:
         names it and carries every result (``.results``). Ctrl-C raises
         :class:`~treegen.lang.batch.BatchInterrupted` with the programs finished so far.
         """
-        with full_collections_paused():  # from the inputs' binding on (see treegen.runtime.collector)
+        with full_collections_paused():  # from the inputs' binding on (run_batch_here pauses the rest)
             return run_batch(engine, [_bind(self, x) for x in inputs], seed=seed, seeds=seeds,
                              share_prefixes=share_prefixes, min_shared_saving=min_shared_saving,
                              on_programs=on_programs, on_result=on_result, on_tokens=on_tokens,
@@ -365,25 +365,23 @@ def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, se
     ``describe(i)``: how errors name program ``i`` (the command line adds its input line)."""
     if seeds is not None and len(seeds) != len(bodies):
         raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
-    with full_collections_paused():  # the whole batch, the programs' roots and results too (see the collector)
-        if getattr(engine, "replicas", None) is not None:  # data parallel from this process: replica processes
-            from treegen.lang.data_parallel import run_batch_replicas
+    if getattr(engine, "replicas", None) is not None:  # data parallel from this process: replica processes
+        from treegen.lang.data_parallel import run_batch_replicas
 
-            return run_batch_replicas(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
-                                      min_shared_saving=min_shared_saving, on_programs=on_programs,
-                                      on_result=on_result, on_tokens=on_tokens,
-                                      max_program_tokens=max_program_tokens, describe=describe)
-        parallel = getattr(engine, "parallel", None)
-        if parallel is not None and parallel.dp > 1:  # several replicas: each runs whole prefix subtrees
-            from treegen.lang.data_parallel import run_batch_data_parallel
+        return run_batch_replicas(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
+                                  min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
+                                  on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
+    parallel = getattr(engine, "parallel", None)
+    if parallel is not None and parallel.dp > 1:  # several replicas: each runs whole prefix subtrees
+        from treegen.lang.data_parallel import run_batch_data_parallel
 
-            return run_batch_data_parallel(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
-                                           min_shared_saving=min_shared_saving, on_programs=on_programs,
-                                           on_result=on_result, on_tokens=on_tokens,
-                                           max_program_tokens=max_program_tokens, describe=describe)
-        return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
-                              min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
-                              on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
+        return run_batch_data_parallel(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
+                                       min_shared_saving=min_shared_saving, on_programs=on_programs,
+                                       on_result=on_result, on_tokens=on_tokens,
+                                       max_program_tokens=max_program_tokens, describe=describe)
+    return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
+                          min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
+                          on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
 
 
 def program(fn: Callable[..., Any]) -> Program:

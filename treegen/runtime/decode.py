@@ -533,21 +533,21 @@ class Decoder:
                 cut = next(i for i, t in enumerate(new) if t in self.eos) + 1
             out.extend(new[:cut])
             self.logprobs[b].extend(logprobs[:cut])
-            new = ()  # (taken; the loop below is the general path)
             result = finished(out, params, self.eos, self.tokenizer) if cut > 0 else None
-        for t, lp in zip(new, logprobs):
-            out.append(t)
-            self.logprobs[b].append(lp)
-            prior, state = state, (automata.walk(state, (t,)) if automata is not None else None)
-            result = finished(out, params, self.eos, self.tokenizer)
-            if result is not None:
-                if masks is not None:
-                    result = dataclasses.replace(result, constraint_met=masks.matched(b))
-                    masks.drop(b)
-                elif automata is not None:  # (a stop token is allowed only where the text is complete)
-                    ended = prior if result.finish_reason == "eos" else state
-                    result = dataclasses.replace(result, constraint_met=ended in automata.final)
-                break
+        else:  # token by token: a stop string, a matcher or an automaton decides after each one
+            for t, lp in zip(new, logprobs):
+                out.append(t)
+                self.logprobs[b].append(lp)
+                prior, state = state, (automata.walk(state, (t,)) if automata is not None else None)
+                result = finished(out, params, self.eos, self.tokenizer)
+                if result is not None:
+                    if masks is not None:
+                        result = dataclasses.replace(result, constraint_met=masks.matched(b))
+                        masks.drop(b)
+                    elif automata is not None:  # (a stop token is allowed only where the text is complete)
+                        ended = prior if result.finish_reason == "eos" else state
+                        result = dataclasses.replace(result, constraint_met=ended in automata.final)
+                    break
         if automata is not None:
             if result is None:
                 self.state[b] = state
