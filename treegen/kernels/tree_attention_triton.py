@@ -178,7 +178,7 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
         MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, DIRECT_ROWS: tl.constexpr, LIB_BY_ROW: tl.constexpr,
-        QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+        LIB_P2: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
         F16_PRODUCTS: tl.constexpr,
     ):
         wid = tl.program_id(0)
@@ -259,7 +259,7 @@ if triton is not None:
             out = _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
                                   stride_pt, stride_ph, stride_lt,
                                   O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
-                                  MERGE_J, HAS_LIB, LIB_BY_ROW)
+                                  MERGE_J, HAS_LIB, LIB_BY_ROW, LIB_P2)
             tl.store(Out + qrow[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None])
         else:
@@ -296,30 +296,32 @@ if triton is not None:
     def _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
                         stride_pt, stride_ph, stride_lt,
                         O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
-                        MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, LIB_BY_ROW: tl.constexpr):
+                        MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, LIB_BY_ROW: tl.constexpr,
+                        LIB_P2: tl.constexpr):
         """Fold the partials listed for each row's query (natural-log LSE) into ``out``/``lse``; returns
         the merged output. Rows have different numbers of partials: each stops at its own end. MERGE_J
         partials of every row are fetched together (independent loads), so a row below a long prefix
         split into many chunks does not wait for its partials one at a time. LIB_BY_ROW (the number of
-        library chunks; 0: none): the library partials of query row ``q`` are read as chunk ``c``, row
-        ``q`` without a lookup in the merge list (which does not list them)."""
+        library chunks, ``LIB_P2`` rounded up to a power of two; 0: none): the library partials of query
+        row ``q`` are read as chunk ``c``, row ``q`` without a lookup in the merge list (which does not
+        list them)."""
         begin = tl.load(merge_ptr + qrow, mask=row_ok, other=0)
         end = tl.load(merge_ptr + qrow + 1, mask=row_ok, other=0)
         m = lse
         l_sum = tl.where(lse > float("-inf"), 1.0, 0.0)
         acc = out * l_sum[:, None]
         if LIB_BY_ROW > 0:
-            # one chunk at a time (unrolled; the loads do not depend on each other) rather than a [16, chunks, D]
-            # fp32 tile at once: Phi-4-mini at batch 256, 3 chunks, the leaves' one-warp launch 57 -> 52 us on an
-            # H200 (still 52 spills; 43 us without the library, which is why triton_plan limits folded groups)
+            # all chunks in one [16, LIB_P2, D] load. (One chunk at a time in an unrolled loop was tried:
+            # Phi-4-mini's 3 chunks 57 -> 52 us, but Llama-3-8B's 2 made its leaves' launch 692-695 -> 737 us a
+            # step at batch 256, H200, profile_step.py; and the plan no longer gives a folded group 3 chunks)
             # (names of their own: compiled Triton types a name once, and the loop below reuses p/ok/...)
-            for c_lib in tl.static_range(LIB_BY_ROW):
-                p_lib = -1 - (c_lib * lib_rows + qrow[:, None])
-                ok_lib = row_ok[:, None] & (p_lib < 0)
-                lse_lib, o_lib = _load_partials(p_lib, ok_lib, head[:, None], offs_d, O_part, LSE_part, stride_pt,
-                                                stride_ph, stride_lt, O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r,
-                                                lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h, HAS_LIB)
-                m, l_sum, acc = _fold_partials(m, l_sum, acc, lse_lib, o_lib)
+            offs_c = tl.arange(0, LIB_P2)
+            p_lib = -1 - (offs_c[None, :] * lib_rows + qrow[:, None])
+            ok_lib = row_ok[:, None] & (offs_c[None, :] < LIB_BY_ROW)
+            lse_lib, o_lib = _load_partials(p_lib, ok_lib, head[:, None], offs_d, O_part, LSE_part, stride_pt,
+                                            stride_ph, stride_lt, O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r,
+                                            lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h, HAS_LIB)
+            m, l_sum, acc = _fold_partials(m, l_sum, acc, lse_lib, o_lib)
         offs_j = tl.arange(0, MERGE_J)
         for j0 in range(0, tl.max(end - begin, axis=0), MERGE_J):
             idx = begin[:, None] + j0 + offs_j[None, :]
@@ -447,7 +449,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1, head_dim 256 J=2
             MERGE_J=1 if launch.num_warps < 4 else 8 if head_dim <= 128 else 2, HAS_LIB=plan.library is not None,
             DIRECT_ROWS=launch.direct_rows, LIB_BY_ROW=plan.library.chunks if plan.library_by_row else 0,
-            QUANT=quant,
+            LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
             WINDOW=window is not None, SOFTCAP=softcap is not None,
             F16_PRODUCTS=f16_products,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,

@@ -39,8 +39,8 @@ _LIBRARY_MIN_SHARE = 0.9
 _LIBRARY_MAX_CHUNKS = 8
 # ... at most this many for a group cuDNN gets folded into its rows (library_attention.folds_heads), measured
 # on Phi-4-mini (24/8) only, on an H200 (bench_library_ab.py, profile_step.py): at batch 256 x 2K its prefix
-# takes 3 chunks, and the leaves' one-warp programs that merge them spill (52 spills; their launch 52 us
-# against 43 without the library) — cuDNN 26 us + a 7 us launch for the keys past the chunks: 33.0K tok/s
+# takes 3 chunks, and the leaves' one-warp programs that merge them spill (their launch 57 us against 43
+# without the library; 52 us with 52 spills reading the chunks one at a time) — cuDNN 26 us + a 7 us launch for the keys past the chunks: 33.0K tok/s
 # end to end against 39.7K with the Triton kernels alone; at 1,024 it takes 1 chunk: 55.7K vs 54.0K (the run
 # after this limit: 56.2K vs 54.8K, library_ab_phi-4-mini_folded_h200.json). Power-of-two groups keep the
 # limit above, measured on them earlier (Llama-3-8B's leaves merge 2 chunks with 10 spills, 23 us)
