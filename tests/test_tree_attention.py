@@ -426,3 +426,50 @@ def test_window_plan_leaves_out_segments_no_row_can_see():
     assert plan_tree_attention(**kwargs, query_pos_buffer=shared).query_pos is shared  # not copied
     with pytest.raises(ValueError, match="query_pos_buffer"):
         plan_tree_attention(**kwargs, query_pos_buffer=torch.tensor([129]))
+
+
+def test_each_launch_lists_its_longest_items_first_and_matches_plain_attention():
+    """Programs start in work-table order: every launch's items go by decreasing key count (the long ones
+    start first, short ones fill in), on an uneven two-level tree whose items have many lengths; the
+    output is the same as with the segments' own order."""
+    rng = random.Random(17)
+    torch.manual_seed(17)
+    parent, length = [-1], [300]
+    for _ in range(6):
+        p = len(parent)
+        parent.append(0)
+        length.append(rng.randint(20, 400))
+        for _ in range(rng.randint(1, 12)):
+            parent.append(p)
+            length.append(rng.randint(1, 90))
+    leaves = [s for s in range(len(parent)) if s not in set(parent)]
+    tree = DecodeTree(parent, length, leaves, rng)
+    ordered, plain = tree.plan(8, 2), tree.plan(8, 2, longest_first=False)
+    for launch in ordered.triton.launches:
+        keys = (launch.work[:, 3] - launch.work[:, 2]).tolist()
+        assert keys == sorted(keys, reverse=True) and len(set(keys)) > 1
+    assert any((a.work != b.work).any() for a, b in zip(ordered.triton.launches, plain.triton.launches))
+    qkv = [torch.randn(n, h, 64) for n, h in ((len(leaves), 8), (tree.slots, 2), (tree.slots, 2))]
+    for plan in (ordered, plain):
+        tree.check(*qkv, plan)
+
+
+def test_dependent_launches_wait_for_what_they_read():
+    """Programmatic dependent launch: the first kernel of a call never depends on the one before; at level 1
+    only the kernels that read the partials before them (fused leaves, the merge); at level 2 every later
+    segment launch too; none at level 0. (The waits themselves run on the GPU: test_tree_attention_gpu.py.)"""
+    from treegen.kernels.tree_attention_triton import dependent_launches
+
+    rng = random.Random(5)
+    fused = DecodeTree([-1] + [0] * 64, [100] + [3] * 64, list(range(1, 65)), rng).plan(8, 2)
+    assert fused.triton.fused_merge and [w.block_m for w in fused.triton.launches] == [128, 16]
+    assert dependent_launches(fused.triton, 0) == [False, False, False]
+    assert dependent_launches(fused.triton, 1) == dependent_launches(fused.triton, 2) == [False, True, False]
+    # a three-level tree whose middle level is read by few rows: 16-row ancestors, so no fused merge
+    parent = [-1] + [0] * 8 + [1 + i // 2 for i in range(16)]
+    unfused = DecodeTree(parent, [600] + [50] * 8 + [5] * 16, list(range(9, 25)), rng).plan(8, 2)
+    assert not unfused.triton.fused_merge and len(unfused.triton.launches) == 2
+    assert dependent_launches(unfused.triton, 1) == [False, False, True]
+    assert dependent_launches(unfused.triton, 2) == [False, True, True]
+    assert dependent_launches(unfused.triton, 0) == [False, False, False]
+    assert fused.triton.pdl == 0  # a CPU plan: no programmatic dependent launch

@@ -25,6 +25,16 @@ key is visible iff ``query_pos - W < key_pos <= query_pos``; each work item star
 any of its rows can see and reads the blocks every row sees without masks. With a soft cap c the scores
 are ``c * tanh(s / c)`` before the softmax (Gemma 2).
 
+Programmatic dependent launch (Hopper and newer, ``TritonPlan.pdl``, :func:`dependent_launches`): a call's
+second and later kernels are launched while the kernel before runs its last programs. Every program of a
+kernel that has a dependent signals it at its start (``gdc_launch_dependents``): the dependent's programs
+take the SMs its programs free, instead of the GPU draining to empty between the two. A dependent waits
+for the kernel before (``gdc_wait``) before it reads that kernel's partials (fused leaves: before their
+merge; the merge kernel: at its start), or — a segment launch independent of the one before — at its
+end, so that each kernel finishes after the one before it and the call's last kernel after all of them
+(what the layer's next kernel, launched normally, waits for). Measured on an H200 (program-shaped trees,
+``benchmarks/profile_attention_trees.py``): 32/8 x 128 heads, 256 leaves, 4-12% less time a call.
+
 LSE convention: partial LSEs are stored as **natural log** in fp32 (the kernel works in base 2
 internally with ``exp2`` and converts on store). A work item with no visible key stores ``-inf``
 and output 0; the merge skips such partials without NaN.
@@ -179,10 +189,14 @@ if triton is not None:
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
         MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, DIRECT_ROWS: tl.constexpr, LIB_BY_ROW: tl.constexpr,
         LIB_P2: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-        F16_PRODUCTS: tl.constexpr,
+        F16_PRODUCTS: tl.constexpr, NUM_KV: tl.constexpr, PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
     ):
-        wid = tl.program_id(0)
-        kvh = tl.program_id(1)
+        # the KV heads of one work item are consecutive programs: the GPU starts programs in this order, so
+        # the plan's order of items (longest first) is the order they start in
+        wid = tl.program_id(0) // NUM_KV
+        kvh = tl.program_id(0) % NUM_KV
+        if PDL_TRIGGER:  # the call's next launch may start as this one's last programs run (see the module doc)
+            tl.extra.cuda.gdc_launch_dependents()
         slot0 = tl.load(work + wid * 7 + 0)
         pos0 = tl.load(work + wid * 7 + 1)
         kb = tl.load(work + wid * 7 + 2)
@@ -256,6 +270,8 @@ if triton is not None:
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         if FUSE_MERGE:  # this item is its rows' own segment: merge their ancestors' partials and finish
+            if PDL_WAIT:  # the partials are the previous launch's
+                tl.extra.cuda.gdc_wait()
             out = _merge_partials(out, lse, O_part, LSE_part, merge_ptr, merge_idx, qrow, head, row_ok, offs_d,
                                   stride_pt, stride_ph, stride_lt,
                                   O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
@@ -267,6 +283,8 @@ if triton is not None:
             tl.store(O_part + part[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :], out,
                      mask=row_ok[:, None])
             tl.store(LSE_part + part * stride_lt + head, lse, mask=row_ok)
+            if PDL_WAIT:  # finish only after the previous launch: the next one's wait then covers both
+                tl.extra.cuda.gdc_wait()
 
     @triton.jit
     def _load_partials(p, ok, head, offs_d, O_part, LSE_part, stride_pt, stride_ph, stride_lt,
@@ -349,9 +367,11 @@ if triton is not None:
         O_part, LSE_part, merge_ptr, merge_idx, Out,
         num_heads, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
         O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
-        BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_LIB: tl.constexpr,
+        BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_LIB: tl.constexpr, PDL_WAIT: tl.constexpr,
     ):
         q = tl.program_id(0)
+        if PDL_WAIT:  # the partials are the previous launches'
+            tl.extra.cuda.gdc_wait()
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HEAD_DIM)
         h_ok = offs_h < num_heads
@@ -376,6 +396,18 @@ _LAUNCH = {k.fn.__name__: Launcher(k) for k in (_segment_attention_kernel, _merg
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def dependent_launches(plan: TritonPlan, pdl: int) -> list[bool]:
+    """Which kernels of one call are launched as programmatic dependents of the kernel before (``launch_pdl``):
+    one entry per segment launch, then one for the merge launch (False when the plan fuses the merge).
+    ``pdl``: 0 none; 1 the kernels that read the launch before's partials (fused leaves, the merge); 2 also
+    the segment launches after the first (independent of the one before; each finishes only after it).
+    The first kernel of a call never is: it reads what the layer's earlier kernels wrote."""
+    n = len(plan.launches)
+    links = [i > 0 and (pdl >= 2 or pdl >= 1 and plan.fused_merge and w.block_m == 16)
+             for i, w in enumerate(plan.launches)]
+    return links + [pdl >= 1 and n > 0 and not plan.fused_merge]
 
 
 def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TritonPlan, query_pos: Tensor,
@@ -418,7 +450,8 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
                     lse_lib.stride(0), lse_lib.stride(2), lse_lib.stride(1))
     else:
         lib_args = (o_part, lse_part, 1, 0, 0, 0, 0, 0, 0)
-    for launch in plan.launches:
+    links = dependent_launches(plan, plan.pdl if q.is_cuda else 0)
+    for index, launch in enumerate(plan.launches):
         block_n = launch.block_n // 2 if wide else launch.block_n
         # an 8-bit cache's many-leaves launch reads with plain loads: its TMA loads were slower (H200, Llama-3-8B
         # decode, 1,024 leaves: INT8 145 vs 174 us, FP8 137 vs 156; bf16 equal), see FP8_PRODUCTS' file
@@ -435,7 +468,9 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             k_desc, v_desc = descriptors
         else:
             k_desc = v_desc = k_cache  # unused
-        _LAUNCH["_segment_attention_kernel"][(launch.work.shape[0], num_kv)](
+        fused = plan.fused_merge and launch.block_m == 16
+        follows, precedes = links[index], links[index + 1]
+        _LAUNCH["_segment_attention_kernel"][(launch.work.shape[0] * num_kv,)](
             q, k_cache, v_cache, k_desc, v_desc, k_scale if quant else k_cache, v_scale if quant else v_cache,
             o_part, lse_part, launch.work, plan.rows, query_pos, plan.merge_ptr, plan.merge_idx, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if quant else 0,
@@ -444,21 +479,23 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
             USE_TMA=use_tma, WARP_SPECIALIZE=plan.warp_specialize,
             PRECISION="ieee" if exact else "tf32",  # fp32 inputs get full fp32 products (no TF32)
-            FUSE_MERGE=plan.fused_merge and launch.block_m == 16,
+            FUSE_MERGE=fused,
             # a leaf below a 16K prefix split 32 ways: 64 branches 8/1 heads 32 us (J=8) vs 36 (4) vs 42 (1), H100;
             # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1, head_dim 256 J=2
             MERGE_J=1 if launch.num_warps < 4 else 8 if head_dim <= 128 else 2, HAS_LIB=plan.library is not None,
             DIRECT_ROWS=launch.direct_rows, LIB_BY_ROW=plan.library.chunks if plan.library_by_row else 0,
             LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
             WINDOW=window is not None, SOFTCAP=softcap is not None,
-            F16_PRODUCTS=f16_products,
+            F16_PRODUCTS=f16_products, NUM_KV=num_kv, PDL_TRIGGER=precedes, PDL_WAIT=follows,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
+            **({"launch_pdl": True} if follows else {}),
         )
     if plan.fused_merge:
         return out
     _LAUNCH["_merge_kernel"][(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,
         num_heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1), *lib_args,
-        BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, HAS_LIB=plan.library is not None, num_warps=4,
+        BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, HAS_LIB=plan.library is not None,
+        PDL_WAIT=links[-1], num_warps=4, **({"launch_pdl": True} if links[-1] else {}),
     )
     return out

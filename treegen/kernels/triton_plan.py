@@ -10,6 +10,7 @@ partials each query row merges, and optionally the one large shared segment give
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -98,6 +99,7 @@ class TritonPlan:
     fused_merge: bool = False
     library: LibrarySegment | None = None
     library_by_row: bool = False
+    pdl: int = 0
     # the kernels' TMA descriptors of the caches this plan has read, by (pointers, slots, stride, block):
     # made once per layer and plan, not per launch (host time of un-captured steps)
     descriptors: dict = field(default_factory=dict, compare=False, repr=False)
@@ -109,7 +111,7 @@ class TritonPlan:
         library segment has none (None)."""
         if self.library is not None:
             return None
-        return (self.group, self.use_tma, self.warp_specialize, self.fused_merge,
+        return (self.group, self.use_tma, self.warp_specialize, self.fused_merge, self.pdl,
                 tuple((w.block_m, w.block_n, w.num_warps, w.num_stages, w.direct_rows) for w in self.launches))
 
     def sizes(self) -> tuple:
@@ -130,7 +132,8 @@ class TritonPlan:
         return TritonPlan(
             launches=tuple(dataclasses.replace(w, work=zeros(n, 7)) for w, n in zip(self.launches, items)),
             rows=zeros(rows), merge_ptr=zeros(num_queries + 1), merge_idx=zeros(merge), num_partials=partials,
-            group=self.group, use_tma=self.use_tma, warp_specialize=self.warp_specialize, fused_merge=self.fused_merge)
+            group=self.group, use_tma=self.use_tma, warp_specialize=self.warp_specialize, fused_merge=self.fused_merge,
+            pdl=self.pdl)
 
     def load(self, plan: "TritonPlan") -> None:
         """Copy ``plan``'s tables into this :meth:`padded` one's (equal shape keys, sizes within its
@@ -190,6 +193,10 @@ def plan_triton(
     fuse_merge: bool = True,
     library: bool = False,
     leaf_shape: tuple[int, int, int] | None = None,
+    ancestors_wide: bool = False,
+    longest_first: bool = True,
+    pdl: int | None = None,
+    wide_m: int | None = None,
 ) -> TritonPlan:
     """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included), in
     increasing order; ``paths[q]``: segments on query row ``q``'s root-to-own-segment path;
@@ -198,7 +205,15 @@ def plan_triton(
     (fewer, longer programs write fewer partials) and two per SM for small work — measured with
     ``benchmarks/bench_attention.py --sweep`` (results in benchmarks/results/attention_sweep_h100.json).
     ``library``: give the largest shared segment to the library kernel (``library_attention.py``) if
-    one is large enough; the Triton launches then read only its last ``< chunks`` keys, if any."""
+    one is large enough; the Triton launches then read only its last ``< chunks`` keys, if any.
+    ``longest_first``: each launch's items in order of decreasing key count (programs start in table order,
+    so the long ones start first and the short ones fill the SMs they leave: measured on an H200, 32/8 x 128
+    heads, 256 leaves, the heavy tree's call 119 -> 102 us). ``pdl``: programmatic dependent launch level
+    (:func:`~treegen.kernels.tree_attention_triton.dependent_launches`; None: 2 on Hopper and newer).
+    Experiments (``benchmarks/profile_attention_trees.py --variant``), off by default because they won on
+    some tree classes and lost on others (H200, 256 leaves): ``ancestors_wide`` gives ancestors read by few
+    rows the wide tiles (so the leaves fuse the merge; uneven trees 113 -> 96 us, deep 95 -> 122);
+    ``wide_m`` the wide tiles' height (64: deep 95 -> 87 us, heavy 102 -> 135)."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
     segs = sorted(s for s in rows_of if segment_len[s] > 0)
@@ -209,8 +224,11 @@ def plan_triton(
         key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
         if key_begin[lib[0]] == segment_len[lib[0]]:
             segs.remove(lib[0])
-    wide_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
-    tile_m = {s: 16 if len(rows_of[s]) * group <= 16 else wide_m for s in segs}
+    if wide_m is None:
+        wide_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
+    own = {path[-1] for path in paths}
+    tile_m = {s: 16 if len(rows_of[s]) * group <= 16 and not (ancestors_wide and s not in own) else wide_m
+              for s in segs}
     tiles = {s: -(-len(rows_of[s]) // (tile_m[s] // group)) for s in segs}
     # balance: cut keys into chunks so the total work is spread over ~target_programs programs
     total = sum(tiles[s] * tile_m[s] // 16 * (segment_len[s] - key_begin[s]) for s in segs) * num_kv_heads // (wide_m // 16)
@@ -224,7 +242,6 @@ def plan_triton(
     # fused merge: the narrow segments are exactly the queries' own ones (an ancestor in the narrow
     # launch would run alongside its descendants), each read by its own queries only and short enough
     # (or numerous enough) to be one unsplit work item
-    own = {path[-1] for path in paths}
     narrow_segs = {s for s in segs if tile_m[s] == 16}
     fused = fuse_merge and narrow_segs == own and all(
         all(paths[q][-1] == s for q in rows_of[s]) and segment_len[s] <= max(seg_chunk[s], _FUSED_LEAF_MAX_KEYS)
@@ -274,6 +291,8 @@ def plan_triton(
 
     def launch(m, items):
         table = np.asarray(items, dtype=np.int64).reshape(-1, 7)
+        if longest_first:  # programs start in table order: the longest first, the short ones fill in after
+            table = table[np.argsort(table[:, 2] - table[:, 3], kind="stable")]
         # rows [o, o + n) of ``rows`` consecutive query rows in every item: hand the kernel the first one
         # (a segment's rows increase: consecutive when the last is n - 1 past the first)
         first, count = table[:, 4], table[:, 5]
@@ -296,6 +315,7 @@ def plan_triton(
         fused_merge=fused,
         library=lib[1] if lib else None,
         library_by_row=by_row,
+        pdl=_pdl_default(device) if pdl is None else pdl,
     )
 
 
@@ -324,3 +344,13 @@ def _tma_default(device) -> bool:
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl_default(device) -> int:
+    """Programmatic dependent launch between the launches of one call on Hopper and newer (not in the
+    interpreter): 0 none, 1 for the launches that read the one before (fused leaves, the merge), 2 for
+    every launch after the first; ``TREEGEN_PDL`` overrides."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return int(os.environ.get("TREEGEN_PDL", "2")) if torch.cuda.get_device_capability(device)[0] >= 9 else 0
