@@ -473,3 +473,18 @@ def test_dependent_launches_wait_for_what_they_read():
     assert dependent_launches(unfused.triton, 2) == [False, True, True]
     assert dependent_launches(unfused.triton, 0) == [False, False, False]
     assert fused.triton.pdl == 0  # a CPU plan: no programmatic dependent launch
+
+
+def test_segments_read_by_few_rows_get_a_64_row_launch_when_they_fill_half_a_wave():
+    """Problems read by 8 branches x 4 heads (32 rows x heads) below a root read by all: enough of them
+    (72 programs with 8 KV heads) get 64-row tiles in a launch of their own; the same tree with 2 KV heads
+    (18 programs) keeps them in the 128-row launch. Both match plain attention (fp16 partials)."""
+    rng = random.Random(19)
+    torch.manual_seed(19)
+    parent = [-1] + [0] * 9 + [1 + i // 8 for i in range(72)]
+    tree = DecodeTree(parent, [200] + [30] * 9 + [5] * 72, list(range(10, 82)), rng)
+    for heads, kv, mid in ((32, 8, True), (8, 2, False)):
+        plan = tree.plan(heads, kv)
+        assert (64 in [w.block_m for w in plan.triton.launches]) == mid
+        assert 128 in [w.block_m for w in plan.triton.launches] and plan.triton.half_partials
+        tree.check(*(torch.randn(n, h, 64).half() for n, h in ((72, heads), (tree.slots, kv), (tree.slots, kv))), plan)

@@ -297,7 +297,7 @@ if triton is not None:
         part_ok = ok & (p >= 0)
         lse = tl.load(LSE_part + p64 * stride_lt + head, mask=part_ok, other=float("-inf"))
         o = tl.load(O_part + tl.expand_dims(p64 * stride_pt + head * stride_ph, -1) + offs_d,
-                    mask=tl.expand_dims(part_ok, -1), other=0.0)
+                    mask=tl.expand_dims(part_ok, -1), other=0.0).to(tl.float32)
         if HAS_LIB:
             lib_ok = ok & (p < 0)
             e = tl.where(lib_ok, -1 - p, 0)
@@ -434,7 +434,8 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     # shared memory; fp32 inputs also get full fp32 products
     exact = q.element_size() > 2
     wide = exact or head_dim > 128
-    o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, dtype=torch.float32, device=q.device)
+    o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, device=q.device,
+                         dtype=torch.float16 if plan.half_partials and not exact else torch.float32)
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
     quant = k_scale is not None
     f16_products = quant and q.dtype == torch.bfloat16 and k_cache.dtype != torch.int8 and FP8_PRODUCTS == "fp16"

@@ -46,6 +46,11 @@ _LIBRARY_MAX_CHUNKS = 8
 # after this limit: 56.2K vs 54.8K, library_ab_phi-4-mini_folded_h200.json). Power-of-two groups keep the
 # limit above, measured on them earlier (Llama-3-8B's leaves merge 2 chunks with 10 spills, 23 us)
 _LIBRARY_MAX_FOLDED_CHUNKS = 2
+# segments read by 17..64 rows x heads get 64-row tiles of their own launch when they make this many programs
+# (half an H100/H200 wave). Measured on an H200 (profile_attention_trees.py, program-shaped trees, 256/1,024
+# leaves, 32/8 x 128, 9/3 x 64, 16/8 x 256 heads, fp16 partials both ways): 66-736 such programs 0-11% less
+# time a call (deep trees most), 33 and 48 programs 2% and 15% more (the multilevel tree, 9/3 heads, 256 leaves)
+_MIN_MID_PROGRAMS = _SMS // 2
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class TritonPlan:
     ``merge_idx`` entry names one of its partials (see :class:`LibrarySegment`).
     ``library_by_row`` — fused, and the library segment is read by every query row in order: each leaf
     item reads its row's library partials directly (chunk ``c``, row ``q``), not through ``merge_idx``.
+    ``pdl`` — programmatic dependent launch level of the call's kernels (see
+    :func:`~treegen.kernels.tree_attention_triton.dependent_launches`; 0: none).
+    ``half_partials`` — the partial outputs of 16-bit inputs are stored in fp16 (fp32 inputs keep fp32).
     """
 
     launches: tuple[WorkList, ...]
@@ -100,6 +108,7 @@ class TritonPlan:
     library: LibrarySegment | None = None
     library_by_row: bool = False
     pdl: int = 0
+    half_partials: bool = False
     # the kernels' TMA descriptors of the caches this plan has read, by (pointers, slots, stride, block):
     # made once per layer and plan, not per launch (host time of un-captured steps)
     descriptors: dict = field(default_factory=dict, compare=False, repr=False)
@@ -111,7 +120,7 @@ class TritonPlan:
         library segment has none (None)."""
         if self.library is not None:
             return None
-        return (self.group, self.use_tma, self.warp_specialize, self.fused_merge, self.pdl,
+        return (self.group, self.use_tma, self.warp_specialize, self.fused_merge, self.pdl, self.half_partials,
                 tuple((w.block_m, w.block_n, w.num_warps, w.num_stages, w.direct_rows) for w in self.launches))
 
     def sizes(self) -> tuple:
@@ -133,7 +142,7 @@ class TritonPlan:
             launches=tuple(dataclasses.replace(w, work=zeros(n, 7)) for w, n in zip(self.launches, items)),
             rows=zeros(rows), merge_ptr=zeros(num_queries + 1), merge_idx=zeros(merge), num_partials=partials,
             group=self.group, use_tma=self.use_tma, warp_specialize=self.warp_specialize, fused_merge=self.fused_merge,
-            pdl=self.pdl)
+            pdl=self.pdl, half_partials=self.half_partials)
 
     def load(self, plan: "TritonPlan") -> None:
         """Copy ``plan``'s tables into this :meth:`padded` one's (equal shape keys, sizes within its
@@ -197,6 +206,8 @@ def plan_triton(
     longest_first: bool = True,
     pdl: int | None = None,
     wide_m: int | None = None,
+    mid_tiles: bool | None = None,
+    half_partials: bool = True,
 ) -> TritonPlan:
     """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included), in
     increasing order; ``paths[q]``: segments on query row ``q``'s root-to-own-segment path;
@@ -210,6 +221,11 @@ def plan_triton(
     so the long ones start first and the short ones fill the SMs they leave: measured on an H200, 32/8 x 128
     heads, 256 leaves, the heavy tree's call 119 -> 102 us). ``pdl``: programmatic dependent launch level
     (:func:`~treegen.kernels.tree_attention_triton.dependent_launches`; None: 2 on Hopper and newer).
+    ``mid_tiles``: segments read by 17..64 rows x heads get 64-row tiles in a launch of their own (None:
+    when they make at least ``_MIN_MID_PROGRAMS`` programs). ``half_partials``: 16-bit inputs' partial
+    outputs stored in fp16 (half the bytes written and merged; a partial output is a convex combination
+    of values, so it is in fp16's range whenever the values are below 65,504 in magnitude; its rounding is
+    1/8 of a bf16 output's). Measured on an H200: 0-16% less time a call on program-shaped trees.
     Experiments (``benchmarks/profile_attention_trees.py --variant``), off by default because they won on
     some tree classes and lost on others (H200, 256 leaves): ``ancestors_wide`` gives ancestors read by few
     rows the wide tiles (so the leaves fuse the merge; uneven trees 113 -> 96 us, deep 95 -> 122);
@@ -229,6 +245,13 @@ def plan_triton(
     own = {path[-1] for path in paths}
     tile_m = {s: 16 if len(rows_of[s]) * group <= 16 and not (ancestors_wide and s not in own) else wide_m
               for s in segs}
+    # segments read by 17..64 rows x heads: 64-row tiles (4 warps) of a launch of their own, when they make
+    # at least half a wave of programs (fewer: the extra launch costs more than the emptier 128-row tiles)
+    mid = [s for s, m in tile_m.items() if m == 128 and len(rows_of[s]) * group <= 64]
+    if mid_tiles is None:
+        mid_tiles = sum(-(-len(rows_of[s]) * group // 64) for s in mid) * num_kv_heads >= _MIN_MID_PROGRAMS
+    if mid_tiles:
+        tile_m.update({s: 64 for s in mid})
     tiles = {s: -(-len(rows_of[s]) // (tile_m[s] // group)) for s in segs}
     # balance: cut keys into chunks so the total work is spread over ~target_programs programs
     total = sum(tiles[s] * tile_m[s] // 16 * (segment_len[s] - key_begin[s]) for s in segs) * num_kv_heads // (wide_m // 16)
@@ -316,6 +339,7 @@ def plan_triton(
         library=lib[1] if lib else None,
         library_by_row=by_row,
         pdl=_pdl_default(device) if pdl is None else pdl,
+        half_partials=half_partials,
     )
 
 
