@@ -212,9 +212,12 @@ def plan_triton(
     """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included), in
     increasing order; ``paths[q]``: segments on query row ``q``'s root-to-own-segment path;
     ``path_local[q]``: for each of them, ``q``'s index in its ``rows_of``. ``target_programs``: how
-    many programs the key-axis split aims for: by default one per SM of an H100 (132) for large work
-    (fewer, longer programs write fewer partials) and two per SM for small work — measured with
-    ``benchmarks/bench_attention.py --sweep`` (results in benchmarks/results/attention_sweep_h100.json).
+    many programs the key-axis split aims for: by default one per SM of an H100 (132): fewer, longer programs
+    write fewer partials, and with the items longest first the short ones fill in behind them. (Two per SM
+    for work under 132 x 1,024 was measured best before the items were ordered, ``bench_attention.py
+    --sweep``; with the order, one per SM measured on an H200: paper grid geomean 1.00 (0.97-1.04),
+    program-shaped trees 0.81-1.02 (the heavy tree with 9/3 heads at 256 leaves 58 -> 47 us), Phi-4-mini's
+    decode step at batch 256 1,843 -> 1,594 us of attention, ``profile_attention_trees_target_programs_h200.json``.)
     ``library``: give the largest shared segment to the library kernel (``library_attention.py``) if
     one is large enough; the Triton launches then read only its last ``< chunks`` keys, if any.
     ``longest_first``: each launch's items in order of decreasing key count (programs start in table order,
@@ -255,8 +258,8 @@ def plan_triton(
     tiles = {s: -(-len(rows_of[s]) // (tile_m[s] // group)) for s in segs}
     # balance: cut keys into chunks so the total work is spread over ~target_programs programs
     total = sum(tiles[s] * tile_m[s] // 16 * (segment_len[s] - key_begin[s]) for s in segs) * num_kv_heads // (wide_m // 16)
-    if target_programs is None:
-        target_programs = _SMS if total >= _SMS * 1024 else 2 * _SMS
+    if target_programs is None:  # (see the docstring)
+        target_programs = _SMS
     chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
     chunk = -(-chunk // block_n) * block_n
     # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
