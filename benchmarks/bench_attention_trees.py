@@ -140,6 +140,16 @@ def layout(f: Forest):
     return start, pos, cursor, leaves, [pos[n] + f.length[n] - 1 for n in leaves]
 
 
+def cases(heads: list[str], trees: list[str], leaves: list[int]):
+    """(tree class, leaves, query heads, KV heads, head_dim) for every ``Q/KVxD`` head spec x class x leaf count."""
+    for spec in heads:
+        qk, d = spec.split("x")
+        q, kv = (int(x) for x in qk.split("/"))
+        for kind in trees:
+            for n in leaves:
+                yield kind, n, q, kv, int(d)
+
+
 @triton.jit
 def _empty_kernel(X):
     tl.store(X + tl.program_id(0), 0.0)
@@ -229,24 +239,20 @@ def main() -> None:
     fixed = empty_kernel_us()
     print(f"empty kernel in a CUDA graph: {fixed:.2f} us", flush=True)
     rows = []
-    for spec in args.heads:
-        qk, d = spec.split("x")
-        heads, kv = (int(x) for x in qk.split("/"))
-        for kind in args.trees:
-            for leaves in args.leaves:
-                row = run_case(kind, leaves, heads, kv, int(d), fixed, args.fa_budget_gb)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                result = {"benchmark": "attention_trees", "device": name, "dtype": "bfloat16",
-                          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                                       "cuda": torch.version.cuda, "python": platform.python_version()},
-                          "empty_kernel_us": fixed,
-                          "method": "do_bench median (L2 flushed) of a CUDA-graph replay; floor = max(unique KV bytes "
-                                    "at HBM peak, FLOPs at 80% of bf16 peak) + one empty kernel in a graph",
-                          "rows": rows}
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(result, indent=2) + "\n")
+    for kind, leaves, heads, kv, d in cases(args.heads, args.trees, args.leaves):
+        row = run_case(kind, leaves, heads, kv, d, fixed, args.fa_budget_gb)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        result = {"benchmark": "attention_trees", "device": name, "dtype": "bfloat16",
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                               "cuda": torch.version.cuda, "python": platform.python_version()},
+                  "empty_kernel_us": fixed,
+                  "method": "do_bench median (L2 flushed) of a CUDA-graph replay; floor = max(unique KV bytes "
+                            "at HBM peak, FLOPs at 80% of bf16 peak) + one empty kernel in a graph",
+                  "rows": rows}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, out.with_suffix(".png"), name)
     print(f"wrote {out}")
 

@@ -29,7 +29,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 from bench_attention import PEAK_HBM_TBS, bench  # benchmarks/
-from bench_attention_trees import HEADS, TREES, empty_kernel_us, layout, make_tree  # benchmarks/
+from bench_attention_trees import HEADS, TREES, cases, empty_kernel_us, layout, make_tree  # benchmarks/
 from treegen.kernels.launch import Launcher
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.runtime.cuda_graph import capture
@@ -149,25 +149,20 @@ def main() -> None:
     fixed = empty_kernel_us()
     print(f"empty kernel in a CUDA graph: {fixed:.2f} us", flush=True)
     rows = []
-    for spec in args.heads:
-        qk, d = spec.split("x")
-        heads, kv = (int(x) for x in qk.split("/"))
-        for kind in args.trees:
-            for leaves in args.leaves:
-                for vname, knobs in variants:
-                    row = profile_case(kind, leaves, heads, kv, int(d), knobs, args.replays)
-                    row["variant"], row["knobs"] = vname, {k: list(v) if isinstance(v, tuple) else v
-                                                           for k, v in knobs.items()}
-                    rows.append(row)
-                    print(f"\n{kind} {row['leaves']} leaves {spec} [{vname}]: {row['total_us']:.1f} us a call "
-                          f"(launches {row['sum_of_launches_us']:.1f}; KV floor {row['kv_floor_us']:.1f} + {fixed:.1f}), "
-                          f"{row['partials']} partials, {row['merge_entries']} merge entries")
-                    for e in row["launches"]:
-                        extra = "" if "block_m" not in e else (
-                            f" m{e['block_m']} n{e['block_n']} w{e['warps']} s{e['stages']} {e['programs']} programs"
-                            f"{' fused' if e['fused_merge'] else ''} regs {e['regs']}/{e['spills']} "
-                            f"KV {e['kv_mb']:.1f} MB = {e['kv_floor_us']:.1f} us at peak")
-                        print(f"  {e['us']:7.1f} us  {e['kernel'][:40]}{extra}", flush=True)
+    for kind, leaves, heads, kv, d in cases(args.heads, args.trees, args.leaves):
+        for vname, knobs in variants:
+            row = profile_case(kind, leaves, heads, kv, d, knobs, args.replays)
+            row["variant"], row["knobs"] = vname, {k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()}
+            rows.append(row)
+            print(f"\n{kind} {row['leaves']} leaves {heads}/{kv}x{d} [{vname}]: {row['total_us']:.1f} us a call "
+                  f"(launches {row['sum_of_launches_us']:.1f}; KV floor {row['kv_floor_us']:.1f} + {fixed:.1f}), "
+                  f"{row['partials']} partials, {row['merge_entries']} merge entries")
+            for e in row["launches"]:
+                extra = "" if "block_m" not in e else (
+                    f" m{e['block_m']} n{e['block_n']} w{e['warps']} s{e['stages']} {e['programs']} programs"
+                    f"{' fused' if e['fused_merge'] else ''} regs {e['regs']}/{e['spills']} "
+                    f"KV {e['kv_mb']:.1f} MB = {e['kv_floor_us']:.1f} us at peak")
+                print(f"  {e['us']:7.1f} us  {e['kernel'][:40]}{extra}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "profile_attention_trees", "device": name,
