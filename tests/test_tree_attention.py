@@ -132,6 +132,18 @@ def test_random_trees_match_plain_attention(seed, num_heads, num_kv, head_dim):
 @pytest.mark.parametrize("fuse", [True, False])
 def test_triton_kernels_match_plain_attention(seed, num_heads, num_kv, head_dim, dtype, fuse):
     """The Triton kernels (run by the interpreter on CPU) on random unbalanced trees, prefill and decode rows."""
+    check_random_tree(seed, num_heads, num_kv, head_dim, dtype, fuse)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("num_heads,num_kv", [(16, 4), (32, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_launch_fetching_partials_four_at_a_time_matches_plain_attention(seed, num_heads, num_kv, dtype):
+    """16+ heads x 128: the merge launch fetches a row's partials four at a time (fewer heads one at a time)."""
+    check_random_tree(seed, num_heads, num_kv, 128, dtype, fuse=False)
+
+
+def check_random_tree(seed, num_heads, num_kv, head_dim, dtype, fuse):
     rng = random.Random(100 + seed)
     torch.manual_seed(seed)
     parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 4),
