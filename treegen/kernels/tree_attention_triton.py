@@ -33,7 +33,7 @@ for the kernel before (``gdc_wait``) before it reads that kernel's partials (fus
 merge; the merge kernel: at its start), or — a segment launch independent of the one before — at its
 end, so that each kernel finishes after the one before it and the call's last kernel after all of them
 (what the layer's next kernel, launched normally, waits for). Measured on an H200 (program-shaped trees,
-``benchmarks/profile_attention_trees.py``): 32/8 x 128 heads, 256 leaves, 4-12% less time a call.
+``benchmarks/profile_attention_trees.py``): 32/8 x 128 heads, 4-11% less time a call at 256 leaves, 1-3% at 1,024.
 
 LSE convention: partial LSEs are stored as **natural log** in fp32 (the kernel works in base 2
 internally with ``exp2`` and converts on store). A work item with no visible key stores ``-inf``
