@@ -135,12 +135,46 @@ def test_triton_kernels_match_plain_attention(seed, num_heads, num_kv, head_dim,
     check_random_tree(seed, num_heads, num_kv, head_dim, dtype, fuse)
 
 
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("num_heads,num_kv", [(16, 4), (32, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_merge_launch_fetching_partials_four_at_a_time_matches_plain_attention(seed, num_heads, num_kv, dtype):
-    """16+ heads x 128: the merge launch fetches a row's partials four at a time (fewer heads one at a time)."""
-    check_random_tree(seed, num_heads, num_kv, 128, dtype, fuse=False)
+@pytest.mark.parametrize("library", [False, True])
+def test_merge_launch_fetching_partials_four_at_a_time_matches_plain_attention(dtype, library):
+    """16 heads x 128: the merge launch fetches a row's partials four at a time. A 2,000-key root (cut into
+    key chunks, or given to the library kernel in chunks) over a chain of six short segments, then 160 leaves:
+    each row merges ten or more partials, so the blocked loop runs three times and ends on a partial block."""
+    from treegen.kernels.tree_attention_triton import merge_block
+
+    assert merge_block(16, 128) == merge_block(32, 128) == merge_block(16, 256) == 4
+    assert merge_block(9, 64) == merge_block(32, 64) == merge_block(9, 128) == merge_block(64, 128) == 1
+    rng = random.Random(23)
+    torch.manual_seed(23)
+    parent = [-1] + list(range(6)) + [6] * 160
+    tree = DecodeTree(parent, [2000] + [9] * 6 + [rng.randint(1, 12) for _ in range(160)], list(range(7, 167)), rng)
+    plan = tree.plan(16, 4, fuse_merge=False, library=library)
+    assert not plan.triton.fused_merge and (plan.triton.library is not None) == library
+    counts = (plan.triton.merge_ptr[1:] - plan.triton.merge_ptr[:-1]).tolist()
+    assert min(counts) >= 10 and max(counts) % 4
+    tree.check(*(torch.randn(n, h, 128).to(dtype) for n, h in ((160, 16), (tree.slots, 4), (tree.slots, 4))), plan)
+
+
+def test_partials_of_16_bit_inputs_are_stored_in_fp16():
+    """half_partials: fp16 partial outputs for 16-bit queries (fp32 ones keep fp32); the result moves by the
+    partials' rounding only — different bits, the same attention within fp16 tolerance."""
+    from treegen.kernels.tree_attention_triton import partial_dtype
+
+    rng = random.Random(29)
+    torch.manual_seed(29)
+    parent = [-1] + [0] * 4 + [1 + i // 4 for i in range(16)]
+    tree = DecodeTree(parent, [300] + [40] * 4 + [6] * 16, list(range(5, 21)), rng)
+    half, full = tree.plan(8, 2), tree.plan(8, 2, half_partials=False)
+    q16, q32 = torch.randn(16, 8, 64).half(), torch.randn(16, 8, 64)
+    assert partial_dtype(half.triton, q16) == torch.float16 and partial_dtype(half.triton, q32) == torch.float32
+    assert partial_dtype(full.triton, q16) == torch.float32
+    kv = [torch.randn(tree.slots, 2, 64).half() for _ in range(2)]
+    scale = 64 ** -0.5
+    a, b = tree_attention(q16, *kv, half, scale), tree_attention(q16, *kv, full, scale)
+    assert not torch.equal(a, b)
+    tree.check(q16, *kv, half)
+    tree.check(q16, *kv, full)
 
 
 def check_random_tree(seed, num_heads, num_kv, head_dim, dtype, fuse):
@@ -469,7 +503,8 @@ def test_each_launch_lists_its_longest_items_first_and_matches_plain_attention()
 def test_dependent_launches_wait_for_what_they_read():
     """Programmatic dependent launch: the first kernel of a call never depends on the one before; at level 1
     only the kernels that read the partials before them (fused leaves, the merge); at level 2 every later
-    segment launch too; none at level 0. (The waits themselves run on the GPU: test_tree_attention_gpu.py.)"""
+    segment launch too; none at level 0. (This checks the choice only: the waits run on the GPU, where every
+    tree-attention GPU test runs with level 2 — a missing wait would show there only as a race.)"""
     from treegen.kernels.tree_attention_triton import dependent_launches
 
     rng = random.Random(5)

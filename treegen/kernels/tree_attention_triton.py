@@ -1,7 +1,7 @@
 """Triton tree attention: every segment's KV is read once for all query rows below it.
 
-Two kinds of launch per layer, whatever the tree's depth (plus, on Hopper, one cuDNN call for a large
-shared prefix: :mod:`treegen.kernels.library_attention`, merged like any other partial):
+Two kernels, launched once per tile height, whatever the tree's depth (plus, on Hopper, one cuDNN call for a
+large shared prefix: :mod:`treegen.kernels.library_attention`, merged like any other partial):
 
 1. ``_segment_attention_kernel`` — one program per *work item* × KV head. A work item is a tile of
    query rows below one segment (rows × the query heads sharing the KV head, folded into the tile's
@@ -9,7 +9,7 @@ shared prefix: :mod:`treegen.kernels.library_attention`, merged like any other p
    (long segments are split along the key axis so few queries × a long prefix still fill the GPU,
    flash-decoding style). Keys are visible iff ``key_pos <= query_pos`` (ancestors fully, the query's
    own segment causally — the same rule as the reference). It writes a partial output and LSE.
-   It is launched once per tile height (16 rows for segments read by few queries, 64/128 for shared
+   It is launched once per tile height (16 rows for segments read by few queries, 64 and/or 128 for shared
    ones; the work tables are made by :mod:`treegen.kernels.triton_plan`), each launch with its own key
    block, warps and pipeline depth (``_launch_shape`` there: thousands of branches' own short
    segments run as small one-warp programs).
@@ -17,8 +17,8 @@ shared prefix: :mod:`treegen.kernels.library_attention`, merged like any other p
    root-to-leaf path (any depth, unbalanced trees) with the log-sum-exp rule, all heads at once.
 
 When every query's own segment is a single 16-row work item (decode: one leaf per branch), that
-launch runs last and its items merge their rows' ancestor partials themselves (``fused_merge``): two
-launches per layer instead of three, and no partial written for the leaf.
+launch runs last and its items merge their rows' ancestor partials themselves (``fused_merge``): no merge
+launch, and no partial written for the leaf.
 
 Sliding window and soft-capping (plan-level, :mod:`~treegen.kernels.tree_attention`): with a window W a
 key is visible iff ``query_pos - W < key_pos <= query_pos``; each work item starts at the first key block
@@ -191,8 +191,9 @@ if triton is not None:
         LIB_P2: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
         F16_PRODUCTS: tl.constexpr, NUM_KV: tl.constexpr, PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
     ):
-        # the KV heads of one work item are consecutive programs: the GPU starts programs in this order, so
-        # the plan's order of items (longest first) is the order they start in
+        # the KV heads of one work item are consecutive programs: GPUs start programs in id order (observed
+        # behaviour, not a CUDA guarantee; only speed depends on it), so the plan's order of items (longest
+        # first) is the order they start in
         wid = tl.program_id(0) // NUM_KV
         kvh = tl.program_id(0) % NUM_KV
         if PDL_TRIGGER:  # the call's next launch may start as this one's last programs run (see the module doc)
@@ -410,6 +411,21 @@ _LAUNCH = {k.fn.__name__: Launcher(k) for k in (_segment_attention_kernel, _merg
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
+def merge_block(num_heads: int, head_dim: int) -> int:
+    """How many of a row's partials the merge launch fetches together. 4 ([heads, 4, head_dim] fp32 over 8 warps)
+    for 16-32 heads (rounded up to a power of two) x 128, or 16 x 256: 0-6.5% less time a call on an H200 at 32/8,
+    32/32, 16/8 heads (program-shaped trees whose leaves do not merge, 256/1,024 leaves); at 9/3 x 64 it measured
+    4-21% more, so smaller rows keep one at a time over 4 warps (profile_attention_trees_merge_h200.json), and
+    larger ones too ([64, 4, 128] would not fit the registers)."""
+    width = triton.next_power_of_2(num_heads) * head_dim if triton is not None else 0
+    return 4 if num_heads >= 16 and head_dim >= 128 and width <= 4096 else 1
+
+
+def partial_dtype(plan: TritonPlan, q: Tensor) -> torch.dtype:
+    """The partial outputs' dtype: fp16 for 16-bit queries when the plan asks (``half_partials``), else fp32."""
+    return torch.float16 if plan.half_partials and q.element_size() == 2 else torch.float32
+
+
 def dependent_launches(plan: TritonPlan, pdl: int) -> list[bool]:
     """Which kernels of one call are launched as programmatic dependents of the kernel before (``launch_pdl``):
     one entry per segment launch, then one for the merge launch (False when the plan fuses the merge).
@@ -446,8 +462,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     # shared memory; fp32 inputs also get full fp32 products
     exact = q.element_size() > 2
     wide = exact or head_dim > 128
-    o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, device=q.device,
-                         dtype=torch.float16 if plan.half_partials and not exact else torch.float32)
+    o_part = torch.empty(max(plan.num_partials, 1), num_heads, head_dim, device=q.device, dtype=partial_dtype(plan, q))
     lse_part = torch.empty(max(plan.num_partials, 1), num_heads, dtype=torch.float32, device=q.device)
     quant = k_scale is not None
     f16_products = quant and q.dtype == torch.bfloat16 and k_cache.dtype != torch.int8 and FP8_PRODUCTS == "fp16"
@@ -505,10 +520,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
         )
     if plan.fused_merge:
         return out
-    # 4 partials at a time ([heads, 4, head_dim] fp32 over 8 warps) for 16+ heads x 128 (or 256): 0-6.5% less time a
-    # call on an H200 (32/8, 32/32, 16/8 heads; program-shaped trees whose leaves do not merge, 256/1,024 leaves);
-    # at 9/3 x 64 one at a time over 4 warps (the blocked merge: 4-21% more), profile_attention_trees_merge_h200.json
-    merge_j = 4 if triton.next_power_of_2(num_heads) * head_dim >= 2048 else 1
+    merge_j = merge_block(num_heads, head_dim)
     _LAUNCH["_merge_kernel"][(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,
         num_heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1), *lib_args,

@@ -220,15 +220,16 @@ def plan_triton(
     decode step at batch 256 1,843 -> 1,594 us of attention, ``profile_attention_trees_target_programs_h200.json``.)
     ``library``: give the largest shared segment to the library kernel (``library_attention.py``) if
     one is large enough; the Triton launches then read only its last ``< chunks`` keys, if any.
-    ``longest_first``: each launch's items in order of decreasing key count (programs start in table order,
-    so the long ones start first and the short ones fill the SMs they leave: measured on an H200, 32/8 x 128
+    ``longest_first``: each launch's items in order of decreasing key count (GPUs start programs in table
+    order — observed, not guaranteed — so the long ones start first and the short ones fill the SMs they leave: measured on an H200, 32/8 x 128
     heads, 256 leaves, the heavy tree's call 119 -> 102 us). ``pdl``: programmatic dependent launch level
     (:func:`~treegen.kernels.tree_attention_triton.dependent_launches`; None: 2 on Hopper and newer).
     ``mid_tiles``: segments read by 17..64 rows x heads get 64-row tiles in a launch of their own (None:
     when they make at least ``_MIN_MID_PROGRAMS`` programs). ``half_partials``: 16-bit inputs' partial
     outputs stored in fp16 (half the bytes written and merged; a partial output is a convex combination
-    of values, so it is in fp16's range whenever the values are below 65,504 in magnitude; its rounding is
-    1/8 of a bf16 output's). Measured on an H200: 0-16% less time a call on program-shaped trees.
+    of values, so it is in fp16's range whenever the values are below 65,504 in magnitude — values beyond
+    that would turn a partial into inf; a bf16 input's partial rounds to 1/8 of its output's rounding, an
+    fp16 input's as its output does). Measured on an H200: 0-16% less time a call on program-shaped trees.
     Experiments (``benchmarks/profile_attention_trees.py --variant``), off by default because they won on
     some tree classes and lost on others (H200, 256 leaves): ``ancestors_wide`` gives ancestors read by few
     rows the wide tiles (so the leaves fuse the merge; uneven trees 113 -> 96 us, deep 95 -> 122);
@@ -248,11 +249,12 @@ def plan_triton(
     own = {path[-1] for path in paths}
     tile_m = {s: 16 if len(rows_of[s]) * group <= 16 and not (ancestors_wide and s not in own) else wide_m
               for s in segs}
-    # segments read by 17..64 rows x heads: 64-row tiles (4 warps) of a launch of their own, when they make
-    # at least half a wave of programs (fewer: the extra launch costs more than the emptier 128-row tiles)
+    # segments with 128-row tiles read by at most 64 rows x heads: one 64-row tile each (4 warps) in a launch of
+    # their own, when they make at least half a wave of programs (segments x KV heads, before key chunks;
+    # fewer: the extra launch costs more than the emptier 128-row tiles)
     mid = [s for s, m in tile_m.items() if m == 128 and len(rows_of[s]) * group <= 64]
     if mid_tiles is None:
-        mid_tiles = sum(-(-len(rows_of[s]) * group // 64) for s in mid) * num_kv_heads >= _MIN_MID_PROGRAMS
+        mid_tiles = len(mid) * num_kv_heads >= _MIN_MID_PROGRAMS
     if mid_tiles:
         tile_m.update({s: 64 for s in mid})
     tiles = {s: -(-len(rows_of[s]) // (tile_m[s] // group)) for s in segs}
@@ -378,6 +380,6 @@ def _pdl_default(device) -> int:
     interpreter): 0 none, 1 for the launches that read the one before (fused leaves, the merge), 2 for
     every launch after the first; ``TREEGEN_PDL`` overrides."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 0
     return int(os.environ.get("TREEGEN_PDL", "2")) if torch.cuda.get_device_capability(device)[0] >= 9 else 0
