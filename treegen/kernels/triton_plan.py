@@ -202,10 +202,8 @@ def plan_triton(
     fuse_merge: bool = True,
     library: bool = False,
     leaf_shape: tuple[int, int, int] | None = None,
-    ancestors_wide: bool = False,
     longest_first: bool = True,
     pdl: int | None = None,
-    wide_m: int | None = None,
     mid_tiles: bool | None = None,
     half_partials: bool = True,
 ) -> TritonPlan:
@@ -221,8 +219,8 @@ def plan_triton(
     ``library``: give the largest shared segment to the library kernel (``library_attention.py``) if
     one is large enough; the Triton launches then read only its last ``< chunks`` keys, if any.
     ``longest_first``: each launch's items in order of decreasing key count (GPUs start programs in table
-    order — observed, not guaranteed — so the long ones start first and the short ones fill the SMs they leave: measured on an H200, 32/8 x 128
-    heads, 256 leaves, the heavy tree's call 119 -> 102 us). ``pdl``: programmatic dependent launch level
+    order — observed, not guaranteed — so the long ones start first and the short ones fill the SMs they
+    leave: measured on an H200, 32/8 x 128 heads, 256 leaves, the heavy tree's call 119 -> 102 us). ``pdl``: programmatic dependent launch level
     (:func:`~treegen.kernels.tree_attention_triton.dependent_launches`; None: 2 on Hopper and newer).
     ``mid_tiles``: segments read by 17..64 rows x heads get 64-row tiles in a launch of their own (None:
     when they make at least ``_MIN_MID_PROGRAMS`` programs). ``half_partials``: 16-bit inputs' partial
@@ -230,10 +228,9 @@ def plan_triton(
     of values, so it is in fp16's range whenever the values are below 65,504 in magnitude — values beyond
     that would turn a partial into inf; a bf16 input's partial rounds to 1/8 of its output's rounding, an
     fp16 input's as its output does). Measured on an H200: 0-16% less time a call on program-shaped trees.
-    Experiments (``benchmarks/profile_attention_trees.py --variant``), off by default because they won on
-    some tree classes and lost on others (H200, 256 leaves): ``ancestors_wide`` gives ancestors read by few
-    rows the wide tiles (so the leaves fuse the merge; uneven trees 113 -> 96 us, deep 95 -> 122);
-    ``wide_m`` the wide tiles' height (64: deep 95 -> 87 us, heavy 102 -> 135)."""
+    (Measured and not kept, H200, 256 leaves, ``profile_attention_trees_variants_*_h200.json``: ancestors read
+    by few rows in the wide tiles, so that the leaves fuse the merge — uneven trees 113 -> 96 us, deep
+    95 -> 122; 64-row wide tiles for every shared segment — deep 95 -> 87 us, heavy 102 -> 135.)"""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
     segs = sorted(s for s in rows_of if segment_len[s] > 0)
@@ -244,11 +241,8 @@ def plan_triton(
         key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
         if key_begin[lib[0]] == segment_len[lib[0]]:
             segs.remove(lib[0])
-    if wide_m is None:
-        wide_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
-    own = {path[-1] for path in paths}
-    tile_m = {s: 16 if len(rows_of[s]) * group <= 16 and not (ancestors_wide and s not in own) else wide_m
-              for s in segs}
+    wide_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
+    tile_m = {s: 16 if len(rows_of[s]) * group <= 16 else wide_m for s in segs}
     # segments with 128-row tiles read by at most 64 rows x heads: one 64-row tile each (4 warps) in a launch of
     # their own, when they make at least half a wave of programs (segments x KV heads, before key chunks;
     # fewer: the extra launch costs more than the emptier 128-row tiles)
@@ -270,6 +264,7 @@ def plan_triton(
     # fused merge: the narrow segments are exactly the queries' own ones (an ancestor in the narrow
     # launch would run alongside its descendants), each read by its own queries only and short enough
     # (or numerous enough) to be one unsplit work item
+    own = {path[-1] for path in paths}
     narrow_segs = {s for s in segs if tile_m[s] == 16}
     fused = fuse_merge and narrow_segs == own and all(
         all(paths[q][-1] == s for q in rows_of[s]) and segment_len[s] <= max(seg_chunk[s], _FUSED_LEAF_MAX_KEYS)
@@ -367,19 +362,21 @@ def _launch_shape(block_m: int, items: np.ndarray, num_kv_heads: int, block_n: i
     return block_n, (8 if block_m == 128 else 4), num_stages
 
 
+def _hopper_or_newer(device) -> bool:
+    """A CUDA device of compute capability 9 (Hopper) or newer."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _tma_default(device) -> bool:
     """TMA tensor-descriptor loads on Hopper and newer (and in the interpreter, which emulates them)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return torch.device(device).type != "cuda" or _hopper_or_newer(device)
 
 
 def _pdl_default(device) -> int:
     """Programmatic dependent launch between the launches of one call on Hopper and newer (not in the
     interpreter): 0 none, 1 for the launches that read the one before (fused leaves, the merge), 2 for
     every launch after the first; ``TREEGEN_PDL`` overrides."""
-    device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or not _hopper_or_newer(device):
         return 0
-    return int(os.environ.get("TREEGEN_PDL", "2")) if torch.cuda.get_device_capability(device)[0] >= 9 else 0
+    return int(os.environ.get("TREEGEN_PDL", "2"))
