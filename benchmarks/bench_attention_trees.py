@@ -140,6 +140,19 @@ def layout(f: Forest):
     return start, pos, cursor, leaves, [pos[n] + f.length[n] - 1 for n in leaves]
 
 
+def add_case_arguments(parser: argparse.ArgumentParser, leaves: list[int]) -> None:
+    """The tree benchmarks' common arguments: tree classes, leaf counts, head specs, output path."""
+    parser.add_argument("--trees", nargs="+", default=list(TREES), choices=TREES)
+    parser.add_argument("--leaves", type=int, nargs="+", default=leaves)
+    parser.add_argument("--heads", nargs="+", default=list(HEADS), help="Q/KVxD, e.g. 32/8x128")
+    parser.add_argument("--out", default=None)
+
+
+def result_path(out: str | None, stem: str) -> Path:
+    """``out``, or ``benchmarks/results/<stem>_<gpu>.json`` (e.g. ``attention_trees_h200.json``)."""
+    return Path(out or Path(__file__).parent / "results" / f"{stem}_{torch.cuda.get_device_name().split()[1].lower()}.json")
+
+
 def cases(heads: list[str], trees: list[str], leaves: list[int]):
     """(tree class, leaves, query heads, KV heads, head_dim) for every ``Q/KVxD`` head spec x class x leaf count."""
     for spec in heads:
@@ -228,14 +241,11 @@ def run_case(kind: str, leaves: int, heads: int, kv: int, head_dim: int, fixed_u
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trees", nargs="+", default=list(TREES), choices=TREES)
-    parser.add_argument("--leaves", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--heads", nargs="+", default=list(HEADS), help="Q/KVxD, e.g. 32/8x128")
+    add_case_arguments(parser, leaves=[256, 1024, 4096])
     parser.add_argument("--fa-budget-gb", type=float, default=24.0, help="skip FA where its per-branch KV is larger")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     name = torch.cuda.get_device_name()
-    out = Path(args.out or Path(__file__).parent / "results" / f"attention_trees_{name.split()[1].lower()}.json")
+    out = result_path(args.out, "attention_trees")
     fixed = empty_kernel_us()
     print(f"empty kernel in a CUDA graph: {fixed:.2f} us", flush=True)
     rows = []

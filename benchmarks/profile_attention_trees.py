@@ -22,14 +22,13 @@ import collections
 import datetime
 import json
 import statistics
-from pathlib import Path
 
 import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
 from bench_attention import PEAK_HBM_TBS, bench  # benchmarks/
-from bench_attention_trees import HEADS, TREES, cases, empty_kernel_us, layout, make_tree  # benchmarks/
+from bench_attention_trees import add_case_arguments, cases, empty_kernel_us, layout, make_tree, result_path  # benchmarks/
 from treegen.kernels.launch import Launcher
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.runtime.cuda_graph import capture
@@ -135,17 +134,14 @@ def profile_case(kind: str, leaves: int, heads: int, kv: int, head_dim: int, kno
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trees", nargs="+", default=list(TREES), choices=TREES)
-    parser.add_argument("--leaves", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--heads", nargs="+", default=list(HEADS), help="Q/KVxD, e.g. 32/8x128")
+    add_case_arguments(parser, leaves=[256, 1024])
     parser.add_argument("--variant", action="append", default=None,
                         help="NAME[:KNOB=INT,KNOB=A/B/C] plan_triton knobs (repeatable); default: the runtime's plan")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = [parse_variant(v) for v in (args.variant or ["default"])]
     name = torch.cuda.get_device_name()
-    out = Path(args.out or Path(__file__).parent / "results" / f"profile_attention_trees_{name.split()[1].lower()}.json")
+    out = result_path(args.out, "profile_attention_trees")
     fixed = empty_kernel_us()
     print(f"empty kernel in a CUDA graph: {fixed:.2f} us", flush=True)
     rows = []
