@@ -209,3 +209,35 @@ def test_a_segment_grows_in_place_when_the_span_after_it_is_free():
     moved = kv.reserve(0, 30)
     assert moved.start != a.start and moved.computed == 5 and (kv.k[0, moved.start : moved.start + 5] == 7.0).all()
     assert kv.slots_reserved() == 30 + 4
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 16384])
+def test_compaction_keeps_every_written_token_of_many_segments(chunk):
+    """Many segments with holes between them (some written in part, some not at all) compacted in index
+    batches of ``chunk`` slots, batches cutting through segments: every written slot reads back its own
+    values at its new place, the segments are packed from slot 0 in their old order, and one free span
+    is left at the end."""
+    import random
+
+    rng = random.Random(chunk)
+    kv = KVStore(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=512)
+    for node in range(40):
+        seg = kv.reserve(node, rng.randint(1, 9))
+        seg.computed = rng.randint(0, seg.capacity)
+        for layer in range(2):
+            kv.k[layer, seg.start : seg.start + seg.computed] = torch.arange(seg.computed)[:, None, None] + 100 * node + layer
+            kv.v[layer, seg.start : seg.start + seg.computed] = -(torch.arange(seg.computed)[:, None, None] + 100 * node)
+    for node in range(0, 40, 3):
+        kv.free(node)
+    order = sorted(kv.segments, key=lambda n: kv.segments[n].start)
+    kv._compact(chunk=chunk)
+    pos = 0
+    for node in order:
+        seg = kv.segments[node]
+        assert seg.start == pos
+        pos += seg.capacity
+        for layer in range(2):
+            want = torch.arange(seg.computed, dtype=torch.float32) + 100 * node
+            assert torch.equal(kv.k[layer, seg.start : seg.start + seg.computed, 0, 0], want + layer), node
+            assert torch.equal(kv.v[layer, seg.start : seg.start + seg.computed, 0, 1], -want), node
+    assert kv._free == [(pos, kv.num_slots - pos)]

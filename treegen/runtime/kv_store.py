@@ -20,6 +20,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from treegen.kernels.kv_quant import KVFormat, kv_format, quantize_reference
@@ -403,21 +404,35 @@ class KVStore:
         return self._allocate(length)
 
     def _compact(self, chunk: int = 16384) -> None:
-        """Move every segment down to close the free holes between them, in place (a copy of at most
-        ``chunk`` slots at a time, never a second pool). Segment starts change: only call this while
-        no attention plan built on the old starts is still in use (plans are made after reserving)."""
+        """Move every segment down to close the free holes between them, in place. The written slots
+        that move are gathered and scattered in index batches of at most ``chunk`` slots (one gather and
+        one scatter per pool and batch, not per segment: a pool of thousands of small nodes compacted
+        segment by segment cost thousands of copy launches). Batches run front to back and every slot
+        moves down, so a batch's sources lie at or above its destinations and above every earlier
+        batch's: no batch overwrites a slot a later one reads. Segment starts change: only call this
+        while no attention plan built on the old starts is still in use (plans are made after reserving)."""
         self.wait_restores()
         self.compactions += 1
         pos = 0
+        src_starts, dst_starts, counts = [], [], []
         for seg in sorted(self.segments.values(), key=lambda seg: seg.start):
             if seg.start != pos:
-                for begin in range(0, seg.computed, chunk):  # front to back: a chunk never overwrites its source
-                    n = min(chunk, seg.computed - begin)
-                    src, dst = slice(seg.start + begin, seg.start + begin + n), slice(pos + begin, pos + begin + n)
-                    for pool in (getattr(self, name) for name in self._pools()):
-                        pool[:, dst] = pool[:, src].clone()
+                if seg.computed:
+                    src_starts.append(seg.start)
+                    dst_starts.append(pos)
+                    counts.append(seg.computed)
                 seg.start = pos
             pos += seg.capacity
+        if counts:
+            counts_np = np.asarray(counts, dtype=np.int64)
+            offsets = np.arange(int(counts_np.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts_np) - counts_np, counts_np)
+            src = np.repeat(np.asarray(src_starts, dtype=np.int64), counts_np) + offsets
+            dst = np.repeat(np.asarray(dst_starts, dtype=np.int64), counts_np) + offsets
+            for begin in range(0, len(src), chunk):
+                s = torch.from_numpy(src[begin:begin + chunk]).to(self.device)
+                d = torch.from_numpy(dst[begin:begin + chunk]).to(self.device)
+                for pool in (getattr(self, name) for name in self._pools()):
+                    pool[:, d] = pool[:, s]  # (the gather copies first; works for float8 too)
         self._set_free([(pos, self.num_slots - pos)] if pos < self.num_slots else [])
 
     def _grow(self, length: int) -> None:
