@@ -38,6 +38,7 @@ from torch import Tensor
 
 from treegen.kernels.kv_quant import EIGHT_BIT_STORAGE, dequantize_reference
 from treegen.kernels.library_attention import library_available
+from treegen.kernels.row_paths import row_paths
 from treegen.kernels.tree_attention_triton import tree_attention_triton, triton_available
 from treegen.kernels.triton_plan import TritonPlan, plan_triton
 
@@ -117,10 +118,6 @@ def _pad(rows: Sequence[Sequence[int]], fill: int, device) -> Tensor:
     return out.to(device)
 
 
-# planning: marks a segment whose path is being walked (met again on the walk: a cycle)
-_ON_CHAIN: list = []
-
-
 def plan_tree_attention(
     *,
     segment_parent: Sequence[int],
@@ -194,43 +191,8 @@ def plan_tree_attention(
     else:
         query_pos_t = torch.as_tensor(list(query_pos), dtype=torch.int64).to(device)
 
-    # every segment's root-to-segment path, checking the parents (in range, no cycle) on the way; a
-    # segment's path is its parent's plus itself, so each segment is walked once (its depth: the length - 1)
-    path_of: list[list[int] | None] = [None] * n
-    for s in range(n):
-        chain, cur = [], s
-        while cur != -1 and path_of[cur] is None:
-            parent = segment_parent[cur]
-            if not -1 <= parent < n:
-                raise ValueError(f"segment {cur} has parent {parent}, outside [-1, {n})")
-            path_of[cur] = _ON_CHAIN
-            chain.append(cur)
-            cur = parent
-        if cur != -1 and path_of[cur] is _ON_CHAIN:
-            raise ValueError(f"segment_parent has a cycle through segment {cur}")
-        path = [] if cur == -1 else path_of[cur]
-        for c in reversed(chain):
-            path = path_of[c] = [*path, c]
-
-    rows_of: dict[int, list[int]] = {}
-    paths: list[list[int]] = []
-    path_local: list[list[int]] = []  # row q's index among rows_of[s], for each s on its path
-    for row, seg in enumerate(query_segment):
-        if not 0 <= seg < n:
-            raise ValueError(f"query row {row} names segment {seg}, outside [0, {n})")
-        path = path_of[seg]
-        if window is not None:  # an ancestor whose last key is outside this row's window is not read at all
-            oldest = query_pos[row] - window
-            path = [s for s in path if s == seg or segment_pos[s] + segment_len[s] - 1 > oldest]
-        local = []
-        for s in path:
-            below = rows_of.get(s)
-            if below is None:
-                below = rows_of[s] = []
-            local.append(len(below))
-            below.append(row)
-        paths.append(path)
-        path_local.append(local)
+    paths = row_paths(segment_parent, query_segment, query_pos=query_pos, segment_pos=segment_pos,
+                      segment_len=segment_len, window=window)  # (checks the parents and the rows' segments)
     if backend == "triton":
         plain = window is None and softcap is None  # the library kernel computes plain causal attention
         group = num_heads // num_kv_heads
@@ -239,13 +201,13 @@ def plan_tree_attention(
         return TreeAttentionPlan(
             num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),
             triton=plan_triton(segment_start=segment_start, segment_len=segment_len, segment_pos=segment_pos,
-                               rows_of=rows_of, paths=paths, path_local=path_local, num_kv_heads=num_kv_heads,
-                               group=group, device=device, **options),
+                               paths=paths, num_kv_heads=num_kv_heads, group=group, device=device, **options),
             window=window, softcap=None if softcap is None else float(softcap),
         )
 
     levels = []
-    depth = {s: len(path_of[s]) - 1 for s in rows_of}
+    rows_of = paths.rows_of()
+    depth = {s: int(paths.depth[s]) for s in rows_of}
     for d in sorted(set(depth.values())):
         segs = sorted(s for s in rows_of if depth[s] == d)
         slots = [range(segment_start[s], segment_start[s] + segment_len[s]) for s in segs]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from treegen.kernels.library_attention import LibrarySegment, folds_heads
+from treegen.kernels.row_paths import RowPaths
 
 # the GPU the launch shapes were measured on: an H100's streaming multiprocessors
 _SMS = 132
@@ -159,28 +160,35 @@ class TritonPlan:
         self.merge_ptr[n:].copy_(plan.merge_ptr[-1:].expand(self.merge_ptr.numel() - n))
 
 
-def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device):
+def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_len, group, num_kv_heads, device):
     """The shared segment with the most work among those large enough for the library kernel, cut into
     chunks for ~one wave of 128-row tiles; None if there is none or it is not most of the shared work.
-    Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask)."""
-    own = {path[-1] for path in paths}
-    fits = [s for s in segs if s not in own and len(rows_of[s]) * group >= _LIBRARY_MIN_ROWS
-            and segment_len[s] >= _LIBRARY_MIN_KEYS]
-    if not fits:
+    Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask).
+    ``segs``: the segments with keys that rows read (ascending), ``count``: rows reading each, ``own``:
+    whether it is some row's own segment (both [num_segments])."""
+    shared = segs[~own[segs]]
+    rows = count[shared]
+    fits = shared[(rows * group >= _LIBRARY_MIN_ROWS) & (segment_len[shared] >= _LIBRARY_MIN_KEYS)]
+    if not len(fits):
         return None
-    work = {s: len(rows_of[s]) * segment_len[s] for s in segs if s not in own}
-    s = max(fits, key=lambda s: (work[s], -s))
-    if work[s] < _LIBRARY_MIN_SHARE * sum(work.values()):
+    work = count[shared] * segment_len[shared]
+    best = work[np.isin(shared, fits)].max()
+    s = int(fits[work[np.isin(shared, fits)] == best].min())  # the most work, the lowest id of equals
+    if best < _LIBRARY_MIN_SHARE * int(work.sum()):
         return None  # the other shared segments' launch would run after it, not beside it
-    tiles = -(-len(rows_of[s]) * group // 128) * num_kv_heads
-    chunks = max(1, min(round(_SMS / tiles), segment_len[s] // _LIBRARY_MIN_CHUNK))
+    num_rows = int(count[s])
+    tiles = -(-num_rows * group // 128) * num_kv_heads
+    chunks = max(1, min(round(_SMS / tiles), int(segment_len[s]) // _LIBRARY_MIN_CHUNK))
     if chunks > (_LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS):
         return None
-    rows = rows_of[s]
-    every = rows == list(range(len(paths)))
-    return s, LibrarySegment(start=segment_start[s], chunk_len=segment_len[s] // chunks, chunks=chunks,
-                             num_rows=len(rows),
-                             rows=None if every else torch.tensor(rows, dtype=torch.int64, device=device))
+    every = num_rows == paths.num_rows  # (a segment's rows are distinct: all of them, in order)
+    rows_of_s = None if every else torch.from_numpy(np.sort(paths.row[paths.seg == s])).to(device)
+    return s, LibrarySegment(start=int(segment_start[s]), chunk_len=int(segment_len[s]) // chunks, chunks=chunks,
+                             num_rows=num_rows, rows=rows_of_s)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
 
 
 def plan_triton(
@@ -188,9 +196,7 @@ def plan_triton(
     segment_start: Sequence[int],
     segment_len: Sequence[int],
     segment_pos: Sequence[int],
-    rows_of: dict[int, list[int]],
-    paths: list[list[int]],
-    path_local: list[list[int]],
+    paths: RowPaths,
     num_kv_heads: int,
     group: int,
     device,
@@ -207,9 +213,11 @@ def plan_triton(
     mid_tiles: bool | None = None,
     half_partials: bool = True,
 ) -> TritonPlan:
-    """Build the work tables. ``rows_of[s]``: query rows below segment ``s`` (own rows included), in
-    increasing order; ``paths[q]``: segments on query row ``q``'s root-to-own-segment path;
-    ``path_local[q]``: for each of them, ``q``'s index in its ``rows_of``. ``target_programs``: how
+    """Build the work tables. ``paths``: which segments each query row reads (:func:`~treegen.kernels.
+    row_paths.row_paths`). Every table is computed with numpy over all segments, items and partials at
+    once (a decode phase of a thousand branches plans thousands of segments: ~3x less host time than
+    one Python iteration per item and per row's partial, which ``tests/triton_plan_reference.py`` keeps
+    as the reference the tests compare with). ``target_programs``: how
     many programs the key-axis split aims for: by default one per SM of an H100 (132): fewer, longer programs
     write fewer partials, and with the items longest first the short ones fill in behind them. (Two per SM
     for work under 132 x 1,024 was measured best before the items were ordered, ``bench_attention.py
@@ -233,87 +241,104 @@ def plan_triton(
     95 -> 122; 64-row wide tiles for every shared segment — deep 95 -> 87 us, heavy 102 -> 135.)"""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
-    segs = sorted(s for s in rows_of if segment_len[s] > 0)
-    key_begin = {s: 0 for s in segs}  # keys before this are the library kernel's
-    lib = _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device) \
+    seg_start = np.asarray(segment_start, dtype=np.int64)
+    seg_len = np.asarray(segment_len, dtype=np.int64)
+    seg_pos = np.asarray(segment_pos, dtype=np.int64)
+    n = len(seg_len)
+    count = paths.count
+    segs = np.flatnonzero((count > 0) & (seg_len > 0))  # ascending
+    own = np.zeros(n, dtype=bool)
+    own[paths.own] = True
+    key_begin = np.zeros(n, dtype=np.int64)  # keys before this are the library kernel's
+    lib = _library_segment(segs, count, own, paths, seg_start, seg_len, group, num_kv_heads, device) \
         if library else None
     if lib is not None:
         key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
-        if key_begin[lib[0]] == segment_len[lib[0]]:
-            segs.remove(lib[0])
-    wide_m = 128 if max((len(r) for r in rows_of.values()), default=1) * group >= 128 else 64
-    tile_m = {s: 16 if len(rows_of[s]) * group <= 16 else wide_m for s in segs}
+        if key_begin[lib[0]] == seg_len[lib[0]]:
+            segs = segs[segs != lib[0]]
+    wide_m = 128 if int(count.max(initial=1)) * group >= 128 else 64
+    rows_x_heads = count * group
+    tile_m = np.zeros(n, dtype=np.int64)
+    tile_m[segs] = np.where(rows_x_heads[segs] <= 16, 16, wide_m)
     # segments with 128-row tiles read by at most 64 rows x heads: one 64-row tile each (4 warps) in a launch of
     # their own, when they make at least half a wave of programs (segments x KV heads, before key chunks;
     # fewer: the extra launch costs more than the emptier 128-row tiles)
-    mid = [s for s, m in tile_m.items() if m == 128 and len(rows_of[s]) * group <= 64]
+    mid = segs[(tile_m[segs] == 128) & (rows_x_heads[segs] <= 64)]
     if mid_tiles is None:
         mid_tiles = len(mid) * num_kv_heads >= _MIN_MID_PROGRAMS
     if mid_tiles:
-        tile_m.update({s: 64 for s in mid})
-    tiles = {s: -(-len(rows_of[s]) // (tile_m[s] // group)) for s in segs}
+        tile_m[mid] = 64
+    m = tile_m[segs]
+    rows_per_tile = m // group
+    cnt = count[segs]
+    tiles = _ceil_div(cnt, rows_per_tile)
+    keys = seg_len[segs] - key_begin[segs]
     # balance: cut keys into chunks so the total work is spread over ~target_programs programs
-    total = sum(tiles[s] * tile_m[s] // 16 * (segment_len[s] - key_begin[s]) for s in segs) * num_kv_heads // (wide_m // 16)
+    total = int((tiles * m // 16 * keys).sum()) * num_kv_heads // (wide_m // 16)
     if target_programs is None:  # (see the docstring)
         target_programs = _SMS
     chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
     chunk = -(-chunk // block_n) * block_n
     # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
-    narrow = sum(1 for s in segs if tile_m[s] == 16) * num_kv_heads
-    seg_chunk = {s: 2 * block_n if tile_m[s] == 16 and narrow < 2 * _SMS else chunk for s in segs}
+    narrow = m == 16
+    seg_chunk = np.where(narrow & (int(narrow.sum()) * num_kv_heads < 2 * _SMS), 2 * block_n, chunk)
     # fused merge: the narrow segments are exactly the queries' own ones (an ancestor in the narrow
     # launch would run alongside its descendants), each read by its own queries only and short enough
     # (or numerous enough) to be one unsplit work item
-    own = {path[-1] for path in paths}
-    narrow_segs = {s for s in segs if tile_m[s] == 16}
-    fused = fuse_merge and narrow_segs == own and all(
-        all(paths[q][-1] == s for q in rows_of[s]) and segment_len[s] <= max(seg_chunk[s], _FUSED_LEAF_MAX_KEYS)
-        for s in own)
+    narrow_set = np.zeros(n, dtype=bool)
+    narrow_set[segs[narrow]] = True
+    fused = bool(fuse_merge and np.array_equal(narrow_set, own)
+                 and not (own[paths.seg] & (paths.own[paths.row] != paths.seg)).any()
+                 and (seg_len[segs[narrow]] <= np.maximum(seg_chunk[narrow], _FUSED_LEAF_MAX_KEYS)).all())
     if fused:
-        for s in own:
-            seg_chunk[s] = max(segment_len[s], 1)
-    work: dict[int, list] = {}
-    rows = []
-    # segment -> (its first partial, its rows, its key chunks): chunk c of row i's partial is first + c * rows + i
-    partials_of: dict[int, tuple[int, int, int]] = {}
-    num_partials = 0
-    for s in segs:
-        row_offset = len(rows)
-        rows.extend(rows_of[s])
-        count, rows_per_tile = len(rows_of[s]), tile_m[s] // group
-        items = work.setdefault(tile_m[s], [])
-        chunk_begins = range(key_begin[s], segment_len[s], seg_chunk[s])
-        partials_of[s] = (num_partials, count, len(chunk_begins))
-        for kb in chunk_begins:
-            ke = min(segment_len[s], kb + seg_chunk[s])
-            for t in range(tiles[s]):
-                first = t * rows_per_tile
-                items.append([segment_start[s], segment_pos[s], kb, ke, row_offset + first,
-                              min(rows_per_tile, count - first), num_partials + first])
-            num_partials += count
-    merge_ptr, merge_idx = [0], []
+        seg_chunk = np.where(narrow, np.maximum(seg_len[segs], 1), seg_chunk)
+    # items: segment by segment (ascending), its key chunks, each chunk's row tiles
+    chunks = np.maximum(_ceil_div(keys, seg_chunk), 0)
+    row_offset = np.cumsum(cnt) - cnt  # where each segment's rows start in ``rows``
+    first_partial = np.cumsum(cnt * chunks) - cnt * chunks  # chunk c of row i's partial: first + c * rows + i
+    per_seg = chunks * tiles
+    item_seg = np.repeat(np.arange(len(segs)), per_seg)
+    k = np.arange(len(item_seg)) - np.repeat(np.cumsum(per_seg) - per_seg, per_seg)
+    c, t = k // tiles[item_seg], k % tiles[item_seg]
+    kb = key_begin[segs][item_seg] + c * seg_chunk[item_seg]
+    first_row = t * rows_per_tile[item_seg]
+    items = np.stack([seg_start[segs][item_seg], seg_pos[segs][item_seg], kb,
+                      np.minimum(seg_len[segs][item_seg], kb + seg_chunk[item_seg]),
+                      row_offset[item_seg] + first_row, np.minimum(rows_per_tile[item_seg], cnt[item_seg] - first_row),
+                      first_partial[item_seg] + c * cnt[item_seg] + first_row], axis=1)
+    num_partials = int((cnt * chunks).sum())
+    # rows: each segment's rows (ascending), segment after segment
+    by_seg = paths.by_segment()
+    listed = np.zeros(n, dtype=bool)
+    listed[segs] = True
+    rows = paths.row[by_seg][listed[paths.seg[by_seg]]]
+    # merging: each row's partials in path order (fused: the own segment's item merges the rest itself)
     by_row = fused and lib is not None and lib[1].rows is None
-    lib_seg = lib[0] if lib is not None and not by_row else None
-    for path, local in zip(paths, path_local):
-        for s, i in zip(path[:-1] if fused else path, local):  # fused: the own segment's item merges the rest itself
-            if s == lib_seg:
-                merge_idx.extend(-1 - (c * lib[1].num_rows + i) for c in range(lib[1].chunks))
-            where = partials_of.get(s)
-            if where is not None:
-                first, count, chunks = where
-                if chunks == 1:
-                    merge_idx.append(first + i)
-                else:
-                    merge_idx.extend(range(first + i, first + i + chunks * count, count))
-        merge_ptr.append(len(merge_idx))
+    lib_seg = lib[0] if lib is not None and not by_row else -1
+    index = np.full(n, -1, dtype=np.int64)
+    index[segs] = np.arange(len(segs))
+    keep = ~(fused & (paths.seg == paths.own[paths.row])) if fused else np.ones(len(paths.seg), dtype=bool)
+    p_seg, p_local, p_row = paths.seg[keep], paths.local[keep], paths.row[keep]
+    p_index = index[p_seg]
+    n_lib = np.where(p_seg == lib_seg, lib[1].chunks if lib is not None else 0, 0)
+    n_part = np.where(p_index >= 0, chunks[np.maximum(p_index, 0)], 0)
+    per_pair = n_lib + n_part
+    pair = np.repeat(np.arange(len(p_seg)), per_pair)
+    k = np.arange(len(pair)) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
+    from_lib = k < n_lib[pair]
+    lib_rows = lib[1].num_rows if lib is not None else 0
+    merge_idx = np.where(from_lib, -1 - (k * lib_rows + p_local[pair]),
+                         first_partial[np.maximum(p_index[pair], 0)] + p_local[pair]
+                         + (k - n_lib[pair]) * cnt[np.maximum(p_index[pair], 0)])
+    merge_ptr = np.zeros(paths.num_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(p_row, weights=per_pair, minlength=paths.num_rows).astype(np.int64), out=merge_ptr[1:])
 
     def i32(x) -> Tensor:  # (through numpy: torch.tensor of a Python list costs ~4x more host time)
-        return torch.from_numpy(np.asarray(x, dtype=np.int32)).to(device)
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(device)
 
-    rows_at = np.asarray(rows, dtype=np.int64)
+    rows_at = rows
 
-    def launch(m, items):
-        table = np.asarray(items, dtype=np.int64).reshape(-1, 7)
+    def launch(m, table):
         if longest_first:  # programs start in table order: the longest first, the short ones fill in after
             table = table[np.argsort(table[:, 2] - table[:, 3], kind="stable")]
         # rows [o, o + n) of ``rows`` consecutive query rows in every item: hand the kernel the first one
@@ -321,16 +346,20 @@ def plan_triton(
         first, count = table[:, 4], table[:, 5]
         direct = bool(np.all(rows_at[first + count - 1] - rows_at[first] == count - 1))
         if direct:
+            table = table.copy()
             table[:, 4] = rows_at[first]
         return WorkList(i32(table), m, *_launch_shape(m, table, num_kv_heads, block_n, num_stages or 3, leaf_shape),
                         direct_rows=direct)
 
-    order = sorted(work.items(), key=lambda mi: (mi[0] == 16) if fused else mi[0])  # fused: own items last
+    item_m = m[item_seg]
+    heights, first_at = np.unique(m, return_index=True)
+    heights = heights[np.argsort(first_at)].tolist()  # in the order segments first use them
+    heights.sort(key=lambda h: (h == 16) if fused else h)  # fused: own items last
     return TritonPlan(
-        launches=tuple(launch(m, items) for m, items in order),
-        rows=i32(rows or [0]),
+        launches=tuple(launch(h, items[item_m == h]) for h in heights),
+        rows=i32(rows if len(rows) else [0]),
         merge_ptr=i32(merge_ptr),
-        merge_idx=i32(merge_idx or [0]),
+        merge_idx=i32(merge_idx if len(merge_idx) else [0]),
         num_partials=num_partials,
         group=group,
         use_tma=_tma_default(device) if use_tma is None else use_tma,

@@ -520,7 +520,8 @@ class Decoder:
         """Append branch ``b``'s new tokens up to where it finishes; True when it finished (its job
         is then complete). A constrained branch's matcher has taken them already (``_advance_matchers``)."""
         job = self.jobs[b]
-        out, before = self.out[b], len(self.out[b])
+        out = self.out[b]
+        before = len(out)
         result = None
         masks = self.masks if self.masks is not None and b in self.masks else None
         state = self.state.get(b)
@@ -529,11 +530,13 @@ class Decoder:
         if masks is None and automata is None and not params.stop:
             # only EOS and max_tokens can end it: cut where the first does, take the tokens at once
             cut = max(0, min(len(new), params.max_tokens - before))
+            ends = before + cut >= params.max_tokens
             if not params.ignore_eos and not self.eos.isdisjoint(new[:cut]):
                 cut = next(i for i, t in enumerate(new) if t in self.eos) + 1
+                ends = True
             out.extend(new[:cut])
             self.logprobs[b].extend(logprobs[:cut])
-            result = finished(out, params, self.eos, self.tokenizer) if cut > 0 else None
+            result = finished(out, params, self.eos, self.tokenizer) if cut > 0 and ends else None
         else:  # token by token: a stop string, a matcher or an automaton decides after each one
             for t, lp in zip(new, logprobs):
                 out.append(t)

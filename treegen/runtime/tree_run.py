@@ -286,35 +286,45 @@ class TreeRun:
         mask compares true distances, are refused with SWA.
         """
         tree, kv, model = self.tree, self.kv, self.model
+        held = kv.segments
+        grow = grow or {}
         new_len: dict[int, int] = {}  # tokens of each node accounted for after this pass
         for n, i in rows:
-            new_len[n] = max(new_len.get(n, kv.computed(n)), i + 1)
-        segments = sorted({p for n in new_len for p in tree.path(n)})
-        drop = {s: kv.dropped(s) for s in segments}
+            if n in new_len:
+                if i + 1 > new_len[n]:
+                    new_len[n] = i + 1
+            else:
+                seg = held.get(n)
+                new_len[n] = max(seg.tokens if seg else 0, i + 1)
+        pos = tree.positions(new_len)  # every node on the rows' paths, and where it starts
+        segments = sorted(pos)
+        drop = {s: seg.dropped if (seg := held.get(s)) else 0 for s in segments}
         for n, i in rows:
             if i < drop[n]:
                 raise RuntimeError(f"token {i} of node {n} is among the {drop[n]} whose KV sparse window "
                                    "attention dropped; it cannot be run again")
         for s in segments:
+            seg = held.get(s)
             if s in kv.offloaded:
                 raise RuntimeError(f"node {s} is read while its KV is on the host (a scheduling bug)")
-            length = new_len.get(s, kv.computed(s))
-            if s not in new_len and length != len(tree.tokens(s)):
-                raise RuntimeError(f"node {s} is missing KV for {len(tree.tokens(s)) - length} tokens")
-            new_len[s] = length
-            kv.reserve(s, max(length - drop[s] + (grow or {}).get(s, 0), 1))
+            if s in new_len:
+                length = new_len[s]
+            else:
+                length = new_len[s] = seg.tokens if seg else 0
+                if length != len(tree.tokens(s)):
+                    raise RuntimeError(f"node {s} is missing KV for {len(tree.tokens(s)) - length} tokens")
+            kv.reserve(s, max(length - drop[s] + grow.get(s, 0), 1))
         index = {s: j for j, s in enumerate(segments)}
-        pos = tree.positions(segments)
         device = model.device
         input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
-        slots = torch.tensor([kv.segments[n].start + i - drop[n] for n, i in rows], dtype=torch.int64, device=device)
+        slots = torch.tensor([held[n].start + i - drop[n] for n, i in rows], dtype=torch.int64, device=device)
         query_pos = [pos[n] + i for n, i in rows]
         query_pos_buffer = torch.tensor(query_pos, dtype=torch.int64, device=device)  # shared by every window's plan
         layer_window = tuple(model.layer_window)
         plan = PassPlan({window: plan_tree_attention(
             segment_parent=[index.get(tree.parent(s), -1) for s in segments],
-            segment_start=[kv.segments[s].start for s in segments],
-            segment_len=[new_len[s] - drop[s] + (grow or {}).get(s, 0) for s in segments],
+            segment_start=[held[s].start for s in segments],
+            segment_len=[new_len[s] - drop[s] + grow.get(s, 0) for s in segments],
             segment_pos=[pos[s] + drop[s] for s in segments],
             query_segment=[index[n] for n, _ in rows],
             query_pos=query_pos,
@@ -328,7 +338,7 @@ class TreeRun:
             softcap=model.attn_softcap,
         ) for window in dict.fromkeys(layer_window)}, layer_window)
         for s in new_len:
-            seg = kv.segments[s]
+            seg = held[s]
             seg.computed = max(seg.computed, new_len[s] - drop[s])
         return input_ids, slots, plan
 

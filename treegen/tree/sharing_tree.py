@@ -80,6 +80,9 @@ class SharingTree:
     def graph(self, graph: nx.DiGraph) -> None:
         self._graph = graph
         self._parent = {n: next(iter(graph.pred[n]), None) for n in graph}
+        # networkx's own node-attribute and successor dicts (``graph.nodes[n]`` and ``graph.out_degree``
+        # go through view objects, ~1 us a lookup): read by the per-token and per-plan paths below
+        self._data, self._succ = graph._node, graph._succ
 
     # building ---------------------------------------------------------------------------------
     def add_node(self, parent: int | None, tokens=(), kind: str = "text") -> int:
@@ -102,9 +105,9 @@ class SharingTree:
 
     def extend(self, node: int, tokens) -> None:
         """Append ids to a node's run; only a node without children may grow."""
-        if self.graph.out_degree(node):
+        if self._succ[node]:
             raise ValueError(f"node {node} has children; its tokens are shared and cannot grow")
-        self.graph.nodes[node]["tokens"].extend(tokens)
+        self._data[node]["tokens"].extend(tokens)
 
     def prune(self, node: int) -> None:
         """Mark a node and its subtree as finished with (their KV has been freed)."""
@@ -113,11 +116,12 @@ class SharingTree:
 
     # reading ----------------------------------------------------------------------------------
     def tokens(self, node: int) -> list[int]:
-        return self.graph.nodes[node]["tokens"]
+        return self._data[node]["tokens"]
 
     def size(self, node: int) -> int:
         """Tokens the node holds now plus those it is still to generate."""
-        return len(self.tokens(node)) + self.graph.nodes[node]["gen_budget"]
+        data = self._data[node]
+        return len(data["tokens"]) + data["gen_budget"]
 
     def parent(self, node: int) -> int | None:
         return self._parent[node]
@@ -141,7 +145,7 @@ class SharingTree:
 
     def position(self, node: int) -> int:
         """Absolute position of the node's first token (tokens on the path above it)."""
-        nodes, parent = self.graph.nodes, self._parent
+        nodes, parent = self._data, self._parent
         total, cur = 0, parent[node]
         while cur is not None:
             total += len(nodes[cur]["tokens"])
@@ -156,7 +160,7 @@ class SharingTree:
         """:meth:`position` of each of ``nodes`` and of their ancestors, every node's tokens counted once
         (a plan of many branches below shared nodes asks for thousands)."""
         out: dict[int, int] = {}
-        nodes_data, parent = self.graph.nodes, self._parent
+        nodes_data, parent = self._data, self._parent
         for node in nodes:
             chain, cur = [], node
             while cur is not None and cur not in out:
