@@ -71,6 +71,7 @@ class Decoder:
         self.jobs: list[Job] = []  # branch b's job
         self.out: list[list[int]] = []
         self.logprobs: list[list[float]] = []
+        self.plain: list[bool] = []  # branch b has no constraint and no stop string
         self.live: list[int] = []
         self.tokens_done = 0
         self.masks: TokenMasks | None = None  # the constrained branches' matchers (made at the first one)
@@ -110,6 +111,8 @@ class Decoder:
             self.jobs.append(job)
             self.out.append([])
             self.logprobs.append([])
+            # only EOS and max_tokens can end it (no constraint, no stop string): settled on the fast path
+            self.plain.append(job.request.params.constraint is None and not job.request.params.stop)
             constraint = job.request.params.constraint
             automaton = self.run.engine.automaton(constraint)
             if automaton is not None:
@@ -498,9 +501,20 @@ class Decoder:
         started = time.perf_counter()
         if advance:
             self._advance_matchers(live, tokens)
+        jobs, outs, logprobs, plain, eos, extend = self.jobs, self.out, self.logprobs, self.plain, self.eos, self.tree.extend
         for j, b in enumerate(live):
-            if not self.jobs[b].done:  # (finished, or cancelled by a callback of an earlier branch)
-                self._accept(b, tokens[j], lps[j])
+            job = jobs[b]
+            if job.done:  # (finished, or cancelled by a callback of an earlier branch)
+                continue
+            if plain[b] and job.on_tokens is None:  # the usual case, inline: a branch that goes on
+                new, out, params = tokens[j], outs[b], job.request.params
+                if len(out) + len(new) < params.max_tokens and (params.ignore_eos or eos.isdisjoint(new)):
+                    out.extend(new)
+                    logprobs[b].extend(lps[j])
+                    extend(job.request.node, new)
+                    self.tokens_done += len(new)
+                    continue
+            self._accept(b, tokens[j], lps[j])
         self.live = [b for b in self.live if not self.jobs[b].done]
         self._report()
         self.run.host_seconds["accept"] += time.perf_counter() - started
