@@ -116,6 +116,10 @@ class Engine:
         self.parallel = parallel
         self.workers = workers  # the tensor-parallel workers this process started (treegen.runtime.workers.Team)
         self.phases_captured = 0  # decode graphs captured by this engine's runs (later ones skip the warm-up)
+        # device memory held with no run alive (the weights): see TreeRun.kv_budget
+        device = getattr(model, "device", None)
+        self.idle_allocated = torch.cuda.memory_allocated(device) \
+            if isinstance(device, torch.device) and device.type == "cuda" else 0
         if workers is not None:
             import weakref
 

@@ -26,6 +26,7 @@ phase), that token is run again as a query and writes the identical KV into its 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from dataclasses import dataclass
 
@@ -91,6 +92,10 @@ class PassPlan:
             mine.load(theirs)
 
 
+# garbage beyond the engine's weights and this run's pool that makes kv_budget collect once (see there)
+_FINISHED_RUN_BYTES = 2**30
+
+
 class TreeRun:
     """One sharing tree, the KV of its nodes, and the jobs running over it (see the module doc)."""
 
@@ -98,6 +103,7 @@ class TreeRun:
         """``engine``: the :class:`~treegen.runtime.engine.Engine` whose model and settings this run uses."""
         self.engine = engine
         self.model = engine.model
+        self._reclaimed = False  # kv_budget collected finished runs' garbage once (see there)
         self.tree = SharingTree()
         m = self.model
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
@@ -422,9 +428,20 @@ class TreeRun:
         kv, engine = self.kv, self.engine
         if kv.device.type != "cuda":
             return KVBudget(engine.kv_budget_bytes, kv.bytes_per_token)
-        free, total = torch.cuda.mem_get_info(kv.device)
-        free += torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
         pool = kv.num_slots * kv.bytes_per_token
+        free, total = torch.cuda.mem_get_info(kv.device)
+        allocated = torch.cuda.memory_allocated(kv.device)
+        if not self._reclaimed and free < total // 2 and allocated - engine.idle_allocated - pool > _FINISHED_RUN_BYTES:
+            # An earlier run its caller dropped may still hold its KV pool: a run is a reference cycle
+            # (run <-> decoder), freed only by the cycle collector, whose full collections are rare (paused
+            # during batches, treegen.runtime.collector). Seen on an H200: a run of branches 1.3x the GPU's
+            # memory, then a small run refused its work ("more than the whole KV budget of 1024 tokens").
+            # With the device half full of more than the weights and this pool, collect once per run.
+            self._reclaimed = True
+            gc.collect()
+            free, total = torch.cuda.mem_get_info(kv.device)
+            allocated = torch.cuda.memory_allocated(kv.device)
+        free += torch.cuda.memory_reserved(kv.device) - allocated
         room = int(free - max(0.1 * total, 4 * 2**30)) - (pool if kv.written() else 0)
         reachable = pool + max(0, room)
         if engine.kv_budget_bytes is not None:
