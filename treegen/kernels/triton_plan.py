@@ -191,6 +191,13 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
+def _expand(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of ``sizes`` elements laid end to end: each element's group and its index in the group
+    (``[2, 0, 3]`` -> ``[0, 0, 2, 2, 2]``, ``[0, 1, 0, 1, 2]``)."""
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    return group, np.arange(len(group)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
 def plan_triton(
     *,
     segment_start: Sequence[int],
@@ -296,9 +303,7 @@ def plan_triton(
     chunks = np.maximum(_ceil_div(keys, seg_chunk), 0)
     row_offset = np.cumsum(cnt) - cnt  # where each segment's rows start in ``rows``
     first_partial = np.cumsum(cnt * chunks) - cnt * chunks  # chunk c of row i's partial: first + c * rows + i
-    per_seg = chunks * tiles
-    item_seg = np.repeat(np.arange(len(segs)), per_seg)
-    k = np.arange(len(item_seg)) - np.repeat(np.cumsum(per_seg) - per_seg, per_seg)
+    item_seg, k = _expand(chunks * tiles)
     c, t = k // tiles[item_seg], k % tiles[item_seg]
     kb = key_begin[segs][item_seg] + c * seg_chunk[item_seg]
     first_row = t * rows_per_tile[item_seg]
@@ -317,14 +322,13 @@ def plan_triton(
     lib_seg = lib[0] if lib is not None and not by_row else -1
     index = np.full(n, -1, dtype=np.int64)
     index[segs] = np.arange(len(segs))
-    keep = ~(fused & (paths.seg == paths.own[paths.row])) if fused else np.ones(len(paths.seg), dtype=bool)
+    keep = paths.seg != paths.own[paths.row] if fused else np.ones(len(paths.seg), dtype=bool)
     p_seg, p_local, p_row = paths.seg[keep], paths.local[keep], paths.row[keep]
     p_index = index[p_seg]
     n_lib = np.where(p_seg == lib_seg, lib[1].chunks if lib is not None else 0, 0)
     n_part = np.where(p_index >= 0, chunks[np.maximum(p_index, 0)], 0)
     per_pair = n_lib + n_part
-    pair = np.repeat(np.arange(len(p_seg)), per_pair)
-    k = np.arange(len(pair)) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
+    pair, k = _expand(per_pair)  # entry k of each pair: its library chunks first, then its own key chunks
     from_lib = k < n_lib[pair]
     lib_rows = lib[1].num_rows if lib is not None else 0
     merge_idx = np.where(from_lib, -1 - (k * lib_rows + p_local[pair]),
@@ -336,18 +340,16 @@ def plan_triton(
     def i32(x) -> Tensor:  # (through numpy: torch.tensor of a Python list costs ~4x more host time)
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(device)
 
-    rows_at = rows
-
     def launch(m, table):
         if longest_first:  # programs start in table order: the longest first, the short ones fill in after
             table = table[np.argsort(table[:, 2] - table[:, 3], kind="stable")]
         # rows [o, o + n) of ``rows`` consecutive query rows in every item: hand the kernel the first one
         # (a segment's rows increase: consecutive when the last is n - 1 past the first)
         first, count = table[:, 4], table[:, 5]
-        direct = bool(np.all(rows_at[first + count - 1] - rows_at[first] == count - 1))
+        direct = bool(np.all(rows[first + count - 1] - rows[first] == count - 1))
         if direct:
             table = table.copy()
-            table[:, 4] = rows_at[first]
+            table[:, 4] = rows[first]
         return WorkList(i32(table), m, *_launch_shape(m, table, num_kv_heads, block_n, num_stages or 3, leaf_shape),
                         direct_rows=direct)
 
