@@ -241,3 +241,23 @@ def test_compaction_keeps_every_written_token_of_many_segments(chunk):
             assert torch.equal(kv.k[layer, seg.start : seg.start + seg.computed, 0, 0], want + layer), node
             assert torch.equal(kv.v[layer, seg.start : seg.start + seg.computed, 0, 1], -want), node
     assert kv._free == [(pos, kv.num_slots - pos)]
+
+
+def test_a_job_left_out_of_a_full_step_does_not_count_its_nodes_as_taken():
+    """A token budget that holds the first and third jobs' rows but not the second's long own node: the
+    node the second shares with the third (``x``) is not taken for already in the step (the third job's
+    rows include it), and the second job's rows come whole in the next step."""
+    tree, kv, sched = setup(token_budget=9)
+    root = tree.add_node(None, [1, 2, 3])
+    a = tree.add_node(root, [4])
+    x = tree.add_node(root, [5, 6])
+    big, b = tree.add_node(x, list(range(10, 20))), tree.add_node(x, [7])
+    for node in (a, big, b):
+        sched.submit(gen(node))
+    step = sched.next_step(live=0)
+    assert [j.request.node for j in step.ready] == [a, b]
+    assert step.rows == [(root, 0), (root, 1), (root, 2), (a, 0), (x, 0), (x, 1), (b, 0)]
+    computed(kv, step)
+    step = sched.next_step(live=0)
+    assert [j.request.node for j in step.ready] == [big]
+    assert step.rows == [(big, i) for i in range(10)]

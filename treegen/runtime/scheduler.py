@@ -406,17 +406,18 @@ class Scheduler:
     def _take_rows(self, step: Step, room: int) -> None:
         """Move admitted jobs into the step, whole, while their rows fit ``room`` (at least one)."""
         seen: set[tuple[int, int]] = set()
+        whole: set[int] = set()  # nodes all of whose rows without KV are in the step already
         keep: list[Job] = []
         for job in self.admitted:
-            rows = self._rows(job, seen)
+            rows, nodes = self._rows(job, seen, whole)
             if self.offload.on and not (step.ready and len(step.rows) + len(rows) > room):
                 for n in self.nodes(job):
                     self.last_used[n] = self._steps
             if step.ready and len(step.rows) + len(rows) > room:
                 keep.append(job)
                 continue
-            for r in rows:
-                seen.add(r)
+            seen.update(rows)
+            whole.update(nodes)
             step.rows += rows
             step.ready.append(job)
         self.admitted = keep
@@ -424,19 +425,23 @@ class Scheduler:
         depth = {n: len(self.tree.path(n)) for n in {n for n, _ in step.rows}}
         step.rows.sort(key=lambda r: (depth[r[0]], r[0], r[1]))
 
-    def _rows(self, job: Job, seen: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    def _rows(self, job: Job, seen: set[tuple[int, int]], whole: set[int]) -> tuple[list[tuple[int, int]], list[int]]:
         """Rows ``job`` adds to a step that already has ``seen``: its paths' tokens without KV, then its
-        conditioning rows (run again when their KV exists: the same KV is written again)."""
+        conditioning rows (run again when their KV exists: the same KV is written again); and the nodes
+        of its paths. ``whole``: nodes whose rows without KV are all in ``seen`` (skipped: a few-shot
+        prefix shared by thousands of new jobs is not walked token by token for each)."""
         tree, kv = self.tree, self.kv
         req = job.request
         ends = [req.node] if isinstance(req, GenRequest) else [req.parent, *req.choices]
         rows: list[tuple[int, int]] = []
-        for n in sorted({n for end in ends for n in tree.path(end)}):
-            rows += [(n, i) for i in range(kv.computed(n), len(tree.tokens(n))) if (n, i) not in seen]
+        nodes = sorted({n for end in ends for n in tree.path(end)})
+        for n in nodes:
+            if n not in whole:
+                rows += [(n, i) for i in range(kv.computed(n), len(tree.tokens(n))) if (n, i) not in seen]
         cond = conditioning_row(tree, req.node if isinstance(req, GenRequest) else req.parent)
         if cond not in seen and cond not in rows:
             rows.append(cond)
-        return rows
+        return rows, nodes
 
 
 def _what(job: Job) -> str:
