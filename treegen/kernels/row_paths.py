@@ -51,6 +51,14 @@ class RowPaths:
         return out
 
 
+def expand(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of ``sizes`` elements laid end to end: each element's group and its index in the group
+    (``[2, 0, 3]`` -> ``[0, 0, 2, 2, 2]``, ``[0, 1, 0, 1, 2]``)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    return group, np.arange(len(group)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
 def row_paths(segment_parent: Sequence[int], query_segment: Sequence[int], *, query_pos: Sequence[int] | None = None,
               segment_pos: Sequence[int] | None = None, segment_len: Sequence[int] | None = None,
               window: int | None = None) -> RowPaths:
@@ -93,9 +101,7 @@ def row_paths(segment_parent: Sequence[int], query_segment: Sequence[int], *, qu
         valid &= inside | (path == own[:, None])
     rows = np.broadcast_to(np.arange(len(own), dtype=np.int64)[:, None], path.shape)
     row, seg = rows[valid], path[valid]  # row-major: rows ascending, each root first
-    order = np.argsort(seg, kind="stable")
     count = np.bincount(seg, minlength=n).astype(np.int64)
-    first = np.cumsum(count) - count  # each segment's first pair in segment order
     local = np.empty(len(seg), dtype=np.int64)
-    local[order] = np.arange(len(seg), dtype=np.int64) - first[seg[order]]
+    local[np.argsort(seg, kind="stable")] = expand(count)[1]  # in segment order, each segment's rows count up
     return RowPaths(row=row, seg=seg, local=local, own=own, depth=depth, count=count)

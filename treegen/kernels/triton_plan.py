@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from treegen.kernels.library_attention import LibrarySegment, folds_heads
-from treegen.kernels.row_paths import RowPaths
+from treegen.kernels.row_paths import RowPaths, expand
 
 # the GPU the launch shapes were measured on: an H100's streaming multiprocessors
 _SMS = 132
@@ -168,12 +168,12 @@ def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_l
     whether it is some row's own segment (both [num_segments])."""
     shared = segs[~own[segs]]
     rows = count[shared]
-    fits = shared[(rows * group >= _LIBRARY_MIN_ROWS) & (segment_len[shared] >= _LIBRARY_MIN_KEYS)]
-    if not len(fits):
+    fits = (rows * group >= _LIBRARY_MIN_ROWS) & (segment_len[shared] >= _LIBRARY_MIN_KEYS)
+    if not fits.any():
         return None
-    work = count[shared] * segment_len[shared]
-    best = work[np.isin(shared, fits)].max()
-    s = int(fits[work[np.isin(shared, fits)] == best].min())  # the most work, the lowest id of equals
+    work = rows * segment_len[shared]
+    best = work[fits].max()
+    s = int(shared[fits & (work == best)].min())  # the most work, the lowest id of equals
     if best < _LIBRARY_MIN_SHARE * int(work.sum()):
         return None  # the other shared segments' launch would run after it, not beside it
     num_rows = int(count[s])
@@ -189,13 +189,6 @@ def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_l
 
 def _ceil_div(a, b):
     return -(-a // b)
-
-
-def _expand(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Groups of ``sizes`` elements laid end to end: each element's group and its index in the group
-    (``[2, 0, 3]`` -> ``[0, 0, 2, 2, 2]``, ``[0, 1, 0, 1, 2]``)."""
-    group = np.repeat(np.arange(len(sizes)), sizes)
-    return group, np.arange(len(group)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
 
 
 def plan_triton(
@@ -303,7 +296,7 @@ def plan_triton(
     chunks = np.maximum(_ceil_div(keys, seg_chunk), 0)
     row_offset = np.cumsum(cnt) - cnt  # where each segment's rows start in ``rows``
     first_partial = np.cumsum(cnt * chunks) - cnt * chunks  # chunk c of row i's partial: first + c * rows + i
-    item_seg, k = _expand(chunks * tiles)
+    item_seg, k = expand(chunks * tiles)
     c, t = k // tiles[item_seg], k % tiles[item_seg]
     kb = key_begin[segs][item_seg] + c * seg_chunk[item_seg]
     first_row = t * rows_per_tile[item_seg]
@@ -328,7 +321,7 @@ def plan_triton(
     n_lib = np.where(p_seg == lib_seg, lib[1].chunks if lib is not None else 0, 0)
     n_part = np.where(p_index >= 0, chunks[np.maximum(p_index, 0)], 0)
     per_pair = n_lib + n_part
-    pair, k = _expand(per_pair)  # entry k of each pair: its library chunks first, then its own key chunks
+    pair, k = expand(per_pair)  # entry k of each pair: its library chunks first, then its own key chunks
     from_lib = k < n_lib[pair]
     lib_rows = lib[1].num_rows if lib is not None else 0
     merge_idx = np.where(from_lib, -1 - (k * lib_rows + p_local[pair]),

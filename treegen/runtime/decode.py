@@ -506,7 +506,8 @@ class Decoder:
             job = jobs[b]
             if job.done:  # (finished, or cancelled by a callback of an earlier branch)
                 continue
-            if plain[b] and job.on_tokens is None:  # the usual case, inline: a branch that goes on
+            # the usual case, inline: a branch that goes on (the part of _accept's first branch that ends nothing)
+            if plain[b] and job.on_tokens is None:
                 new, out, params = tokens[j], outs[b], job.request.params
                 if len(out) + len(new) < params.max_tokens and (params.ignore_eos or eos.isdisjoint(new)):
                     out.extend(new)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from treegen.kernels.kv_quant import KVFormat, kv_format, quantize_reference
+from treegen.kernels.row_paths import expand
 
 
 @dataclass
@@ -424,10 +425,9 @@ class KVStore:
                 seg.start = pos
             pos += seg.capacity
         if counts:
-            counts_np = np.asarray(counts, dtype=np.int64)
-            offsets = np.arange(int(counts_np.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts_np) - counts_np, counts_np)
-            src = np.repeat(np.asarray(src_starts, dtype=np.int64), counts_np) + offsets
-            dst = np.repeat(np.asarray(dst_starts, dtype=np.int64), counts_np) + offsets
+            which, offsets = expand(counts)  # each moved slot's segment and its offset in it
+            src = np.asarray(src_starts, dtype=np.int64)[which] + offsets
+            dst = np.asarray(dst_starts, dtype=np.int64)[which] + offsets
             for begin in range(0, len(src), chunk):
                 s = torch.from_numpy(src[begin:begin + chunk]).to(self.device)
                 d = torch.from_numpy(dst[begin:begin + chunk]).to(self.device)

@@ -411,7 +411,7 @@ class Scheduler:
         for job in self.admitted:
             rows, nodes = self._rows(job, seen, whole)
             if self.offload.on and not (step.ready and len(step.rows) + len(rows) > room):
-                for n in self.nodes(job):
+                for n in nodes:
                     self.last_used[n] = self._steps
             if step.ready and len(step.rows) + len(rows) > room:
                 keep.append(job)
