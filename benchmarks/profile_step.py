@@ -88,6 +88,13 @@ def per_step(engine: Engine, batch: int, prompt: list[int], new: int) -> dict[st
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
 
 
+def wall_per_step(engine: Engine, batch: int, prompt: list[int], new: int) -> float:
+    """Wall microseconds per decode step without the profiler: a ``new``-token run less a 1-token one (best of 3)."""
+    one = min(timed_run(engine, batch=batch, prompt=prompt, new=1, flat=False)[0] for _ in range(3))
+    many = min(timed_run(engine, batch=batch, prompt=prompt, new=new, flat=False)[0] for _ in range(3))
+    return (many - one) / (new - 1) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="phi-4-mini")
@@ -99,6 +106,8 @@ def main() -> None:
     parser.add_argument("--no-library", action="store_true", help="every segment to the Triton kernels (no cuDNN)")
     parser.add_argument("--plan", nargs="*", default=[], metavar="KEY=INT",
                         help="plan_triton knobs for the run (e.g. target_programs=132), an experiment")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                        help="the KV cache's format (auto: the model's dtype)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--sequence", type=int, default=0, help="print this many kernels of one decode step, in order")
     parser.add_argument("--out", default=None)
@@ -114,14 +123,16 @@ def main() -> None:
     config = config_of(args.shape)
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
     prompt = torch.randint(0, model.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
-    modes, sequences = {}, {}
+    modes, sequences, walls = {}, {}, {}
     for mode in args.modes:
-        engine = Engine(model, IdTokenizer(), attention=mode)
+        engine = Engine(model, IdTokenizer(), attention=mode, kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
         if args.no_graphs:
             engine.cuda_graphs = False
         modes[mode] = per_step(engine, args.batch, prompt, args.new)
+        walls[mode] = wall_per_step(engine, args.batch, prompt, args.new)
         total = sum(k["us"] for k in modes[mode].values())
-        print(f"\n## {args.shape} {mode}, batch {args.batch}, prefix {args.prefix}: {total:.0f} us of kernels per decode step\n")
+        print(f"\n## {args.shape} {mode}, batch {args.batch}, prefix {args.prefix}, KV {args.kv_dtype}: {total:.0f} us of "
+              f"kernels per decode step, {walls[mode]:.0f} us wall (unprofiled)\n")
         print("| kernel | us / step | launches / step |\n|---|---|---|")
         for name, k in list(modes[mode].items())[: args.top]:
             print(f"| {name} | {k['us']:.1f} | {k['launches']:.0f} |")
@@ -137,10 +148,11 @@ def main() -> None:
         print("| kernel | us / step |\n|---|---|")
         for name, us in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[: args.top]:
             print(f"| {name} | {us:+.1f} |")
-    out = Path(args.out or Path(__file__).parent / "results" / f"profile_step_{args.shape}_{args.batch}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / f"profile_step_{args.shape}_{args.batch}"
+                                                                 f"{'' if args.kv_dtype == 'auto' else '_' + args.kv_dtype}.json")
     out.write_text(json.dumps({
         "benchmark": "profile_step", "shape": args.shape, "batch": args.batch, "prefix": args.prefix,
-        "new": args.new, "cuda_graphs": not args.no_graphs, "library": not args.no_library, "plan": args.plan, "device": torch.cuda.get_device_name(),
+        "new": args.new, "kv_dtype": args.kv_dtype, "wall_us_per_step": walls, "cuda_graphs": not args.no_graphs, "library": not args.no_library, "plan": args.plan, "device": torch.cuda.get_device_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
         "method": "torch.profiler CUDA kernel times of a NEW-token run less a 1-token run, per decode step",

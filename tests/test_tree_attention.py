@@ -226,6 +226,25 @@ def test_triton_plan_gives_leaves_small_tiles():
     assert plan.triton.merge_ptr.tolist() == list(range(65))  # one ancestor partial (the root) per query
 
 
+@pytest.mark.parametrize("leaves,num_heads,num_kv,want", [(64, 8, 2, 1), (1024, 32, 8, 4), (300, 32, 8, 4),
+                                                           (200, 32, 8, 3), (1024, 24, 8, 5), (1024, 9, 3, 5),
+                                                           (256, 32, 32, 15), (128, 32, 32, 7), (64, 32, 32, 3)])
+def test_leaves_share_tiles_while_enough_programs_remain(leaves, num_heads, num_kv, want):
+    """A decode leaf's query row x its query heads fills part of a 16-row tile: as many leaves as fit share one
+    (4 at 32/8 heads, 5 at 24/8 or 9/3, 16 for MHA) while at least 528 programs remain (else fewer)."""
+    plan = plan_tree_attention(segment_parent=[-1] + [0] * leaves, segment_start=[0] + [600 + 3 * i for i in range(leaves)],
+                               segment_len=[600] + [3] * leaves, segment_pos=[0] + [600] * leaves,
+                               query_segment=list(range(1, leaves + 1)), query_pos=[602] * leaves, backend="triton",
+                               num_heads=num_heads, num_kv_heads=num_kv, device="cpu")
+    leaf = plan.triton.launches[-1]
+    assert plan.triton.fused_merge and leaf.block_m == 16 and leaf.pack == want
+    assert leaf.work.shape == (-(-leaves // want), 7 * want)
+    with pytest.raises(ValueError, match="pack_leaves must be at least 1, got 0"):
+        plan_tree_attention(segment_parent=[-1, 0], segment_start=[0, 5], segment_len=[5, 1], segment_pos=[0, 5],
+                            query_segment=[1], query_pos=[5], backend="triton", num_heads=4, num_kv_heads=1,
+                            device="cpu", triton_options={"pack_leaves": 0})
+
+
 def test_many_leaves_get_narrow_key_blocks_and_match_plain_attention():
     """A thousand leaf programs (128 leaves x 8 KV heads) take the launch shape for many small items
     (32-key blocks, one warp); leaves of 1..70 keys cover a partial block and a masked tail."""
@@ -463,7 +482,8 @@ def test_window_plan_leaves_out_segments_no_row_can_see():
     assert len(plan_tree_attention(**kwargs, window=20).levels) == 1
     assert len(plan_tree_attention(**kwargs).levels) == 2
     tri = plan_tree_attention(**kwargs, window=20, backend="triton", num_heads=2, num_kv_heads=1).triton
-    assert sorted(int(slot) for launch in tri.launches for slot in launch.work[:, 0]) == [100, 130]
+    items = [item for launch in tri.launches for item in launch.work.reshape(-1, 7).tolist() if item[5]]
+    assert sorted(item[0] for item in items) == [100, 130]  # (rows in each; a packed launch's empty items have none)
     with pytest.raises(ValueError, match="window"):
         plan_tree_attention(**kwargs, window=0)
     with pytest.raises(ValueError, match="softcap"):
@@ -535,3 +555,50 @@ def test_segments_read_by_few_rows_get_a_64_row_launch_when_they_fill_half_a_wav
         assert (64 in [w.block_m for w in plan.triton.launches]) == mid
         assert 128 in [w.block_m for w in plan.triton.launches] and plan.triton.half_partials
         tree.check(*(torch.randn(n, h, 64).half() for n, h in ((72, heads), (tree.slots, kv), (tree.slots, kv))), plan)
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_leaves_packed_into_shared_tiles_match_plain_attention(case):
+    """Decode leaves of many lengths (some past a key block, some of one key) below a shared prefix, several
+    leaves a 16-row tile: every group (MHA's 16 leaves a tile, 9/3's 5 with a padding row, 8/1's 2), a last
+    tile with empty items, sliding windows and soft caps, 8-bit caches; equal to plain attention and to the
+    plan with one leaf a tile."""
+    from treegen.kernels.kv_quant import dequantize_reference, kv_format, quantize_reference
+
+    rng = random.Random(700 + case)
+    torch.manual_seed(case)
+    num_heads, num_kv = [(4, 4), (9, 3), (8, 2), (8, 1)][case % 4]
+    leaves = max(rng.choice([7, 13, 21]), 16 // (num_heads // num_kv) + 1)  # (the prefix: more than 16 rows)
+    parent = [-1] + [0] * leaves
+    length = [rng.randint(20, 70)] + [rng.choice([1, 2, 9, 33, 40]) for _ in range(leaves)]
+    start, pos, slots = layout(parent, length, rng)
+    query_segment = list(range(1, leaves + 1))
+    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    window = 25 if case in (1, 6) else None
+    softcap = 4.0 if case in (2, 6) else None
+    quant = {3: "int8", 7: "fp8"}.get(case)
+    dtype = torch.float16 if case == 5 else torch.float32
+    q = (torch.randn(leaves, num_heads, 64) * 2).to(dtype)
+    k_cache, v_cache = (torch.randn(slots, num_kv, 64) for _ in range(2))
+    scales = ()
+    if quant:
+        (k8, ks), (v8, vs) = (quantize_reference(x, kv_format(quant, torch.float32)) for x in (k_cache, v_cache))
+        k_cache, v_cache = dequantize_reference(k8, ks), dequantize_reference(v8, vs)  # (what the reference sees)
+        scales = (ks, vs)
+    k_in, v_in = (k8, v8) if quant else (k_cache.to(dtype), v_cache.to(dtype))
+    outs = []
+    for pack in (16, 1):
+        plan = plan_tree_attention(
+            segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+            query_segment=query_segment, query_pos=query_pos, backend="triton", num_heads=num_heads,
+            num_kv_heads=num_kv, window=window, softcap=softcap,
+            triton_options={"block_n": 16, "pack_leaves": pack})
+        leaf_launch = plan.triton.launches[-1]
+        assert plan.triton.fused_merge and leaf_launch.block_m == 16
+        assert leaf_launch.pack == min(pack, 16 // (num_heads // num_kv), leaves)
+        outs.append(tree_attention(q, k_in, v_in, plan, 64**-0.5, *scales).float())
+    want = ground_truth(q.float(), k_cache.float(), v_cache.float(), parent, start, length, pos, query_segment,
+                        query_pos, 64**-0.5, window=window, softcap=softcap)
+    tol = 2e-3 if dtype == torch.float16 else 2e-5
+    torch.testing.assert_close(outs[0], want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)

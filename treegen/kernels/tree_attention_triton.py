@@ -190,6 +190,7 @@ if triton is not None:
         MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, DIRECT_ROWS: tl.constexpr, LIB_BY_ROW: tl.constexpr,
         LIB_P2: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
         F16_PRODUCTS: tl.constexpr, NUM_KV: tl.constexpr, PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
+        PACK: tl.constexpr, SUB_ROWS: tl.constexpr,
     ):
         # the KV heads of one work item are consecutive programs: GPUs start programs in id order (observed
         # behaviour, not a CUDA guarantee; only speed depends on it), so the plan's order of items (longest
@@ -198,18 +199,25 @@ if triton is not None:
         kvh = tl.program_id(0) % NUM_KV
         if PDL_TRIGGER:  # the call's next launch may start as this one's last programs run (see the module doc)
             tl.extra.cuda.gdc_launch_dependents()
-        slot0 = tl.load(work + wid * 7 + 0)
-        pos0 = tl.load(work + wid * 7 + 1)
-        kb = tl.load(work + wid * 7 + 2)
-        ke = tl.load(work + wid * 7 + 3)
-        row_begin = tl.load(work + wid * 7 + 4)
-        row_count = tl.load(work + wid * 7 + 5)
-        part0 = tl.load(work + wid * 7 + 6)
-
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
-        local = offs_m // GROUP
         head = kvh * GROUP + offs_m % GROUP
+        if PACK > 1:  # the tile's rows belong to PACK items of SUB_ROWS rows each, item after item
+            sub = offs_m // GROUP // SUB_ROWS
+            local = offs_m // GROUP % SUB_ROWS
+            entry = work + (wid * PACK + tl.minimum(sub, PACK - 1)) * 7
+            row_begin = tl.load(entry + 4)
+            row_count = tl.where(sub < PACK, tl.load(entry + 5), 0)
+            part0 = 0  # (packed items are fused leaves: they write no partials)
+        else:
+            slot0 = tl.load(work + wid * 7 + 0)
+            pos0 = tl.load(work + wid * 7 + 1)
+            kb = tl.load(work + wid * 7 + 2)
+            ke = tl.load(work + wid * 7 + 3)
+            row_begin = tl.load(work + wid * 7 + 4)
+            row_count = tl.load(work + wid * 7 + 5)
+            part0 = tl.load(work + wid * 7 + 6)
+            local = offs_m // GROUP
         row_ok = local < row_count
         if DIRECT_ROWS:  # the item's rows are query rows row_begin, row_begin + 1, ...
             qrow = tl.where(row_ok, row_begin + local, 0)
@@ -233,39 +241,56 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        # keys past the tile's last query position are invisible to all its rows: stop there;
-        # keys before its first query position (and inside the chunk) are visible to all: no mask
-        hi = tl.minimum(ke, tl.max(qpos, axis=0) - pos0 + 1)
-        qmin = tl.min(tl.where(row_ok, qpos, 2147483647), axis=0)
-        full = tl.minimum(hi, qmin - pos0 + 1)
-        full = tl.maximum(kb, kb + (full - kb) // BLOCK_N * BLOCK_N)
-        if WINDOW:
-            # keys before the lowest row's window are invisible to all rows: start at the block holding
-            # its first key; keys inside the highest row's window (and before ``full``) are visible to all
-            lo = kb + tl.maximum(qmin - window + 1 - pos0 - kb, 0) // BLOCK_N * BLOCK_N
-            ulo = kb + (tl.maximum(tl.max(qpos, axis=0) - window + 1 - pos0 - kb, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-            ulo = tl.maximum(lo, tl.minimum(ulo, full))
+        if PACK > 1:
+            # each item's keys with its own rows visible: the others' positions are -1 (no key is visible to
+            # them, so their running max, sum and output stay as they are); an empty item has no keys
+            for i in range(PACK):
+                item = work + (wid * PACK + i) * 7
+                slot0 = tl.load(item + 0)
+                pos0 = tl.load(item + 1)
+                kb = tl.load(item + 2)
+                ke = tl.load(item + 3)
+                qpos_i = tl.where(sub == i, qpos, -1)
+                hi = tl.minimum(ke, tl.max(qpos_i, axis=0) - pos0 + 1)
+                kv_base = slot0.to(tl.int64) * stride_kt + kvh * stride_kh
+                s_base = slot0.to(tl.int64) * stride_st + kvh
+                m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos_i, K + kv_base, V + kv_base, KS + s_base,
+                                               VS + s_base, stride_kt, stride_st, pos0, kb, hi, scale_log2, window,
+                                               cap, pre, HEAD_DIM, BLOCK_N, True, PRECISION, QUANT, WINDOW, SOFTCAP)
         else:
-            lo = kb
-            ulo = kb
-        kv_base = slot0.to(tl.int64) * stride_kt + kvh * stride_kh
-        s_base = slot0.to(tl.int64) * stride_st + kvh  # the scales of an 8-bit cache: [slots, kv_heads]
-        if WINDOW:  # the blocks that only some rows see because of the window
+            # keys past the tile's last query position are invisible to all its rows: stop there;
+            # keys before its first query position (and inside the chunk) are visible to all: no mask
+            hi = tl.minimum(ke, tl.max(qpos, axis=0) - pos0 + 1)
+            qmin = tl.min(tl.where(row_ok, qpos, 2147483647), axis=0)
+            full = tl.minimum(hi, qmin - pos0 + 1)
+            full = tl.maximum(kb, kb + (full - kb) // BLOCK_N * BLOCK_N)
+            if WINDOW:
+                # keys before the lowest row's window are invisible to all rows: start at the block holding
+                # its first key; keys inside the highest row's window (and before ``full``) are visible to all
+                lo = kb + tl.maximum(qmin - window + 1 - pos0 - kb, 0) // BLOCK_N * BLOCK_N
+                ulo = kb + (tl.maximum(tl.max(qpos, axis=0) - window + 1 - pos0 - kb, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+                ulo = tl.maximum(lo, tl.minimum(ulo, full))
+            else:
+                lo = kb
+                ulo = kb
+            kv_base = slot0.to(tl.int64) * stride_kt + kvh * stride_kh
+            s_base = slot0.to(tl.int64) * stride_st + kvh  # the scales of an 8-bit cache: [slots, kv_heads]
+            if WINDOW:  # the blocks that only some rows see because of the window
+                m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
+                                               stride_kt, stride_st, pos0, lo, ulo, scale_log2, window, cap, pre,
+                                               HEAD_DIM, BLOCK_N, True, PRECISION, QUANT, WINDOW, SOFTCAP)
+            if USE_TMA:
+                # a fully visible block has a finite score in every row, so the running max is finite
+                m_i, l_i, acc = _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, KS + s_base, VS + s_base, stride_st,
+                                                   slot0, kvh * HEAD_DIM, ulo, full, scale_log2, cap, pre, BLOCK_N,
+                                                   WARP_SPECIALIZE, PRECISION, QUANT, SOFTCAP)
+            else:
+                m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
+                                               stride_kt, stride_st, pos0, ulo, full, scale_log2, window, cap, pre,
+                                               HEAD_DIM, BLOCK_N, False, PRECISION, QUANT, WINDOW, SOFTCAP)
             m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
-                                           stride_kt, stride_st, pos0, lo, ulo, scale_log2, window, cap, pre,
-                                           HEAD_DIM, BLOCK_N, True, PRECISION, QUANT, WINDOW, SOFTCAP)
-        if USE_TMA:
-            # a fully visible block has a finite score in every row, so the running max is finite
-            m_i, l_i, acc = _attend_blocks_tma(acc, m_i, l_i, q, K_desc, V_desc, KS + s_base, VS + s_base, stride_st,
-                                               slot0, kvh * HEAD_DIM, ulo, full, scale_log2, cap, pre, BLOCK_N,
-                                               WARP_SPECIALIZE, PRECISION, QUANT, SOFTCAP)
-        else:
-            m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
-                                           stride_kt, stride_st, pos0, ulo, full, scale_log2, window, cap, pre,
-                                           HEAD_DIM, BLOCK_N, False, PRECISION, QUANT, WINDOW, SOFTCAP)
-        m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + kv_base, V + kv_base, KS + s_base, VS + s_base,
-                                       stride_kt, stride_st, pos0, tl.maximum(full, ulo), hi, scale_log2, window, cap,
-                                       pre, HEAD_DIM, BLOCK_N, True, PRECISION, QUANT, WINDOW, SOFTCAP)
+                                           stride_kt, stride_st, pos0, tl.maximum(full, ulo), hi, scale_log2, window, cap,
+                                           pre, HEAD_DIM, BLOCK_N, True, PRECISION, QUANT, WINDOW, SOFTCAP)
 
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -515,6 +540,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
             WINDOW=window is not None, SOFTCAP=softcap is not None,
             F16_PRODUCTS=f16_products, NUM_KV=num_kv, PDL_TRIGGER=precedes, PDL_WAIT=follows,
+            PACK=launch.pack, SUB_ROWS=launch.block_m // plan.group // launch.pack,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
             **({"launch_pdl": True} if follows else {}),
         )

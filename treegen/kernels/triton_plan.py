@@ -52,16 +52,21 @@ _LIBRARY_MAX_FOLDED_CHUNKS = 2
 # leaves, 32/8 x 128, 9/3 x 64, 16/8 x 256 heads, fp16 partials both ways): 66-736 such programs 0-11% less
 # time a call (deep trees most), 33 and 48 programs 2% and 15% more (the multilevel tree, 9/3 heads, 256 leaves)
 _MIN_MID_PROGRAMS = _SMS // 2
+# fused leaves share 16-row tiles (several leaves a program) only while that leaves this many programs (~4 an SM;
+# fewer, and one leaf a program, all in parallel, measured faster: see _leaf_pack)
+_MIN_PACKED_PROGRAMS = 4 * _SMS
 
 
 @dataclass(frozen=True)
 class WorkList:
     """Work items launched together with one tile height.
 
-    ``work: [num_items, 7] int32`` — per item: first cache slot of the segment, absolute position of
-    the segment's first key, key range begin/end within the segment, offset into ``rows`` of the tile's
+    ``work: [num_programs, 7 * pack] int32`` — per item: first cache slot of the segment, absolute position
+    of the segment's first key, key range begin/end within the segment, offset into ``rows`` of the tile's
     first query row, number of query rows, first partial entry. E.g. a root of 40 keys at slots 0..39
-    read by query rows [0, 1] in one chunk → ``[[0, 0, 0, 40, 0, 2, 0]]``.
+    read by query rows [0, 1] in one chunk → ``[[0, 0, 0, 40, 0, 2, 0]]``. ``pack`` > 1 (fused leaves only):
+    each program's tile holds the rows of ``pack`` items, one after another (``7 * pack`` columns; items
+    with no rows fill a short last program), and attends each item's keys with that item's rows only.
     ``block_m`` — tile height (query rows x query heads per KV head); ``block_n`` — keys per block of the
     key loop (fp16/bf16; fp32 inputs use half); ``num_warps`` and ``num_stages`` (software-pipeline depth
     of the key loop) for the launch. ``direct_rows`` — every item's rows are consecutive query rows, and
@@ -74,6 +79,7 @@ class WorkList:
     num_warps: int
     num_stages: int
     direct_rows: bool = False
+    pack: int = 1
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,7 @@ class TritonPlan:
         if self.library is not None:
             return None
         return (self.group, self.use_tma, self.warp_specialize, self.fused_merge, self.pdl, self.half_partials,
-                tuple((w.block_m, w.block_n, w.num_warps, w.num_stages, w.direct_rows) for w in self.launches))
+                tuple((w.block_m, w.block_n, w.num_warps, w.num_stages, w.direct_rows, w.pack) for w in self.launches))
 
     def sizes(self) -> tuple:
         """The tables' lengths: ``(work items of each launch, rows, merge_idx, partials)``."""
@@ -140,7 +146,7 @@ class TritonPlan:
             return torch.zeros(n, *shape, dtype=torch.int32, device=self.rows.device)
 
         return TritonPlan(
-            launches=tuple(dataclasses.replace(w, work=zeros(n, 7)) for w, n in zip(self.launches, items)),
+            launches=tuple(dataclasses.replace(w, work=zeros(n, w.work.shape[1])) for w, n in zip(self.launches, items)),
             rows=zeros(rows), merge_ptr=zeros(num_queries + 1), merge_idx=zeros(merge), num_partials=partials,
             group=self.group, use_tma=self.use_tma, warp_specialize=self.warp_specialize, fused_merge=self.fused_merge,
             pdl=self.pdl, half_partials=self.half_partials)
@@ -212,6 +218,7 @@ def plan_triton(
     pdl: int | None = None,
     mid_tiles: bool | None = None,
     half_partials: bool = True,
+    pack_leaves: int | None = None,
 ) -> TritonPlan:
     """Build the work tables. ``paths``: which segments each query row reads (:func:`~treegen.kernels.
     row_paths.row_paths`). Every table is computed with numpy over all segments, items and partials at
@@ -238,9 +245,13 @@ def plan_triton(
     fp16 input's as its output does). Measured on an H200: 0-16% less time a call on program-shaped trees.
     (Measured and not kept, H200, 256 leaves, ``profile_attention_trees_variants_*_h200.json``: ancestors read
     by few rows in the wide tiles, so that the leaves fuse the merge — uneven trees 113 -> 96 us, deep
-    95 -> 122; 64-row wide tiles for every shared segment — deep 95 -> 87 us, heavy 102 -> 135.)"""
+    95 -> 122; 64-row wide tiles for every shared segment — deep 95 -> 87 us, heavy 102 -> 135.)
+    ``pack_leaves``: at most this many fused leaf items share one 16-row tile (None: as many as fit while
+    enough programs remain, see :func:`_leaf_pack`; 1: one item a tile)."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
+    if pack_leaves is not None and pack_leaves < 1:
+        raise ValueError(f"pack_leaves must be at least 1, got {pack_leaves}")
     seg_start = np.asarray(segment_start, dtype=np.int64)
     seg_len = np.asarray(segment_len, dtype=np.int64)
     seg_pos = np.asarray(segment_pos, dtype=np.int64)
@@ -343,8 +354,12 @@ def plan_triton(
         if direct:
             table = table.copy()
             table[:, 4] = rows[first]
-        return WorkList(i32(table), m, *_launch_shape(m, table, num_kv_heads, block_n, num_stages or 3, leaf_shape),
-                        direct_rows=direct)
+        shape = _launch_shape(m, table, num_kv_heads, block_n, num_stages or 3, leaf_shape)
+        pack = _leaf_pack(table, group, num_kv_heads, pack_leaves) if fused and m == 16 else 1
+        if pack > 1:  # consecutive items (of similar length: longest first) share a tile; empty ones pad the last
+            table = np.concatenate([table, np.zeros((-len(table) % pack, 7), dtype=table.dtype)])
+            table = table.reshape(-1, 7 * pack)
+        return WorkList(i32(table), m, *shape, direct_rows=direct, pack=pack)
 
     item_m = m[item_seg]
     heights, first_at = np.unique(m, return_index=True)
@@ -384,6 +399,24 @@ def _launch_shape(block_m: int, items: np.ndarray, num_kv_heads: int, block_n: i
     if block_m == 16 and len(items) * num_kv_heads >= 1024 and longest <= _FUSED_LEAF_MAX_KEYS:
         return leaf_shape or (32, 1, 2)
     return block_n, (8 if block_m == 128 else 4), num_stages
+
+
+def _leaf_pack(items: np.ndarray, group: int, num_kv_heads: int, limit: int | None) -> int:
+    """How many fused leaf items share one 16-row tile: as many as their rows x query heads fit (a decode
+    leaf of Llama-3's 32/8 heads is 4 of the 16 rows: 4 leaves a tile; MHA 16), at most ``limit``; by
+    default (``limit`` None) only while the packed programs number at least ``_MIN_PACKED_PROGRAMS``.
+    A one-item tile computes its padding rows too — loading them, rescaling, merging the ancestors'
+    partials and storing: ~2,200 of the ~2,950 instructions of a 32-key leaf's program (ncu on an H100,
+    Llama-3-8B decode shape); a packed tile pays that once for all its items, and attends each item's
+    keys in turn with its own rows visible (the others masked). But its items' keys are read one item
+    after another: with few programs (under ~4 an SM) one leaf a tile, all in parallel, was faster
+    (``bench_leaf_pack.py``, H100, 2K prefix: 32/8 x 128 at 128 leaves of 128 keys 62 -> 70 us packed
+    by 4, 24/8 54 -> 79; at 1,024 leaves of 32 keys 140 -> 131, FP8 152 -> 131, MHA 333 -> 275)."""
+    most = int(items[:, 5].max(initial=1)) * group
+    pack = 16 // max(most, 1)
+    if limit is None:
+        pack = min(pack, len(items) * num_kv_heads // _MIN_PACKED_PROGRAMS)
+    return max(1, min(pack, limit or pack, len(items)))
 
 
 def _hopper_or_newer(device) -> bool:
