@@ -33,12 +33,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from treegen.kernels.kv_quant import EIGHT_BIT_STORAGE, dequantize_reference
 from treegen.kernels.library_attention import library_available
-from treegen.kernels.row_paths import row_paths
+from treegen.kernels.row_paths import expand, row_paths
 from treegen.kernels.tree_attention_triton import tree_attention_triton, triton_available
 from treegen.kernels.triton_plan import TritonPlan, plan_triton
 
@@ -109,13 +110,11 @@ class TreeAttentionPlan:
         self.triton.load(plan.triton)
 
 
-def _pad(rows: Sequence[Sequence[int]], fill: int, device) -> Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), fill, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
-    return out.to(device)
+def _padded_ranges(first: np.ndarray, length: np.ndarray, fill: int) -> np.ndarray:
+    """Row i: ``first[i], first[i] + 1, ...`` (``length[i]`` of them), then ``fill``; at least one column."""
+    width = max(int(length.max(initial=0)), 1)
+    j = np.arange(width, dtype=np.int64)
+    return np.where(j < length[:, None], first[:, None] + j, fill)
 
 
 def plan_tree_attention(
@@ -208,22 +207,28 @@ def plan_tree_attention(
     levels = []
     rows_of = paths.rows_of()
     depth = {s: int(paths.depth[s]) for s in rows_of}
-    for d in sorted(set(depth.values())):
-        segs = sorted(s for s in rows_of if depth[s] == d)
-        slots = [range(segment_start[s], segment_start[s] + segment_len[s]) for s in segs]
-        pos = [range(segment_pos[s], segment_pos[s] + segment_len[s]) for s in segs]
+    def tensor(x: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
+
+    for d in sorted(set(depth.values())):  # (tables built with numpy: a CPU decode phase plans thousands of segments)
+        segs = np.array(sorted(s for s in rows_of if depth[s] == d), dtype=np.int64)
+        length = np.asarray([segment_len[s] for s in segs], dtype=np.int64)
         rows = [rows_of[s] for s in segs]
-        query_rows = _pad(rows, 0, device)
-        width = query_rows.shape[1]
+        count = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        which, j = expand(count)  # each listed row's segment (of this level) and its place among that one's rows
+        width = max(int(count.max(initial=0)), 1)
+        query_rows = np.zeros((len(rows), width), dtype=np.int64)
+        valid_rows = np.fromiter((q for r in rows for q in r), dtype=np.int64, count=int(count.sum()))
+        query_rows[which, j] = valid_rows
         levels.append(
             LevelPlan(
-                kv_slots=_pad(slots, 0, device),
-                kv_pos=_pad(pos, _NO_POSITION, device),
-                query_rows=query_rows,
-                query_valid=_pad([[1] * len(r) for r in rows], 0, device).bool(),
-                valid_rows=torch.tensor([q for r in rows for q in r], dtype=torch.int64, device=device),
-                valid_index=torch.tensor([i * width + j for i, r in enumerate(rows) for j in range(len(r))],
-                                         dtype=torch.int64, device=device),
+                kv_slots=tensor(_padded_ranges(np.asarray([segment_start[s] for s in segs], dtype=np.int64), length, 0)),
+                kv_pos=tensor(_padded_ranges(np.asarray([segment_pos[s] for s in segs], dtype=np.int64), length,
+                                             _NO_POSITION)),
+                query_rows=tensor(query_rows),
+                query_valid=tensor(np.arange(width) < count[:, None]).bool(),
+                valid_rows=tensor(valid_rows),
+                valid_index=tensor(which * width + j),
             )
         )
     return TreeAttentionPlan(num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=tuple(levels),
