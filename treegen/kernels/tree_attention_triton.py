@@ -18,7 +18,9 @@ large shared prefix: :mod:`treegen.kernels.library_attention`, merged like any o
 
 When every query's own segment is a single 16-row work item (decode: one leaf per branch), that
 launch runs last and its items merge their rows' ancestor partials themselves (``fused_merge``): no merge
-launch, and no partial written for the leaf.
+launch, and no partial written for the leaf. Several such items may share one program's tile
+(``WorkList.pack``: a decode leaf of 4 query heads per KV head fills 4 of its 16 rows): the program
+attends each item's keys in turn, with the other items' rows masked, then merges and stores every row.
 
 Sliding window and soft-capping (plan-level, :mod:`~treegen.kernels.tree_attention`): with a window W a
 key is visible iff ``query_pos - W < key_pos <= query_pos``; each work item starts at the first key block
