@@ -95,7 +95,8 @@ def main() -> None:
     rows = []
     for kw in calls:
         a, b = plan_now(kw), plan_loops(kw)
-        if not (torch.equal(a.merge_idx, b.merge_idx) and all(torch.equal(x.work, y.work)
+        # (a packed launch holds the loop planner's items regrouped several to a program, then empty ones)
+        if not (torch.equal(a.merge_idx, b.merge_idx) and all(torch.equal(x.work.reshape(-1, 7)[:len(y.work)], y.work)
                                                                 for x, y in zip(a.launches, b.launches))):
             raise AssertionError("the planners disagree on a recorded plan")
         rows.append({"rows": len(kw["query_segment"]), "segments": len(kw["segment_parent"]),

@@ -50,7 +50,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def launch_bytes(work: torch.Tensor, kv_heads: int, head_dim: int, itemsize: int) -> int:
     """KV bytes the items of one launch read (keys + values of every item's key range, every KV head)."""
-    w = work.cpu()
+    w = work.cpu().reshape(-1, 7)  # (a packed launch: several items a program, see WorkList.pack)
     return int((w[:, 3] - w[:, 2]).clamp(min=0).sum()) * kv_heads * head_dim * 2 * itemsize
 
 
@@ -60,7 +60,7 @@ def variant_registers(plan_launch, group: int, head_dim: int) -> tuple:
         for key, kernel in launcher.compiled.items():
             k = dict(key[2]) if len(key) > 2 else {}
             if k.get("BLOCK_M") == plan_launch.block_m and k.get("GROUP") == group and k.get("HEAD_DIM") == head_dim \
-                    and k.get("num_warps") == plan_launch.num_warps:
+                    and k.get("num_warps") == plan_launch.num_warps and k.get("PACK", 1) == plan_launch.pack:
                 return getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None)
     return None, None
 
@@ -119,7 +119,8 @@ def profile_case(kind: str, leaves: int, heads: int, kv: int, head_dim: int, kno
             triton_index += 1
             b = launch_bytes(w.work, kv, head_dim, 2)
             regs, spills = variant_registers(w, tp.group, head_dim)
-            entry.update(block_m=w.block_m, items=int(w.work.shape[0]), programs=int(w.work.shape[0]) * kv,
+            entry.update(block_m=w.block_m, items=int(w.work.reshape(-1, 7)[:, 5].gt(0).sum()), pack=w.pack,
+                         programs=int(w.work.shape[0]) * kv,
                          block_n=w.block_n, warps=w.num_warps, stages=w.num_stages, direct_rows=w.direct_rows,
                          fused_merge=tp.fused_merge and w.block_m == 16, kv_mb=b / 1e6,
                          kv_floor_us=b / (PEAK_HBM_TBS[key] * 1e12) * 1e6, regs=regs, spills=spills)

@@ -572,13 +572,23 @@ def test_leaves_packed_into_shared_tiles_match_plain_attention(case):
     parent = [-1] + [0] * leaves
     length = [rng.randint(20, 70)] + [rng.choice([1, 2, 9, 33, 40]) for _ in range(leaves)]
     start, pos, slots = layout(parent, length, rng)
-    query_segment = list(range(1, leaves + 1))
-    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    # cases 4 and 5: leaves of 1-2 query rows (a leaf's last keys, as a mixed step's), listed in shuffled
+    # order (no item's rows consecutive: rows read through the plan's list)
+    rows_per_leaf = 2 if case in (4, 5) and num_heads // num_kv <= 4 else 1
+    query_segment, query_pos = [], []
+    for s in range(1, leaves + 1):
+        r = min(rng.randint(1, rows_per_leaf), length[s])
+        query_segment += [s] * r
+        query_pos += [pos[s] + length[s] - r + i for i in range(r)]
+    if rows_per_leaf > 1:
+        order = list(range(len(query_pos)))
+        rng.shuffle(order)
+        query_segment, query_pos = [query_segment[i] for i in order], [query_pos[i] for i in order]
     window = 25 if case in (1, 6) else None
     softcap = 4.0 if case in (2, 6) else None
     quant = {3: "int8", 7: "fp8"}.get(case)
     dtype = torch.float16 if case == 5 else torch.float32
-    q = (torch.randn(leaves, num_heads, 64) * 2).to(dtype)
+    q = (torch.randn(len(query_pos), num_heads, 64) * 2).to(dtype)
     k_cache, v_cache = (torch.randn(slots, num_kv, 64) for _ in range(2))
     scales = ()
     if quant:
@@ -595,10 +605,61 @@ def test_leaves_packed_into_shared_tiles_match_plain_attention(case):
             triton_options={"block_n": 16, "pack_leaves": pack})
         leaf_launch = plan.triton.launches[-1]
         assert plan.triton.fused_merge and leaf_launch.block_m == 16
-        assert leaf_launch.pack == min(pack, 16 // (num_heads // num_kv), leaves)
+        assert leaf_launch.pack == min(pack, 16 // (num_heads // num_kv * rows_per_leaf), leaves)
+        assert leaf_launch.direct_rows == (rows_per_leaf == 1)
         outs.append(tree_attention(q, k_in, v_in, plan, 64**-0.5, *scales).float())
     want = ground_truth(q.float(), k_cache.float(), v_cache.float(), parent, start, length, pos, query_segment,
                         query_pos, 64**-0.5, window=window, softcap=softcap)
     tol = 2e-3 if dtype == torch.float16 else 2e-5
     torch.testing.assert_close(outs[0], want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+
+
+def test_packed_leaves_merge_a_library_segment_by_row_and_reload_into_padded_plans():
+    """Leaves sharing tiles below a prefix the library kernel takes (its partials merged by row), leaves of 1-3
+    query rows; then a padded plan (kept phase graphs) loaded with that plan and with a smaller one of the same
+    shape key: every row equals plain attention."""
+    from treegen.runtime.phase_graphs import _room
+
+    def tree(seed, leaves, root_len):
+        rng = random.Random(seed)
+        parent = [-1] + [0] * leaves
+        length = [root_len] + [rng.choice([1, 3, 9, 20]) for _ in range(leaves)]
+        start, pos, slots = layout(parent, length, rng)
+        qs, qp = [], []
+        for s in range(1, leaves + 1):
+            r = min(rng.choice([1, 2, 3]), length[s])
+            qs += [s] * r
+            qp += [pos[s] + length[s] - r + i for i in range(r)]
+        return parent, length, start, pos, slots, qs, qp
+
+    def plan_of(t, **options):
+        parent, length, start, pos, _, qs, qp = t
+        return plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                                   query_segment=qs, query_pos=qp, backend="triton", num_heads=4, num_kv_heads=2,
+                                   triton_options={"block_n": 16, "pack_leaves": 16, **options})
+
+    torch.manual_seed(0)
+    big = tree(1, 170, 1100)
+    plan = plan_of(big, library=True)
+    assert plan.triton.library is not None and plan.triton.library_by_row and plan.triton.launches[-1].pack == 2
+    parent, length, start, pos, slots, qs, qp = big
+    q, k, v = torch.randn(len(qs), 4, 64), torch.randn(slots, 2, 64), torch.randn(slots, 2, 64)
+    want = ground_truth(q, k, v, parent, start, length, pos, qs, qp, 64**-0.5)
+    torch.testing.assert_close(tree_attention(q, k, v, plan, 64**-0.5), want.float(), atol=2e-5, rtol=2e-5)
+
+    small = tree(2, 9, 40)
+    plans = [plan_of(t) for t in (tree(3, 21, 40), small)]
+    assert plans[0].shape_key() == plans[1].shape_key() and plans[0].triton.launches[-1].pack == 2
+    rows = 64
+    query_pos = torch.zeros(rows, dtype=torch.int64)
+    padded = plans[0].padded(rows, _room(plans[0].sizes()), query_pos)
+    for t, p in zip((tree(3, 21, 40), small), plans):
+        parent, length, start, pos, slots, qs, qp = t
+        padded.load(p)
+        query_pos.zero_()
+        query_pos[:len(qp)] = torch.tensor(qp)
+        q, k, v = torch.randn(rows, 4, 64), torch.randn(slots, 2, 64), torch.randn(slots, 2, 64)
+        got = tree_attention(q, k, v, padded, 64**-0.5)[:len(qs)]
+        want = ground_truth(q[:len(qs)], k, v, parent, start, length, pos, qs, qp, 64**-0.5)
+        torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=2e-5)

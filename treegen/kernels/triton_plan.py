@@ -131,7 +131,8 @@ class TritonPlan:
                 tuple((w.block_m, w.block_n, w.num_warps, w.num_stages, w.direct_rows, w.pack) for w in self.launches))
 
     def sizes(self) -> tuple:
-        """The tables' lengths: ``(work items of each launch, rows, merge_idx, partials)``."""
+        """The tables' lengths: ``(programs of each launch (work items, or packs of them), rows, merge_idx,
+        partials)``."""
         return (tuple(w.work.shape[0] for w in self.launches), self.rows.numel(), self.merge_idx.numel(),
                 self.num_partials)
 
@@ -411,7 +412,10 @@ def _leaf_pack(items: np.ndarray, group: int, num_kv_heads: int, limit: int | No
     keys in turn with its own rows visible (the others masked). But its items' keys are read one item
     after another: with few programs (under ~4 an SM) one leaf a tile, all in parallel, was faster
     (``bench_leaf_pack.py``, H100, 2K prefix: 32/8 x 128 at 128 leaves of 128 keys 62 -> 70 us packed
-    by 4, 24/8 54 -> 79; at 1,024 leaves of 32 keys 140 -> 131, FP8 152 -> 131, MHA 333 -> 275)."""
+    by 4, 24/8 54 -> 79; at 1,024 leaves of 32 keys 140 -> 131, FP8 152 -> 131, MHA 333 -> 275). Long leaves gain
+    least and can lose (the packed path reads every key block through the masked loop, without TMA): 9/3 x 64 FP8
+    at 1,024 leaves of 128 keys 83 -> 94 us. The pack is part of the plan's shape key, so kept phase graphs of
+    phases on either side of a threshold (132, 198, 264 leaves at 32/8) are captured apart (capture time only)."""
     most = int(items[:, 5].max(initial=1)) * group
     pack = 16 // max(most, 1)
     if limit is None:

@@ -85,7 +85,7 @@ def _room(sizes):
 
 
 def _fits(capacity: tuple, sizes: tuple) -> bool:
-    """Every window's plan's tables (``(items per launch, rows, merge_idx, partials)``, as
+    """Every window's plan's tables (``(programs per launch, rows, merge_idx, partials)``, as
     ``PassPlan.sizes``) within their capacities, and work items — whose padding are launched
     programs — at most about twice as many as needed."""
     def plan_fits(cap, need) -> bool:
