@@ -25,24 +25,31 @@ from treegen.kernels.kv_quant import kv_format, quantize_reference
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 
 
-def measure(batch: int, prefix: int, suffix: int, heads: int, kv: int, head_dim: int, kv_dtype: str) -> dict:
+def decode_case(batch: int, prefix: int, suffix: int, heads: int, kv: int, head_dim: int, kv_dtype: str):
+    """The paper-grid decode shape on the GPU: ``(tree, q, k, v, scales, fmt)`` — ``tree`` the keyword arguments of
+    :func:`plan_tree_attention` but its options, bf16 queries, the cache in ``kv_dtype`` (auto: bf16) and an
+    8-bit cache's scales (``()`` for bf16)."""
     parent, length, leaves = layered_layout([(1, prefix), (batch, suffix)])
     start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
+    tree = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                query_segment=leaves, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv)
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     k16, v16 = (torch.randn(slots, kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     fmt = kv_format(None if kv_dtype == "auto" else kv_dtype, torch.bfloat16, "cuda")
-    if fmt.quantized:
-        (k, ks), (v, vs) = quantize_reference(k16, fmt), quantize_reference(v16, fmt)
-        scales = (ks, vs)
-    else:
-        k, v, scales = k16, v16, ()
+    if not fmt.quantized:
+        return tree, q, k16, v16, (), fmt
+    (k, ks), (v, vs) = quantize_reference(k16, fmt), quantize_reference(v16, fmt)
+    return tree, q, k, v, (ks, vs), fmt
+
+
+def measure(batch: int, prefix: int, suffix: int, heads: int, kv: int, head_dim: int, kv_dtype: str) -> dict:
+    tree, q, k, v, scales, fmt = decode_case(batch, prefix, suffix, heads, kv, head_dim, kv_dtype)
+    length, query_pos = tree["segment_len"], tree["query_pos"]
     row = {"batch": batch, "prefix": prefix, "suffix": suffix, "heads": heads, "kv_heads": kv, "head_dim": head_dim,
            "kv_dtype": fmt.name}
     outs = {}
     for name, pack in (("packed", None), ("one_leaf", 1)):
-        plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
-                                   query_segment=leaves, query_pos=query_pos, device="cuda", num_heads=heads,
-                                   num_kv_heads=kv, dtype=q.dtype, triton_options={"pack_leaves": pack})
+        plan = plan_tree_attention(**tree, dtype=q.dtype, triton_options={"pack_leaves": pack})
         row[f"{name}_pack"] = plan.triton.launches[-1].pack
         row[f"{name}_us"] = bench(lambda: tree_attention(q, k, v, plan, head_dim**-0.5, *scales)) * 1e3
         outs[name] = tree_attention(q, k, v, plan, head_dim**-0.5, *scales).float()

@@ -18,8 +18,7 @@ import sys
 
 import torch
 
-from bench_attention import layered_layout, tree_inputs  # benchmarks/
-from treegen.kernels.kv_quant import kv_format, quantize_reference
+from bench_leaf_pack import decode_case  # benchmarks/
 from treegen.kernels.launch import Launcher
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 
@@ -29,20 +28,9 @@ def main() -> None:
         raise SystemExit(__doc__)
     batch, suffix, kv_dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     pack = int(sys.argv[4]) if len(sys.argv) == 5 else None
-    heads, kv, head_dim, prefix = 32, 8, 128, 2048
-    parent, length, leaves = layered_layout([(1, prefix), (batch, suffix)])
-    start, pos, slots, query_pos = tree_inputs(parent, length, leaves)
-    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    k16, v16 = (torch.randn(slots, kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    fmt = kv_format(None if kv_dtype == "auto" else kv_dtype, torch.bfloat16, "cuda")
-    if fmt.quantized:
-        (k, ks), (v, vs) = quantize_reference(k16, fmt), quantize_reference(v16, fmt)
-        scales = (ks, vs)
-    else:
-        k, v, scales = k16, v16, ()
-    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
-                               query_segment=leaves, query_pos=query_pos, device="cuda", num_heads=heads,
-                               num_kv_heads=kv, dtype=q.dtype, triton_options={"pack_leaves": pack})
+    head_dim = 128
+    tree, q, k, v, scales, _ = decode_case(batch, 2048, suffix, 32, 8, head_dim, kv_dtype)
+    plan = plan_tree_attention(**tree, dtype=q.dtype, triton_options={"pack_leaves": pack})
     print("launches (block_m, block_n, warps, stages, programs, pack):",
           [(w.block_m, w.block_n, w.num_warps, w.num_stages, w.work.shape[0], w.pack) for w in plan.triton.launches])
     for _ in range(4):
