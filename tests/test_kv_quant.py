@@ -139,6 +139,24 @@ def test_library_segment_of_an_8bit_cache_is_dequantized_for_it(name, fuse):
 
 
 @pytest.mark.parametrize("name", FORMATS)
+def test_library_tail_of_an_8bit_cache_is_attended_by_the_fused_leaves(name):
+    """A 1,537-key root under 64 branches: three library chunks read by row, and the one key past them
+    attended by each fused leaf's program from the 8-bit cache (its scale applied like any other key)."""
+    from test_tree_attention import DecodeTree
+
+    rng = random.Random(8)
+    tree = DecodeTree([-1] + [0] * 64, [1537] + [rng.randint(1, 9) for _ in range(64)], list(range(1, 65)), rng)
+    plan = tree.plan(8, 1, library=True)
+    assert plan.triton.library_by_row and plan.triton.leaf_tail[2] == 1 and len(plan.triton.launches) == 1
+    q = torch.randn(64, 8, 64)
+    k8, v8, ks, vs = quantized_cache(tree.slots, 1, 64, name)
+    got = tree_attention(q, k8, v8, plan, 0.125, ks, vs)
+    want = ground_truth(q, dequantize_reference(k8, ks), dequantize_reference(v8, vs), tree.parent, tree.start,
+                        tree.length, tree.pos, tree.leaves, tree.query_pos, 0.125)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", FORMATS)
 def test_dequantize_kernel_rounds_like_the_reference(name):
     """The CUDA path's one-launch dequantization (run by the interpreter here): 300 rows, a partial block."""
     import triton

@@ -270,10 +270,11 @@ def test_leaf_merging_many_chunks_of_a_long_root_matches_plain_attention():
 
 def test_library_segment_is_the_large_shared_one_cut_into_chunks():
     """A 2051-key root read by 300 branches x 2 query heads per KV head goes to the library kernel:
-    ~one wave of 128-row tiles (5 tiles x 2 KV heads -> 13 chunks, at most 2051 // 512 = 4), the last
-    3 keys stay with a Triton launch. Unfused, each branch's merge list names its 4 library partials
-    (negative entries), the tail's and its own leaf's; fused, the leaf items read the library partials by row and
-    the list names the tail's only. Below the size limits, without the option, or when the largest
+    ~one wave of 128-row tiles (5 tiles x 2 KV heads -> 13 chunks, at most 2051 / 512 rounded = 4). Unfused,
+    the last 3 keys stay with a Triton launch and each branch's merge list names its 4 library partials
+    (negative entries), the tail's and its own leaf's; fused, the leaf items read the library partials by row
+    and attend the 3 tail keys themselves: one launch, nothing in the merge lists. A 2,047-key root gets 4
+    chunks too (rounded, not floored). Below the size limits, without the option, or when the largest
     shared segment is not most of the shared work, no segment goes to the library."""
     tree = DecodeTree([-1] + [0] * 300, [2051] + [3] * 300, list(range(1, 301)), random.Random(0))
     plan = tree.plan(4, 2, library=True, fuse_merge=False).triton
@@ -284,7 +285,12 @@ def test_library_segment_is_the_large_shared_one_cut_into_chunks():
     idx = plan.merge_idx.tolist()
     assert plan.merge_ptr.diff().tolist() == [6] * 300 and idx[:4] == [-1, -301, -601, -901]
     fused = tree.plan(4, 2, library=True).triton
-    assert fused.library_by_row and fused.merge_ptr.diff().tolist() == [1] * 300 and min(fused.merge_idx.tolist()) >= 0
+    assert fused.library_by_row and fused.merge_ptr.diff().tolist() == [0] * 300
+    assert fused.leaf_tail == (tree.start[0] + 2048, tree.pos[0] + 2048, 3) and len(fused.launches) == 1
+    assert fused.launches[0].block_m == 16
+    odd = DecodeTree([-1] + [0] * 300, [2047] + [3] * 300, list(range(1, 301)), random.Random(0))
+    assert (odd.plan(4, 2, library=True).triton.library.chunks, odd.plan(4, 2, library=True).triton.leaf_tail[2]) == (4, 3)
+    assert tree.plan(4, 2, library=True, fuse_merge=False).triton.leaf_tail == (0, 0, 0)
     assert tree.plan(4, 2).triton.library is None
     small = DecodeTree([-1] + [0] * 300, [1000] + [3] * 300, list(range(1, 301)), random.Random(0))
     assert small.plan(4, 2, library=True).triton.library is None
@@ -616,7 +622,8 @@ def test_leaves_packed_into_shared_tiles_match_plain_attention(case):
 
 
 def test_packed_leaves_merge_a_library_segment_by_row_and_reload_into_padded_plans():
-    """Leaves sharing tiles below a prefix the library kernel takes (its partials merged by row), leaves of 1-3
+    """Leaves sharing tiles below a prefix the library kernel takes (its partials merged by row, its one key past
+    the chunks attended by every packed tile), leaves of 1-3
     query rows; then a padded plan (kept phase graphs) loaded with that plan and with a smaller one of the same
     shape key: every row equals plain attention."""
     from treegen.runtime.phase_graphs import _room
@@ -640,9 +647,10 @@ def test_packed_leaves_merge_a_library_segment_by_row_and_reload_into_padded_pla
                                    triton_options={"block_n": 16, "pack_leaves": 16, **options})
 
     torch.manual_seed(0)
-    big = tree(1, 170, 1100)
+    big = tree(1, 170, 1101)
     plan = plan_of(big, library=True)
     assert plan.triton.library is not None and plan.triton.library_by_row and plan.triton.launches[-1].pack == 2
+    assert plan.triton.library.chunks == 2 and plan.triton.leaf_tail[2] == 1  # the packed leaves attend the tail
     parent, length, start, pos, slots, qs, qp = big
     q, k, v = torch.randn(len(qs), 4, 64), torch.randn(slots, 2, 64), torch.randn(slots, 2, 64)
     want = ground_truth(q, k, v, parent, start, length, pos, qs, qp, 64**-0.5)

@@ -103,6 +103,48 @@ def test_library_segment_below_the_root(dtype, fuse, heads):
         tree_attention(q.float(), k.float(), v.float(), fast, head_dim**-0.5)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
+@pytest.mark.parametrize("prefix, leaves", [(2047, 256), (2048, 256), (2045, 128)])
+def test_library_tail_attended_by_the_fused_leaves(kv_dtype, prefix, leaves):
+    """Llama-3-8B's decode shape (32/8 x 128, bf16 queries): cuDNN takes the prefix in chunks, the keys past
+    them (1 of 2,047 in 2 chunks; 1 of 2,045 in 4) are attended by every fused leaf program, packed (256
+    leaves) or not (128): equal to the Triton-only plan and to plain attention over the same cache."""
+    from treegen.kernels.kv_quant import dequantize_reference, kv_format, quantize_reference
+
+    if not library_available("cuda", torch.bfloat16):
+        pytest.skip("no cuDNN fused attention on this GPU")
+    rng = random.Random(prefix)
+    torch.manual_seed(prefix)
+    parent = [-1] + [0] * leaves
+    length = [prefix] + [rng.randint(1, 70) for _ in range(leaves)]
+    start, pos, slots = layout(parent, length, rng)
+    query_segment = list(range(1, leaves + 1))
+    query_pos = [pos[s] + length[s] - 1 for s in query_segment]
+    heads, kv, head_dim = 32, 8, 128
+    q = torch.randn(leaves, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(slots, kv, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(slots, kv, head_dim, device="cuda", dtype=torch.bfloat16)
+    scales = ()
+    if kv_dtype is not None:
+        fmt = kv_format(kv_dtype, torch.bfloat16, "cuda")
+        (k, ks), (v, vs) = quantize_reference(k, fmt), quantize_reference(v, fmt)
+        scales = (ks, vs)
+    common = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=query_segment, query_pos=query_pos, device="cuda", num_heads=heads, num_kv_heads=kv,
+                  dtype=torch.bfloat16)
+    fast = plan_tree_attention(**common)
+    lib, tail = fast.triton.library, fast.triton.leaf_tail
+    assert lib is not None and fast.triton.library_by_row and tail[2] == prefix - lib.chunks * lib.chunk_len
+    assert len(fast.triton.launches) == 1 and (fast.triton.launches[0].pack > 1) == (leaves == 256)
+    triton_only = plan_tree_attention(**common, triton_options={"library": False})
+    got = tree_attention(q, k, v, fast, head_dim**-0.5, *scales)
+    torch.testing.assert_close(got, tree_attention(q, k, v, triton_only, head_dim**-0.5, *scales), atol=2e-2, rtol=2e-2)
+    kf, vf = (dequantize_reference(c, s).float() for c, s in zip((k, v), scales)) if scales else (k.float(), v.float())
+    want = ground_truth(q.cpu().float(), kf.cpu(), vf.cpu(), parent, start, length, pos, query_segment, query_pos,
+                        head_dim**-0.5)
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])

@@ -82,8 +82,8 @@ def assert_same_plan(got, want):
         assert g.pack == 1 or (got.fused_merge and g.block_m == 16 and g.pack * int(w.work[:, 5].max()) * got.group <= 16)
     for name in ("rows", "merge_ptr", "merge_idx"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert (got.num_partials, got.group, got.fused_merge, got.library_by_row, got.use_tma, got.pdl) == \
-        (want.num_partials, want.group, want.fused_merge, want.library_by_row, want.use_tma, want.pdl)
+    assert (got.num_partials, got.group, got.fused_merge, got.library_by_row, got.leaf_tail, got.use_tma, got.pdl) == \
+        (want.num_partials, want.group, want.fused_merge, want.library_by_row, want.leaf_tail, want.use_tma, want.pdl)
     assert (got.library is None) == (want.library is None)
     if got.library is not None:
         g, w = got.library, want.library

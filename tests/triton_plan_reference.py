@@ -77,7 +77,7 @@ def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, nu
     if work[s] < _LIBRARY_MIN_SHARE * sum(work.values()):
         return None  # the other shared segments' launch would run after it, not beside it
     tiles = -(-len(rows_of[s]) * group // 128) * num_kv_heads
-    chunks = max(1, min(round(_SMS / tiles), segment_len[s] // _LIBRARY_MIN_CHUNK))
+    chunks = max(1, min(round(_SMS / tiles), (segment_len[s] + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK))
     if chunks > (_LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS):
         return None
     rows = rows_of[s]
@@ -153,6 +153,12 @@ def reference_plan_triton(
     if fused:
         for s in own:
             seg_chunk[s] = max(segment_len[s], 1)
+    by_row = fused and lib is not None and lib[1].rows is None
+    leaf_tail = (0, 0, 0)
+    if by_row and lib[0] in segs:  # the library's keys past its chunks: every fused leaf attends them itself
+        s, kb = lib[0], key_begin[lib[0]]
+        leaf_tail = (segment_start[s] + kb, segment_pos[s] + kb, segment_len[s] - kb)
+        segs.remove(s)
     work: dict[int, list] = {}
     rows = []
     # segment -> (its first partial, its rows, its key chunks): chunk c of row i's partial is first + c * rows + i
@@ -173,7 +179,6 @@ def reference_plan_triton(
                               min(rows_per_tile, count - first), num_partials + first])
             num_partials += count
     merge_ptr, merge_idx = [0], []
-    by_row = fused and lib is not None and lib[1].rows is None
     lib_seg = lib[0] if lib is not None and not by_row else None
     for path, local in zip(paths, path_local):
         for s, i in zip(path[:-1] if fused else path, local):  # fused: the own segment's item merges the rest itself
@@ -219,6 +224,7 @@ def reference_plan_triton(
         fused_merge=fused,
         library=lib[1] if lib else None,
         library_by_row=by_row,
+        leaf_tail=leaf_tail,
         pdl=_pdl_default(device) if pdl is None else pdl,
         half_partials=half_partials,
     )

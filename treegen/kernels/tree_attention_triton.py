@@ -181,18 +181,18 @@ if triton is not None:
             m_i, l_i, acc = _online_softmax_step(acc, m_i, l_i, qk, v, vs, scale_log2, False, PRECISION, QUANT)
         return m_i, l_i, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tail_slot", "tail_pos", "tail_len"])
     def _segment_attention_kernel(
         Q, K, V, K_desc, V_desc, KS, VS, O_part, LSE_part, work, rows, q_pos, merge_ptr, merge_idx, Out,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_st, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
         scale_log2, window, cap, pre,
-        O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h,
+        O_lib, LSE_lib, lib_rows, lib_so_c, lib_so_r, lib_so_h, lib_sl_c, lib_sl_r, lib_sl_h, tail_slot, tail_pos, tail_len,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr,
         MERGE_J: tl.constexpr, HAS_LIB: tl.constexpr, DIRECT_ROWS: tl.constexpr, LIB_BY_ROW: tl.constexpr,
         LIB_P2: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
         F16_PRODUCTS: tl.constexpr, NUM_KV: tl.constexpr, PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
-        PACK: tl.constexpr, SUB_ROWS: tl.constexpr,
+        PACK: tl.constexpr, SUB_ROWS: tl.constexpr, LIB_TAIL: tl.constexpr,
     ):
         # the KV heads of one work item are consecutive programs: GPUs start programs in id order (observed
         # behaviour, not a CUDA guarantee; only speed depends on it), so the plan's order of items (longest
@@ -243,6 +243,14 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if LIB_TAIL:
+            # the library segment's last few keys (past its chunks: under 8), before every row, so all rows see
+            # them: one 16-key block (the smallest tl.dot takes), not a full key block of the leaf's own
+            t_kv = tail_slot.to(tl.int64) * stride_kt + kvh * stride_kh
+            t_s = tail_slot.to(tl.int64) * stride_st + kvh
+            m_i, l_i, acc = _attend_blocks(acc, m_i, l_i, q, qpos, K + t_kv, V + t_kv, KS + t_s, VS + t_s, stride_kt,
+                                           stride_st, tail_pos, 0, tail_len, scale_log2, window, cap, pre, HEAD_DIM,
+                                           16, True, PRECISION, QUANT, WINDOW, SOFTCAP)
         if PACK > 1:
             # each item's keys with its own rows visible: the others' positions are -1 (no key is visible to
             # them, so their running max, sum and output stay as they are); an empty item has no keys
@@ -505,6 +513,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
                     lse_lib.stride(0), lse_lib.stride(2), lse_lib.stride(1))
     else:
         lib_args = (o_part, lse_part, 1, 0, 0, 0, 0, 0, 0)
+    tail = plan.leaf_tail
     links = dependent_launches(plan, plan.pdl if q.is_cuda else 0)
     for index, launch in enumerate(plan.launches):
         block_n = launch.block_n // 2 if wide else launch.block_n
@@ -530,7 +539,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             o_part, lse_part, launch.work, plan.rows, query_pos, plan.merge_ptr, plan.merge_idx, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if quant else 0,
             o_part.stride(0), o_part.stride(1),
-            lse_part.stride(0), out.stride(0), out.stride(1), scale_log2, window or 0, cap, pre, *lib_args,
+            lse_part.stride(0), out.stride(0), out.stride(1), scale_log2, window or 0, cap, pre, *lib_args, *tail,
             GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
             USE_TMA=use_tma, WARP_SPECIALIZE=plan.warp_specialize,
             PRECISION="ieee" if exact else "tf32",  # fp32 inputs get full fp32 products (no TF32)
@@ -542,7 +551,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
             LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
             WINDOW=window is not None, SOFTCAP=softcap is not None,
             F16_PRODUCTS=f16_products, NUM_KV=num_kv, PDL_TRIGGER=precedes, PDL_WAIT=follows,
-            PACK=launch.pack, SUB_ROWS=launch.block_m // plan.group // launch.pack,
+            PACK=launch.pack, SUB_ROWS=launch.block_m // plan.group // launch.pack, LIB_TAIL=fused and tail[2] > 0,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
             **({"launch_pdl": True} if follows else {}),
         )

@@ -28,7 +28,8 @@ _SMS = 132
 _FUSED_LEAF_MAX_KEYS = 512
 # a shared segment goes to the library kernel (library_attention.py) when it is read by at least this many
 # query rows x heads per KV head and has at least this many keys; its keys are cut into chunks of at least
-# _LIBRARY_MIN_CHUNK so that ~one wave of 128-row tiles fills an H100's 132 SMs (measured best: see there)
+# about _LIBRARY_MIN_CHUNK (the length over it, rounded: a 2,047-key prefix gets the 4 chunks of a 2,048-key one,
+# not 3) so that ~one wave of 128-row tiles fills an H100's 132 SMs (measured best: see there)
 _LIBRARY_MIN_ROWS = 512
 _LIBRARY_MIN_KEYS = 1024
 _LIBRARY_MIN_CHUNK = 512
@@ -98,6 +99,9 @@ class TritonPlan:
     ``merge_idx`` entry names one of its partials (see :class:`LibrarySegment`).
     ``library_by_row`` — fused, and the library segment is read by every query row in order: each leaf
     item reads its row's library partials directly (chunk ``c``, row ``q``), not through ``merge_idx``.
+    ``leaf_tail`` — ``(first cache slot, first position, keys)`` of the library segment's keys past its
+    chunks (fewer than ``library.chunks``) when ``library_by_row``: every fused leaf program attends them
+    itself, before its own keys (no launch of their own, no partial to merge); ``(0, 0, 0)``: none.
     ``pdl`` — programmatic dependent launch level of the call's kernels (see
     :func:`~treegen.kernels.tree_attention_triton.dependent_launches`; 0: none).
     ``half_partials`` — the partial outputs of 16-bit inputs are stored in fp16 (fp32 inputs keep fp32).
@@ -114,6 +118,7 @@ class TritonPlan:
     fused_merge: bool = False
     library: LibrarySegment | None = None
     library_by_row: bool = False
+    leaf_tail: tuple[int, int, int] = (0, 0, 0)
     pdl: int = 0
     half_partials: bool = False
     # the kernels' TMA descriptors of the caches this plan has read, by (pointers, slots, stride, block):
@@ -185,7 +190,7 @@ def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_l
         return None  # the other shared segments' launch would run after it, not beside it
     num_rows = int(count[s])
     tiles = -(-num_rows * group // 128) * num_kv_heads
-    chunks = max(1, min(round(_SMS / tiles), int(segment_len[s]) // _LIBRARY_MIN_CHUNK))
+    chunks = max(1, min(round(_SMS / tiles), (int(segment_len[s]) + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK))
     if chunks > (_LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS):
         return None
     every = num_rows == paths.num_rows  # (a segment's rows are distinct: all of them, in order)
@@ -233,7 +238,10 @@ def plan_triton(
     program-shaped trees 0.81-1.02 (the heavy tree with 9/3 heads at 256 leaves 58 -> 47 us), Phi-4-mini's
     decode step at batch 256 1,843 -> 1,594 us of attention, ``profile_attention_trees_target_programs_h200.json``.)
     ``library``: give the largest shared segment to the library kernel (``library_attention.py``) if
-    one is large enough; the Triton launches then read only its last ``< chunks`` keys, if any.
+    one is large enough; its last ``< chunks`` keys, if any, are read by the fused leaves (``leaf_tail``) or
+    else by a Triton launch. (Real prompts are rarely a multiple of the chunks: measured on an H100, Llama-3-8B
+    shape, 256 branches, a 2,047-key prefix's one-key tail in a 128-row launch of its own cost 357 us a decode
+    step against 2,048 keys (tree/none 0.797 vs 0.828), ``profile_step.py --prefix``.)
     ``longest_first``: each launch's items in order of decreasing key count (GPUs start programs in table
     order — observed, not guaranteed — so the long ones start first and the short ones fill the SMs they
     leave: measured on an H200, 32/8 x 128 heads, 256 leaves, the heavy tree's call 119 -> 102 us). ``pdl``: programmatic dependent launch level
@@ -304,6 +312,16 @@ def plan_triton(
                  and (seg_len[segs[narrow]] <= np.maximum(seg_chunk[narrow], _FUSED_LEAF_MAX_KEYS)).all())
     if fused:
         seg_chunk = np.where(narrow, np.maximum(seg_len[segs], 1), seg_chunk)
+    by_row = fused and lib is not None and lib[1].rows is None
+    leaf_tail = (0, 0, 0)
+    if by_row and key_begin[lib[0]] < seg_len[lib[0]]:
+        # the library's keys past its chunks (fewer than its chunks) are attended by every fused leaf program
+        # itself: no launch of their own for a few keys, no partial for each row to merge
+        s, kb = lib[0], int(key_begin[lib[0]])
+        leaf_tail = (int(seg_start[s]) + kb, int(seg_pos[s]) + kb, int(seg_len[s]) - kb)
+        keep = segs != s
+        segs, m, rows_per_tile, cnt, tiles, keys, seg_chunk = (
+            a[keep] for a in (segs, m, rows_per_tile, cnt, tiles, keys, seg_chunk))
     # items: segment by segment (ascending), its key chunks, each chunk's row tiles
     chunks = np.maximum(_ceil_div(keys, seg_chunk), 0)
     row_offset = np.cumsum(cnt) - cnt  # where each segment's rows start in ``rows``
@@ -323,7 +341,6 @@ def plan_triton(
     listed[segs] = True
     rows = paths.row[by_seg][listed[paths.seg[by_seg]]]
     # merging: each row's partials in path order (fused: the own segment's item merges the rest itself)
-    by_row = fused and lib is not None and lib[1].rows is None
     lib_seg = lib[0] if lib is not None and not by_row else -1
     index = np.full(n, -1, dtype=np.int64)
     index[segs] = np.arange(len(segs))
@@ -378,6 +395,7 @@ def plan_triton(
         fused_merge=fused,
         library=lib[1] if lib else None,
         library_by_row=by_row,
+        leaf_tail=leaf_tail,
         pdl=_pdl_default(device) if pdl is None else pdl,
         half_partials=half_partials,
     )
