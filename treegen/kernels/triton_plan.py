@@ -48,6 +48,10 @@ _LIBRARY_MAX_CHUNKS = 8
 # after this limit: 56.2K vs 54.8K, library_ab_phi-4-mini_folded_h200.json). Power-of-two groups keep the
 # limit above, measured on them earlier (Llama-3-8B's leaves merge 2 chunks with 10 spills, 23 us)
 _LIBRARY_MAX_FOLDED_CHUNKS = 2
+# (Tried and not kept: a folded group that wants more chunks capped at 2 instead of declined. Phi-4-mini at 256
+# branches x 2,047 keys, one H100, old/new interleaved: attention kernels 1,755 -> 1,468 us a step (cuDNN 18 us
+# + leaves 30 against Triton's prefix 24 + leaves 33 a layer), yet the step's wall time 6.50-6.59 -> 6.81-6.98 ms,
+# tree/none 0.76 -> 0.71-0.73; library_folded_cap_phi-4-mini_h100.json.)
 # segments read by 17..64 rows x heads get 64-row tiles of their own launch when they make this many programs
 # (half an H100/H200 wave). Measured on an H200 (profile_attention_trees.py, program-shaped trees, 256/1,024
 # leaves, 32/8 x 128, 9/3 x 64, 16/8 x 256 heads, fp16 partials both ways): 66-736 such programs 0-11% less
