@@ -123,7 +123,7 @@ def main() -> None:
     config = config_of(args.shape)
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
     prompt = torch.randint(0, model.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
-    modes, sequences, walls = {}, {}, {}
+    modes, sequences, walls, idle = {}, {}, {}, {}
     for mode in args.modes:
         engine = Engine(model, IdTokenizer(), attention=mode, kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
         if args.no_graphs:
@@ -131,8 +131,9 @@ def main() -> None:
         modes[mode] = per_step(engine, args.batch, prompt, args.new)
         walls[mode] = wall_per_step(engine, args.batch, prompt, args.new)
         total = sum(k["us"] for k in modes[mode].values())
+        idle[mode] = walls[mode] - total
         print(f"\n## {args.shape} {mode}, batch {args.batch}, prefix {args.prefix}, KV {args.kv_dtype}: {total:.0f} us of "
-              f"kernels per decode step, {walls[mode]:.0f} us wall (unprofiled)\n")
+              f"kernels per decode step, {walls[mode]:.0f} us wall (unprofiled): {idle[mode]:.0f} us between kernels\n")
         print("| kernel | us / step | launches / step |\n|---|---|---|")
         for name, k in list(modes[mode].items())[: args.top]:
             print(f"| {name} | {k['us']:.1f} | {k['launches']:.0f} |")
@@ -144,7 +145,8 @@ def main() -> None:
     if {"tree", "none"} <= modes.keys():
         names = set(modes["tree"]) | set(modes["none"])
         diff = {n: modes["tree"].get(n, {"us": 0.0})["us"] - modes["none"].get(n, {"us": 0.0})["us"] for n in names}
-        print(f"\n## tree - none by kernel: {sum(diff.values()):.0f} us per step\n")
+        print(f"\n## tree - none by kernel: {sum(diff.values()):.0f} us per step (and {idle['tree'] - idle['none']:+.0f} us "
+              f"between kernels)\n")
         print("| kernel | us / step |\n|---|---|")
         for name, us in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[: args.top]:
             print(f"| {name} | {us:+.1f} |")
@@ -152,7 +154,10 @@ def main() -> None:
                                                                  f"{'' if args.kv_dtype == 'auto' else '_' + args.kv_dtype}.json")
     out.write_text(json.dumps({
         "benchmark": "profile_step", "shape": args.shape, "batch": args.batch, "prefix": args.prefix,
-        "new": args.new, "kv_dtype": args.kv_dtype, "wall_us_per_step": walls, "cuda_graphs": not args.no_graphs, "library": not args.no_library, "plan": args.plan, "device": torch.cuda.get_device_name(),
+        "new": args.new, "kv_dtype": args.kv_dtype, "wall_us_per_step": walls,
+        # wall less the profiled kernels' sum: the GPU between kernels (launch gaps, dependencies), an estimate
+        # (the kernels are timed in a profiled run of their own)
+        "idle_us_per_step": idle, "cuda_graphs": not args.no_graphs, "library": not args.no_library, "plan": args.plan, "device": torch.cuda.get_device_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
         "method": "torch.profiler CUDA kernel times of a NEW-token run less a 1-token run, per decode step",
@@ -161,7 +166,8 @@ def main() -> None:
     for launcher in Launcher.every:  # registers and spills of each attention kernel variant compiled
         for key, kernel in launcher.compiled.items():
             shown = {k: v for k, v in key[2] if k in ("GROUP", "BLOCK_M", "BLOCK_N", "FUSE_MERGE", "MERGE_J",
-                                                      "LIB_BY_ROW", "HAS_LIB", "num_warps", "num_stages")}
+                                                      "LIB_BY_ROW", "HAS_LIB", "LIB_TAIL", "PACK", "num_warps",
+                                                      "num_stages")}
             if shown:
                 print(f"{getattr(launcher.kernel, '__name__', '?')}: regs {getattr(kernel, 'n_regs', '?')} "
                       f"spills {getattr(kernel, 'n_spills', '?')} {shown}")
