@@ -122,6 +122,16 @@ def test_bf16_queries_over_an_fp8_cache_beyond_fp16_range():
         torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
 
 
+def assert_8bit_plan_matches(tree, plan, name):
+    """The plan's attention over an 8-bit cache of random values equals plain attention over its dequantized values."""
+    q = torch.randn(len(tree.leaves), 8, 64)
+    k8, v8, ks, vs = quantized_cache(tree.slots, 1, 64, name)
+    got = tree_attention(q, k8, v8, plan, 0.125, ks, vs)
+    want = ground_truth(q, dequantize_reference(k8, ks), dequantize_reference(v8, vs), tree.parent, tree.start,
+                        tree.length, tree.pos, tree.leaves, tree.query_pos, 0.125)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("fuse", [True, False])
 def test_library_segment_of_an_8bit_cache_is_dequantized_for_it(name, fuse):
@@ -130,12 +140,7 @@ def test_library_segment_of_an_8bit_cache_is_dequantized_for_it(name, fuse):
     tree = library_below_the_root_tree()
     plan = tree.plan(8, 1, library=True, fuse_merge=fuse)
     assert plan.triton.library is not None
-    q = torch.randn(75, 8, 64)
-    k8, v8, ks, vs = quantized_cache(tree.slots, 1, 64, name)
-    got = tree_attention(q, k8, v8, plan, 0.125, ks, vs)
-    want = ground_truth(q, dequantize_reference(k8, ks), dequantize_reference(v8, vs), tree.parent, tree.start,
-                        tree.length, tree.pos, tree.leaves, tree.query_pos, 0.125)
-    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    assert_8bit_plan_matches(tree, plan, name)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -148,12 +153,7 @@ def test_library_tail_of_an_8bit_cache_is_attended_by_the_fused_leaves(name):
     tree = DecodeTree([-1] + [0] * 64, [1537] + [rng.randint(1, 9) for _ in range(64)], list(range(1, 65)), rng)
     plan = tree.plan(8, 1, library=True)
     assert plan.triton.library_by_row and plan.triton.leaf_tail[2] == 1 and len(plan.triton.launches) == 1
-    q = torch.randn(64, 8, 64)
-    k8, v8, ks, vs = quantized_cache(tree.slots, 1, 64, name)
-    got = tree_attention(q, k8, v8, plan, 0.125, ks, vs)
-    want = ground_truth(q, dequantize_reference(k8, ks), dequantize_reference(v8, vs), tree.parent, tree.start,
-                        tree.length, tree.pos, tree.leaves, tree.query_pos, 0.125)
-    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    assert_8bit_plan_matches(tree, plan, name)
 
 
 @pytest.mark.parametrize("name", FORMATS)
