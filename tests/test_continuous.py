@@ -322,3 +322,30 @@ def test_an_on_result_that_raises_stops_the_batch_with_its_error(engine):
 
     with pytest.raises(OSError, match="disk full writing"):
         grows.run_batch(engine, inputs(3), on_result=on_result)
+
+
+def test_program_busy_answers_like_a_full_scan_under_any_order_of_completions():
+    """``ProgramRun.program_busy`` starts its scan where it last found a busy state; under random completions
+    (in order, reversed, shuffled) and states queued anew, it answers exactly as scanning every state would."""
+    from types import SimpleNamespace
+
+    from treegen.lang.interpreter import ProgramRun
+
+    rng = random.Random(0)
+    for order in ("in_order", "reversed", "shuffled"):
+        states = [SimpleNamespace(pending=[object()]) for _ in range(200)]
+        run = SimpleNamespace(states_of={7: states}, _busy_hint={})
+        finishing = list(range(200))
+        if order == "reversed":
+            finishing.reverse()
+        elif order == "shuffled":
+            rng.shuffle(finishing)
+        for step, i in enumerate(finishing):
+            states[i].pending = []
+            if step % 37 == 5:  # a state queued anew (e.g. a follow-up gen)
+                states[rng.randrange(200)].pending = [object()]
+            assert ProgramRun.program_busy(run, 7) == any(st.pending for st in states)
+        while any(st.pending for st in states):
+            next(st for st in states if st.pending).pending = []
+            assert ProgramRun.program_busy(run, 7) == any(st.pending for st in states)
+        assert not ProgramRun.program_busy(run, 7) and not ProgramRun.program_busy(run, 8)
