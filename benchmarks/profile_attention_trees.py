@@ -54,13 +54,15 @@ def launch_bytes(work: torch.Tensor, kv_heads: int, head_dim: int, itemsize: int
     return int((w[:, 3] - w[:, 2]).clamp(min=0).sum()) * kv_heads * head_dim * 2 * itemsize
 
 
-def variant_registers(plan_launch, group: int, head_dim: int) -> tuple:
-    """(registers, spills) of the compiled segment-kernel variant with this launch's tile shape, if found."""
+def variant_registers(plan_launch, group: int, head_dim: int, lib_tail: bool = False) -> tuple:
+    """(registers, spills) of the compiled segment-kernel variant with this launch's tile shape (and whether it
+    attends the library segment's tail, ``TritonPlan.leaf_tail``), if found."""
     for launcher in Launcher.every:
         for key, kernel in launcher.compiled.items():
             k = dict(key[2]) if len(key) > 2 else {}
             if k.get("BLOCK_M") == plan_launch.block_m and k.get("GROUP") == group and k.get("HEAD_DIM") == head_dim \
-                    and k.get("num_warps") == plan_launch.num_warps and k.get("PACK", 1) == plan_launch.pack:
+                    and k.get("num_warps") == plan_launch.num_warps and k.get("PACK", 1) == plan_launch.pack \
+                    and bool(k.get("LIB_TAIL", False)) == lib_tail:
                 return getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None)
     return None, None
 
@@ -117,12 +119,14 @@ def profile_case(kind: str, leaves: int, heads: int, kv: int, head_dim: int, kno
         if "_segment_attention_kernel" in name and triton_index < len(tp.launches):
             w = tp.launches[triton_index]
             triton_index += 1
-            b = launch_bytes(w.work, kv, head_dim, 2)
-            regs, spills = variant_registers(w, tp.group, head_dim)
+            fused = tp.fused_merge and w.block_m == 16
+            tail = tp.leaf_tail[2] if fused else 0  # (every fused program reads the library's tail keys, mostly from L2)
+            b = launch_bytes(w.work, kv, head_dim, 2) + tail * kv * head_dim * 2 * 2
+            regs, spills = variant_registers(w, tp.group, head_dim, tail > 0)
             entry.update(block_m=w.block_m, items=int(w.work.reshape(-1, 7)[:, 5].gt(0).sum()), pack=w.pack,
                          programs=int(w.work.shape[0]) * kv,
                          block_n=w.block_n, warps=w.num_warps, stages=w.num_stages, direct_rows=w.direct_rows,
-                         fused_merge=tp.fused_merge and w.block_m == 16, kv_mb=b / 1e6,
+                         fused_merge=fused, kv_mb=b / 1e6,
                          kv_floor_us=b / (PEAK_HBM_TBS[key] * 1e12) * 1e6, regs=regs, spills=spills)
         launches.append(entry)
     unique = slots * kv * head_dim * 2 * 2

@@ -30,7 +30,7 @@ def random_tree(rng: random.Random, big_root: bool = False):
             parent.append(rng.randrange(s))
         length.append(rng.choice([0, 1, 1, 2, 5, 17, 64, 130, 700]))
     if big_root:
-        length[0] = rng.choice([1024, 2600, 16384])
+        length[0] = rng.choice([1024, 1300, 2047, 2600, 4400, 16384])
     # shuffle the ids so that parents are not always before children
     perm = list(range(n))
     rng.shuffle(perm)

@@ -77,7 +77,10 @@ def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, nu
     if work[s] < _LIBRARY_MIN_SHARE * sum(work.values()):
         return None  # the other shared segments' launch would run after it, not beside it
     tiles = -(-len(rows_of[s]) * group // 128) * num_kv_heads
-    chunks = max(1, min(round(_SMS / tiles), (segment_len[s] + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK))
+    most = _LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS
+    rounded = (segment_len[s] + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK
+    by_length = most if rounded > most >= segment_len[s] // _LIBRARY_MIN_CHUNK else rounded
+    chunks = max(1, min(round(_SMS / tiles), by_length))
     if chunks > (_LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS):
         return None
     rows = rows_of[s]

@@ -150,6 +150,8 @@ class TritonPlan:
         :meth:`sizes`, each at least this plan's), to be filled by :meth:`load`. The extra work items
         are empty (no rows, no keys: their programs do nothing) and the extra query rows merge nothing;
         whatever the kernels write for those rows is never read."""
+        if self.library is not None:  # (shape_key is None for them: they are never kept across phases)
+            raise ValueError("a plan with a library segment cannot be padded: its segment's slots are fixed in it")
         items, rows, merge, partials = capacity
 
         def zeros(n, *shape):
@@ -176,6 +178,15 @@ class TritonPlan:
         self.merge_ptr[n:].copy_(plan.merge_ptr[-1:].expand(self.merge_ptr.numel() - n))
 
 
+def _chunks_by_length(length: int, group: int) -> int:
+    """The most chunks a library segment of ``length`` keys is cut into: about ``_LIBRARY_MIN_CHUNK`` keys each,
+    the length over it rounded (2,047 keys: 4, as 2,048), but where rounding up passes the group's chunk limit
+    and the floor does not, the limit (rounding must not decline a segment the floor took)."""
+    most = _LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS
+    rounded = (length + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK
+    return most if rounded > most >= length // _LIBRARY_MIN_CHUNK else rounded
+
+
 def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_len, group, num_kv_heads, device):
     """The shared segment with the most work among those large enough for the library kernel, cut into
     chunks for ~one wave of 128-row tiles; None if there is none or it is not most of the shared work.
@@ -194,7 +205,7 @@ def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_l
         return None  # the other shared segments' launch would run after it, not beside it
     num_rows = int(count[s])
     tiles = -(-num_rows * group // 128) * num_kv_heads
-    chunks = max(1, min(round(_SMS / tiles), (int(segment_len[s]) + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK))
+    chunks = max(1, min(round(_SMS / tiles), _chunks_by_length(int(segment_len[s]), group)))
     if chunks > (_LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS):
         return None
     every = num_rows == paths.num_rows  # (a segment's rows are distinct: all of them, in order)
