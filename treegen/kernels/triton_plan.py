@@ -178,11 +178,10 @@ class TritonPlan:
         self.merge_ptr[n:].copy_(plan.merge_ptr[-1:].expand(self.merge_ptr.numel() - n))
 
 
-def _chunks_by_length(length: int, group: int) -> int:
+def _chunks_by_length(length: int, most: int) -> int:
     """The most chunks a library segment of ``length`` keys is cut into: about ``_LIBRARY_MIN_CHUNK`` keys each,
     the length over it rounded (2,047 keys: 4, as 2,048), but where rounding up passes the group's chunk limit
-    and the floor does not, the limit (rounding must not decline a segment the floor took)."""
-    most = _LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS
+    ``most`` and the floor does not, the limit (rounding must not decline a segment the floor took)."""
     rounded = (length + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK
     return most if rounded > most >= length // _LIBRARY_MIN_CHUNK else rounded
 
@@ -205,8 +204,9 @@ def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_l
         return None  # the other shared segments' launch would run after it, not beside it
     num_rows = int(count[s])
     tiles = -(-num_rows * group // 128) * num_kv_heads
-    chunks = max(1, min(round(_SMS / tiles), _chunks_by_length(int(segment_len[s]), group)))
-    if chunks > (_LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS):
+    most = _LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS
+    chunks = max(1, min(round(_SMS / tiles), _chunks_by_length(int(segment_len[s]), most)))
+    if chunks > most:
         return None
     every = num_rows == paths.num_rows  # (a segment's rows are distinct: all of them, in order)
     rows_of_s = None if every else torch.from_numpy(np.sort(paths.row[paths.seg == s])).to(device)
@@ -332,11 +332,11 @@ def plan_triton(
     if by_row and key_begin[lib[0]] < seg_len[lib[0]]:
         # the library's keys past its chunks (fewer than its chunks) are attended by every fused leaf program
         # itself: no launch of their own for a few keys, no partial for each row to merge
-        s, kb = lib[0], int(key_begin[lib[0]])
-        leaf_tail = (int(seg_start[s]) + kb, int(seg_pos[s]) + kb, int(seg_len[s]) - kb)
-        keep = segs != s
+        s, tail_begin = lib[0], int(key_begin[lib[0]])
+        leaf_tail = (int(seg_start[s]) + tail_begin, int(seg_pos[s]) + tail_begin, int(seg_len[s]) - tail_begin)
+        others = segs != s
         segs, m, rows_per_tile, cnt, tiles, keys, seg_chunk = (
-            a[keep] for a in (segs, m, rows_per_tile, cnt, tiles, keys, seg_chunk))
+            a[others] for a in (segs, m, rows_per_tile, cnt, tiles, keys, seg_chunk))
     # items: segment by segment (ascending), its key chunks, each chunk's row tiles
     chunks = np.maximum(_ceil_div(keys, seg_chunk), 0)
     row_offset = np.cumsum(cnt) - cnt  # where each segment's rows start in ``rows``
