@@ -14,9 +14,10 @@ from test_runtime import two_level
 from test_tree_attention import ground_truth, library_below_the_root_tree, layout, make_queries, random_tree
 from treegen.kernels.kv_quant import dequantize_reference, kv_format, quantize_reference
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
-from treegen.runtime.engine import Engine
+from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.loader import load_tokenizer
+from treegen.runtime.sampler import SamplingParams
 
 FORMATS = ["int8", "fp8"]
 
@@ -157,6 +158,38 @@ def test_library_tail_of_an_8bit_cache_is_attended_by_the_fused_leaves(name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("fuse", [True, False])
+def test_library_copy_is_read_instead_of_the_cache(name, fuse):
+    """A decode phase dequantizes its library segment once (``library_copy``) and passes it to every call:
+    the result equals the per-call dequantization's, and the cache's own bytes of the segment are not read
+    (overwriting them after the copy changes nothing) while the other segments' are."""
+    from treegen.kernels.tree_attention import library_copy, library_copy_bytes
+
+    tree = library_below_the_root_tree()
+    plan = tree.plan(8, 1, library=True, fuse_merge=fuse)
+    lib = plan.triton.library
+    q = torch.randn(len(tree.leaves), 8, 64)
+    k8, v8, ks, vs = quantized_cache(tree.slots, 1, 64, name)
+    per_call = tree_attention(q, k8, v8, plan, 0.125, ks, vs)
+    copy = library_copy(plan, k8, v8, ks, vs, q.dtype)
+    assert copy[0].shape == (lib.chunks * lib.chunk_len, 1, 64) and copy[0].dtype == q.dtype
+    assert library_copy_bytes(plan, k8, q.dtype) == 2 * copy[0].numel() * 4
+    keys = slice(lib.start, lib.start + lib.chunks * lib.chunk_len)
+    ks_changed = ks.clone()
+    ks_changed[keys] *= 3.0  # the segment's keys scaled in the cache: the copy is what is read
+    torch.testing.assert_close(tree_attention(q, k8, v8, plan, 0.125, ks_changed, vs, library_kv=copy), per_call,
+                               atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(tree_attention(q, k8, v8, plan, 0.125, ks_changed, vs), per_call, atol=1e-3)
+    assert library_copy(plan, k8.float(), v8.float(), None, None, q.dtype) is None  # (the cache holds the values)
+    with pytest.raises(ValueError, match="library_kv must be two"):
+        tree_attention(q, k8, v8, plan, 0.125, ks, vs, library_kv=(copy[0][1:], copy[1][1:]))
+    plain = tree.plan(8, 1)
+    assert library_copy(plain, k8, v8, ks, vs, q.dtype) is None and library_copy_bytes(plain, k8, q.dtype) == 0
+    with pytest.raises(ValueError, match="library_kv is for a plan with a library segment"):
+        tree_attention(q, k8, v8, plain, 0.125, ks, vs, library_kv=copy)
+
+
+@pytest.mark.parametrize("name", FORMATS)
 def test_dequantize_kernel_rounds_like_the_reference(name):
     """The CUDA path's one-launch dequantization (run by the interpreter here): 300 rows, a partial block."""
     import triton
@@ -247,6 +280,44 @@ def test_greedy_program_with_8bit_kv_equals_the_reference_decode(tiny_llama, nam
             logits = ref.forward(torch.zeros(1, dtype=torch.long), torch.tensor(want[-1:]),
                                  torch.tensor([len(prompt) + len(want) - 1]))
         assert generated == want, f"branch {st.path}: {generated} vs the reference's {want}"
+
+
+def test_decode_phase_dequantizes_its_library_segment_once(model64, tokenizer, monkeypatch):
+    """A decode phase whose plan gives the shared prompt to the library kernel (forced here: its reference
+    on the CPU, thresholds lowered for a 40-token prompt) over an INT8 cache makes each layer's copy
+    once (``TreeRun.library_copies``) and passes it to every step: the tokens and log-probabilities equal
+    those of phases that dequantize per call."""
+    from treegen.kernels import tree_attention as planning
+    from treegen.kernels import triton_plan
+    from treegen.runtime.tree_run import TreeRun
+
+    monkeypatch.setattr(planning, "library_available", lambda device, dtype: True)
+    for name, value in (("_LIBRARY_MIN_ROWS", 4), ("_LIBRARY_MIN_KEYS", 16), ("_LIBRARY_MIN_CHUNK", 8)):
+        monkeypatch.setattr(triton_plan, name, value)
+    made = []
+    copies = TreeRun.library_copies
+
+    def spy(self, plan):
+        made.append(copies(self, plan))
+        return made[-1]
+
+    def run(with_copies: bool):
+        monkeypatch.setattr(TreeRun, "library_copies", spy if with_copies else lambda self, plan: {})
+        engine = Engine(model64, tokenizer, kv_dtype="int8")
+        engine.attention_backend = "triton"
+        tree_run = engine.start()
+        root = tree_run.tree.add_node(None, torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(3)).tolist())
+        leaves = [tree_run.tree.add_node(root, [100 + i]) for i in range(6)]
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        results, _ = tree_run.execute([GenRequest(n, params, key=i) for i, n in enumerate(leaves)], [])
+        return results
+
+    with_copies, per_call = run(True), run(False)
+    assert made and all(set(m) == {0, 1} for m in made), made  # both layers' copies, every phase
+    assert made[0][0][0].shape == (40, 1, 64) and made[0][0][0].dtype == torch.float32  # 5 chunks of 8 keys
+    assert [r.tokens for r in with_copies] == [r.tokens for r in per_call]
+    for a, b in zip(with_copies, per_call):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
 
 
 def test_engine_refuses_an_unknown_kv_dtype(tiny_llama):

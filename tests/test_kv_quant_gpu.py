@@ -133,3 +133,35 @@ def test_real_shape_with_8bit_kv_matches_plain_attention_and_decodes_with_graphs
         results, _ = run.execute(gens, [])
         outputs[graphs] = [r.tokens for r in results]
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_phase_copy_of_the_library_segment_gives_the_per_call_tokens(name, monkeypatch):
+    """Llama-3-8B dimensions (2 layers), bf16, an 8-bit cache: 160 branches (640 rows x heads) below a 1,100-key
+    prompt give it to cuDNN; the decode phases (CUDA graphs) read each layer's copy made once a phase
+    (``TreeRun.library_copies``) and draw the tokens of phases that dequantize the segment every call."""
+    from treegen.kernels.library_attention import library_available
+    from treegen.runtime.tree_run import TreeRun
+
+    if not library_available("cuda", torch.bfloat16):
+        pytest.skip("cuDNN fused attention is not available here")
+    _, model = real_shape(torch.bfloat16)
+    prompt = torch.randint(0, 128256, (1100,), generator=torch.Generator().manual_seed(2)).tolist()
+    copies, made = TreeRun.library_copies, []
+
+    def spy(self, plan):
+        made.append(copies(self, plan))
+        return made[-1]
+
+    outputs = {}
+    for with_copies in (True, False):
+        monkeypatch.setattr(TreeRun, "library_copies", spy if with_copies else lambda self, plan: {})
+        run = Engine(model, IdTokenizer(), kv_dtype=name).start()
+        root = run.tree.add_node(None, prompt)
+        gens = [GenRequest(run.tree.add_node(root), SamplingParams(max_tokens=12, temperature=0.8 if i % 2 else 0.0,
+                                                                   ignore_eos=True), key=i) for i in range(160)]
+        results, _ = run.execute(gens, [])
+        outputs[with_copies] = [r.tokens for r in results]
+        assert run.decoder.captured_phases > 0
+    assert made and all(set(m) == {0, 1} for m in made)  # every phase: both layers' copies
+    assert outputs[True] == outputs[False]

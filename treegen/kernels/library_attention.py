@@ -10,8 +10,12 @@ few rows x a long prefix still fill the GPU, and its partial outputs and natural
 by the Triton kernels like any other partial (a negative merge index names a library partial).
 
 An 8-bit cache (:mod:`treegen.kernels.kv_quant`) is read the same way after the segment's keys and
-values are dequantized to the query dtype into a scratch buffer, once per call: a few microseconds of
-copying (the segment's bytes at HBM speed) against the library's speed on the compute-bound work.
+values are dequantized to the query dtype (:func:`dequantized_segment`): once per call, or — a decode
+phase, whose segment does not change while its steps read it — once per phase and layer by the runtime,
+which passes the copy as ``library_kv``. Per call it cost 246 us a decode step of the Llama-3-8B shape
+(two ~3.8 us launches a layer; FP8, 256 branches x 2,047 keys, one H100: 10.16 ms a step, tree/none 0.80);
+the Triton kernels reading the FP8 segment directly were slower still (10.91 ms; at 1,024 branches 29.66
+vs 26.43 ms: the segment is compute-bound, and cuDNN is faster at it).
 
 The PyTorch reference (:func:`segment_attention_torch`) gives the same partials on any device; CI runs
 the whole plan with it under the Triton interpreter.
@@ -67,21 +71,39 @@ def _operands(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment):
     return q4, k4, v4
 
 
-def _dequantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, k_scale, v_scale):
-    """The segment's keys/values of an 8-bit cache in q's dtype, as a cache of their own (the segment
-    moved to slot 0); unchanged when there are no scales."""
+def dequantized_segment(seg: LibrarySegment, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor, v_scale: Tensor,
+                        dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The keys and values of the segment's chunks in an 8-bit cache, dequantized to ``dtype``:
+    ``[chunks * chunk_len, kv_heads, head_dim]`` each (what ``segment_attention``'s ``library_kv`` takes)."""
+    keys = slice(seg.start, seg.start + seg.chunks * seg.chunk_len)
+    return tuple(dequantize(c[keys], s[keys], dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+
+
+def _dequantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, k_scale, v_scale, library_kv):
+    """The segment's keys/values in q's dtype, as a cache of their own (the segment moved to slot 0) when
+    the cache is 8-bit: ``library_kv`` if given (dequantized once for many calls), else dequantized now;
+    the cache unchanged when it holds the values themselves."""
+    if library_kv is not None:
+        k, v = library_kv
+        length = seg.chunks * seg.chunk_len
+        if k.shape != (length, *k_cache.shape[1:]) or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"library_kv must be two {q.dtype} [{length}, {k_cache.shape[1]}, {k_cache.shape[2]}] "
+                             f"tensors (the segment's chunks), got {k.dtype} {tuple(k.shape)} and {v.dtype} "
+                             f"{tuple(v.shape)}")
+        return k, v, replace(seg, start=0)
     if k_scale is None:
         return k_cache, v_cache, seg
-    keys = slice(seg.start, seg.start + seg.chunks * seg.chunk_len)
-    k, v = (dequantize(c[keys], s[keys], q.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
-    return k, v, replace(seg, start=0)
+    return (*dequantized_segment(seg, k_cache, v_cache, k_scale, v_scale, q.dtype), replace(seg, start=0))
 
 
 def segment_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, scale: float,
-                            k_scale: Tensor | None = None, v_scale: Tensor | None = None):
+                            k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                            library_kv: tuple[Tensor, Tensor] | None = None):
     """Reference: ``(out [chunks, Hq, rows, D] in q's dtype, lse [chunks, Hq, rows] fp32, natural log)``.
-    ``k_scale``/``v_scale`` ``[slots, kv_heads]``: the cache is 8-bit (None: it holds the values)."""
-    q4, k4, v4 = _operands(q, *_dequantized(q, k_cache, v_cache, seg, k_scale, v_scale))
+    ``k_scale``/``v_scale`` ``[slots, kv_heads]``: the cache is 8-bit (None: it holds the values).
+    ``library_kv``: the segment's keys/values already in q's dtype (:func:`dequantized_segment`), read
+    instead of the cache."""
+    q4, k4, v4 = _operands(q, *_dequantized(q, k_cache, v_cache, seg, k_scale, v_scale, library_kv))
     group = q4.shape[1] // k4.shape[1]
     k4, v4 = (t.float().repeat_interleave(group, 1) for t in (k4, v4))
     s = q4.float() @ k4.transpose(-1, -2) * scale
@@ -117,17 +139,19 @@ def unfold_heads(out: Tensor, lse: Tensor, heads: int) -> tuple[Tensor, Tensor]:
 
 
 def segment_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seg: LibrarySegment, scale: float,
-                      k_scale: Tensor | None = None, v_scale: Tensor | None = None):
+                      k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                      library_kv: tuple[Tensor, Tensor] | None = None):
     """The segment's partials, as :func:`segment_attention_torch`, by cuDNN on CUDA (any layout: the
     caller reads them through their strides). GQA is native (key heads are not repeated), or for a
     group that is not a power of two folded into the rows (``folds_heads``). An 8-bit cache
-    (``k_scale``/``v_scale`` given) is dequantized to q's dtype first (see the module doc)."""
+    (``k_scale``/``v_scale`` given) is dequantized to q's dtype first (see the module doc), unless
+    ``library_kv`` holds the segment's keys/values dequantized already (:func:`dequantized_segment`)."""
     if not q.is_cuda:
-        return segment_attention_torch(q, k_cache, v_cache, seg, scale, k_scale, v_scale)
+        return segment_attention_torch(q, k_cache, v_cache, seg, scale, k_scale, v_scale, library_kv)
     if q.dtype not in LIBRARY_DTYPES:
         raise ValueError(f"the plan gives a segment to cuDNN attention, which takes fp16/bf16, not {q.dtype}; "
                          "plan with dtype= the dtype you run")
-    q4, k4, v4 = _operands(q, *_dequantized(q, k_cache, v_cache, seg, k_scale, v_scale))
+    q4, k4, v4 = _operands(q, *_dequantized(q, k_cache, v_cache, seg, k_scale, v_scale, library_kv))
     heads = q4.shape[1]
     fold = folds_heads(heads // k4.shape[1])
     if fold:

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from treegen.kernels.kv_quant import EIGHT_BIT_STORAGE, dequantize_reference
-from treegen.kernels.library_attention import library_available
+from treegen.kernels.library_attention import dequantized_segment, library_available
 from treegen.kernels.row_paths import expand, row_paths
 from treegen.kernels.tree_attention_triton import tree_attention_triton, triton_available
 from treegen.kernels.triton_plan import TritonPlan, plan_triton
@@ -364,10 +364,31 @@ def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentio
         raise ValueError("k_scale and v_scale need equal strides and contiguous heads")
 
 
+def library_copy(plan: TreeAttentionPlan, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None,
+                 v_scale: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+    """The keys/values the plan's library segment reads from an 8-bit cache, dequantized to ``dtype`` now,
+    to be passed as :func:`tree_attention`'s ``library_kv`` by every later call of this plan on this
+    layer's cache while the segment's KV stays as it is (a decode phase: the segment is shared, so no
+    row writes it). None when the plan has no library segment or the cache holds the values themselves."""
+    if k_scale is None or plan.triton is None or plan.triton.library is None:
+        return None
+    return dequantized_segment(plan.triton.library, k_cache, v_cache, k_scale, v_scale, dtype)
+
+
+def library_copy_bytes(plan: TreeAttentionPlan, k_cache: Tensor, dtype: torch.dtype) -> int:
+    """The memory one layer's :func:`library_copy` takes (0: none)."""
+    if plan.triton is None or plan.triton.library is None:
+        return 0
+    seg = plan.triton.library
+    return 2 * seg.chunks * seg.chunk_len * k_cache.shape[1] * k_cache.shape[2] * torch.empty((), dtype=dtype).element_size()
+
+
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float,
-                   k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                   k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                   library_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Dispatcher: the one entry point the runtime calls. Shapes as in :func:`tree_attention_reference`
-    (``k_scale``/``v_scale``: the scales of an 8-bit cache, None otherwise).
+    (``k_scale``/``v_scale``: the scales of an 8-bit cache, None otherwise). ``library_kv``: this layer's
+    :func:`library_copy` of the plan (None: the library segment, if any, reads the cache).
 
     Runs the backend the plan was made for (``plan.backend``; see :func:`plan_tree_attention`).
     """
@@ -377,5 +398,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttent
             raise ValueError(f"the plan was made for {plan.triton.group} query heads per KV head, "
                              f"q/k_cache have {q.shape[1] // k_cache.shape[1]}")
         return tree_attention_triton(q, k_cache, v_cache, plan.triton, plan.query_pos, scale, k_scale, v_scale,
-                                     window=plan.window, softcap=plan.softcap)
+                                     window=plan.window, softcap=plan.softcap, library_kv=library_kv)
+    if library_kv is not None:
+        raise ValueError("library_kv is for a plan with a library segment (the Triton backend's); this plan has none")
     return tree_attention_reference(q, k_cache, v_cache, plan, scale, k_scale, v_scale)

@@ -475,13 +475,15 @@ def dependent_launches(plan: TritonPlan, pdl: int) -> list[bool]:
 
 def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TritonPlan, query_pos: Tensor,
                           scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None, *,
-                          window: int | None = None, softcap: float | None = None) -> Tensor:
+                          window: int | None = None, softcap: float | None = None,
+                          library_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Triton tree attention. Shapes as :func:`~treegen.kernels.tree_attention.tree_attention_reference`;
     ``query_pos: [num_queries]`` int32 or int64 absolute positions; ``k_scale``/``v_scale``
     ``[num_slots, num_kv_heads]`` fp32 (contiguous heads): the scales of an 8-bit cache (None: none).
     ``window``: sliding window (None: none); ``softcap``: attention logit soft-capping (None: none) —
     the plan must have been made for them (it leaves out-of-window segments out, and the library
-    segment computes neither)."""
+    segment computes neither). ``library_kv``: the plan's library segment's keys/values of an 8-bit cache
+    already dequantized to q's dtype (:func:`~treegen.kernels.library_attention.dequantized_segment`)."""
     if triton is None:
         raise RuntimeError("the Triton tree-attention kernel needs the triton package")
     num_q, num_heads, head_dim = q.shape
@@ -507,8 +509,10 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     # soft-capping scores c * tanh(s * scale / c) in the kernel, then exp2 of score * log2(e)
     cap, pre, scale_log2 = (float(softcap), scale / float(softcap), _LOG2E) if softcap is not None \
         else (1.0, 1.0, scale * _LOG2E)
+    if library_kv is not None and plan.library is None:
+        raise ValueError("library_kv is for a plan with a library segment; this plan has none")
     if plan.library is not None:  # [chunks, heads, rows, D] / [chunks, heads, rows], read through their strides
-        o_lib, lse_lib = segment_attention(q, k_cache, v_cache, plan.library, scale, k_scale, v_scale)
+        o_lib, lse_lib = segment_attention(q, k_cache, v_cache, plan.library, scale, k_scale, v_scale, library_kv)
         lib_args = (o_lib, lse_lib, plan.library.num_rows, o_lib.stride(0), o_lib.stride(2), o_lib.stride(1),
                     lse_lib.stride(0), lse_lib.stride(2), lse_lib.stride(1))
     else:

@@ -219,7 +219,7 @@ class Decoder:
             done = torch.zeros(len(live), dtype=torch.bool, device=device)  # rows that drew EOS or max_tokens
             alive = torch.zeros(1, dtype=torch.int64, device=device)  # rows not done
             logits_of, graphs = {}, {}
-        attend = run.attend_fn(plan, slots, recorder)
+        attend = run.attend_fn(plan, slots, recorder, run.library_copies(plan))
 
         def forward() -> None:
             # (a head split by vocabulary: this rank's logits, which the sampler reads)

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import networkx as nx
 import torch
 
-from treegen.kernels.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
+from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, library_copy_bytes, plan_tree_attention,
+                                            tree_attention)
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore
@@ -94,6 +95,11 @@ class PassPlan:
 
 # garbage beyond the engine's weights and this run's pool that makes kv_budget collect once (see there)
 _FINISHED_RUN_BYTES = 2**30
+
+
+def _activation_margin(total: int) -> int:
+    """Device memory kept for activations, CUDA graphs and the allocator's slack: never given to KV."""
+    return int(max(0.1 * total, 4 * 2**30))
 
 
 class TreeRun:
@@ -348,10 +354,36 @@ class TreeRun:
             seg.computed = max(seg.computed, new_len[s] - drop[s])
         return input_ids, slots, plan
 
-    def attend_fn(self, plan, slots: torch.Tensor, recorder=None):
+    def library_copies(self, plan: PassPlan) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """For a decode phase (many steps of one plan): each layer's library segment of an 8-bit cache
+        dequantized once (``tree_attention``'s ``library_kv``), so that its steps do not dequantize it
+        every call (246 us a step at the Llama-3-8B shape, 256 branches x 2,047 keys, FP8; see
+        :mod:`~treegen.kernels.library_attention`). The segment is shared, so no row of the phase writes
+        it. {} when no plan has a library segment, the cache holds the values themselves, or the copies
+        (two of the segment's keys x KV heads x head dim in the model's dtype, every layer) do not fit in
+        the device memory beyond the KV pool and the activations' margin: then each call dequantizes."""
+        kv, model = self.kv, self.model
+        if self.engine.attention == "none" or not kv.format.quantized:
+            return {}
+        layers = [i for i in range(model.num_layers) if plan.layer(i).triton is not None
+                  and plan.layer(i).triton.library is not None]
+        if not layers:
+            return {}
+        if kv.device.type == "cuda":
+            need = sum(library_copy_bytes(plan.layer(i), kv.layer(i)[0], model.dtype) for i in layers)
+            free, total = torch.cuda.mem_get_info(kv.device)
+            free += torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
+            if need > free - _activation_margin(total):
+                return {}
+        return {i: library_copy(plan.layer(i), *kv.layer(i), model.dtype) for i in layers}
+
+    def attend_fn(self, plan, slots: torch.Tensor, recorder=None, library_kv: dict | None = None):
         """The per-layer ``attend`` callback: write the new keys/values at ``slots``, then attend.
-        ``recorder``: a :class:`~treegen.runtime.swa.QueryRecorder` keeping the SWA rows' queries."""
+        ``recorder``: a :class:`~treegen.runtime.swa.QueryRecorder` keeping the SWA rows' queries.
+        ``library_kv``: :meth:`library_copies` of ``plan`` (layer → keys/values; None or a missing layer:
+        the library segment reads the cache)."""
         kv, scale = self.kv, self.model.attn_scale
+        library_kv = library_kv or {}
         if self.engine.attention == "none":
             return lambda layer, q, k, v: q  # benchmark ceiling: no KV traffic, no attention
 
@@ -362,7 +394,8 @@ class TreeRun:
             if k is not None:  # else the model wrote them already (see cache below)
                 kv.write(layer, slots, k, v)
             k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
-            return tree_attention(q, k_cache, v_cache, plan.layer(layer), scale, k_scale, v_scale)
+            return tree_attention(q, k_cache, v_cache, plan.layer(layer), scale, k_scale, v_scale,
+                                  library_kv.get(layer))
 
         def cache(layer: int):
             """Where this pass's keys/values go: the model's fused RoPE kernel writes (and, for an 8-bit
@@ -442,7 +475,7 @@ class TreeRun:
             free, total = torch.cuda.mem_get_info(kv.device)
             allocated = torch.cuda.memory_allocated(kv.device)
         free += torch.cuda.memory_reserved(kv.device) - allocated
-        room = int(free - max(0.1 * total, 4 * 2**30)) - (pool if kv.written() else 0)
+        room = int(free - _activation_margin(total)) - (pool if kv.written() else 0)
         reachable = pool + max(0, room)
         if engine.kv_budget_bytes is not None:
             reachable = min(reachable, engine.kv_budget_bytes)
