@@ -67,13 +67,30 @@ def test_kernel_honours_the_bitmask_and_greedy_rows():
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_logits_draw_what_their_fp32_copy_draws(dtype):
+    """The decode step hands the kernel the model's own 16-bit logits (no fp32 copy of [rows, vocab]):
+    tokens, scores, logits and log-sum-exps equal those of the same values in fp32, masked or not."""
+    rows, vocab = 5, 9000
+    logits, temperature, keys, steps = _inputs(rows, vocab, seed=11)
+    low = logits.to(dtype)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=torch.Generator().manual_seed(4),
+                            dtype=torch.int64).to(torch.int32)
+    for mask in (None, bitmask):
+        got = gumbel_argmax(low, temperature, keys, steps, mask)
+        want = gumbel_argmax(low.float(), temperature, keys, steps, mask)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+@interpreted
 def test_ties_go_to_the_lowest_token_and_bad_input_is_named():
     logits = torch.zeros(2, 9000)
     logits[:, 10] = logits[:, 8500] = 5.0  # equal best logits in different chunks
     token = gumbel_argmax(logits, torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))[0]
     assert token.tolist() == [10, 10]
-    with pytest.raises(ValueError, match="fp32 logits"):
-        gumbel_argmax(logits.half(), torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="fp32, fp16 or bf16 logits"):
+        gumbel_argmax(logits.double(), torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="bitmask must be int32"):
         gumbel_argmax(logits, torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                       torch.zeros(2, 3, dtype=torch.int32))

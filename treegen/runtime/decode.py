@@ -223,7 +223,7 @@ class Decoder:
 
         def forward() -> None:
             # (a head split by vocabulary: this rank's logits, which the sampler reads)
-            logits_of["step"] = model.forward(input_ids, plan.query_pos, attend, gather=False)
+            logits_of["step"] = model.forward(input_ids, plan.query_pos, attend, gather=False, fp32_logits=False)
 
         def pick() -> None:
             mask = bitmask if tables is None else tables.bitmask(states, also=bitmask)

@@ -228,15 +228,17 @@ class GenericModel:
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attend: AttendFn,
-                logits_rows: Tensor | None = None, gather: bool = True) -> Tensor:
+                logits_rows: Tensor | None = None, gather: bool = True, fp32_logits: bool = True) -> Tensor:
         """As :meth:`LlamaFamilyModel.forward`: packed tokens ``[T]`` at ``positions [T]``, ``attend``
         called once per layer with the new tokens' q ``[T, H, D]`` (RoPE'd) and k, v ``[T, Hkv, D]``;
-        returns fp32 logits ``[R, vocab]`` of ``logits_rows`` (default: all rows). ``gather``: ignored
-        (this path never splits the vocabulary: ``vocab_split`` is None)."""
+        returns fp32 logits ``[R, vocab]`` of ``logits_rows`` (default: all rows; ``fp32_logits=False``:
+        in the dtype the model computed them). ``gather``: ignored (this path never splits the
+        vocabulary: ``vocab_split`` is None)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be [T]; got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
-        return self._forward(input_ids, positions, attend, logits_rows)
+        logits = self._forward(input_ids, positions, attend, logits_rows)
+        return logits.float() if fp32_logits else logits
 
     __call__ = forward
 
@@ -256,7 +258,7 @@ class GenericModel:
         logits = out.logits[0]
         if logits_rows is not None and logits.shape[0] != logits_rows.shape[0]:  # a model without logits_to_keep
             logits = logits.index_select(0, logits_rows)
-        return logits.float()
+        return logits
 
     def _attend_layer(self, attend: AttendFn, module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                       scaling, kwargs) -> tuple[Tensor, None]:

@@ -134,7 +134,8 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     """A step's tokens and their log-probabilities under the model (before a constraint's mask):
     ``(tokens [B] int64, logprobs [B] float32)``; the tokens are :func:`sample`'s.
 
-    logits: [B, V] fp32, the whole vocabulary's; or, with ``split`` (a
+    logits: [B, V] fp32 (or the model's 16-bit logits: read by the sampling kernel as they are, and
+    copied to fp32 for the PyTorch ops), the whole vocabulary's; or, with ``split`` (a
     :class:`~treegen.runtime.vocab_split.VocabSplit`), this rank's slice ``[B, split.width]``: every
     rank of the group calls this alike and gets the same tokens, those :func:`sample` draws from the
     whole logits. bitmask: ``[B, ceil(V / 32)]`` int32 on the logits' device (the whole vocabulary's:
@@ -143,6 +144,8 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     are :func:`sample`'s. No host sync (a CUDA graph captures it, collectives included)."""
     args = dict(temperature=temperature, top_p=top_p, top_k=top_k, keys=keys, steps=steps, all_greedy=all_greedy,
                 filter_needed=filter_needed)
+    if logits.dtype != torch.float32 and not ((all_greedy or not filter_needed) and sampling.available(logits)):
+        logits = logits.float()  # (only the one-pass kernel below reads 16-bit logits)
     if split is not None and filter_needed and not all_greedy:  # top-p / top-k sort the whole distribution
         logits, split = split.gather(logits), None
     if split is not None:
