@@ -158,3 +158,28 @@ def test_the_cpu_draw_of_rows_without_a_finite_best_is_the_whole_draw():
     want = (scaled + sampling.gumbel_noise(keys, steps, 1000)).argmax(-1)
     got = sampling.gumbel_argmax_sparse(scaled, keys, steps)
     assert got.tolist() == want.tolist() and got[0] == 5 and got[1] == 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pick_takes_the_models_16bit_logits(dtype):
+    """The decode step hands ``pick`` the model's own logits (fp32_logits=False): every path — the PyTorch
+    ops of top-p / top-k filtering, a constraint's bitmask, plain sampling — draws the tokens and
+    log-probabilities of the same values in fp32 (those paths copy them to fp32 first; the kernel reads them)."""
+    from treegen.runtime.sampler import pick
+
+    rows, vocab = 6, 3000
+    logits, temperature, keys, steps = _inputs(rows, vocab, seed=21)
+    low = logits.to(dtype)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=torch.Generator().manual_seed(5),
+                            dtype=torch.int64).to(torch.int32)
+    top_p, top_k = torch.full((rows,), 0.9), torch.full((rows,), 50, dtype=torch.int64)
+    for filtered in (False, True):
+        for mask in (None, bitmask):
+            args = dict(temperature=temperature, top_p=top_p if filtered else torch.ones(rows),
+                        top_k=top_k if filtered else torch.zeros(rows, dtype=torch.int64), keys=keys, steps=steps,
+                        filter_needed=filtered)
+            got = pick(low, bitmask=None if mask is None else mask.clone(), **args)
+            want = pick(low.float(), bitmask=None if mask is None else mask.clone(), **args)
+            assert torch.equal(got[0], want[0]) and got[1].dtype == torch.float32
+            torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+    assert low.dtype == dtype  # (the caller's logits are not changed in place)
