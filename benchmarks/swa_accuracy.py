@@ -80,6 +80,12 @@ from treegen.runtime.loader import load_model  # noqa: E402
 from treegen.runtime.sampler import SamplingParams  # noqa: E402
 
 
+def head_select(importance, written: int, tokens: int, keep: float) -> torch.Tensor:
+    """SWA choosing per layer and KV head (H2O's granularity): ALISA's rule on each one's own attention
+    weights (``own_attention(per_head=True)``, ``[layers, kv_heads, written]``), kept sets ``[layers, kv_heads, m]``."""
+    return swa.alisa_select(importance, written, tokens, keep)
+
+
 def recent_select(importance, written: int, tokens: int, keep: float) -> torch.Tensor:
     """The recent-window baseline: the last ``kept_count(keep, tokens)`` slots."""
     m = swa.kept_count(keep, tokens)
@@ -125,10 +131,13 @@ def teacher_forced(engine: Engine, prompts: list[list[int]], continuations: list
             base = [tree.position(n) + len(tree.tokens(n)) - since for n in nodes]
             queries = [recorder.q[:, ring, c] for c in range(len(nodes))]
             select = {i: methods[j] for i, j in zip(rows_sparse, sparse)}
-            need = [c for c, i in enumerate(rows_sparse) if select[i][1] is swa.alisa_select]
-            weights = dict(zip(need, swa.own_attention(kv, tree, model, [nodes[c] for c in need],
-                                                       [queries[c] for c in need],
-                                                       [[base[c] + s for s in taken] for c in need])))
+            weights = {}
+            for chooser, per_head in ((swa.alisa_select, False), (head_select, True)):
+                need = [c for c, i in enumerate(rows_sparse) if select[i][1] is chooser]
+                weights.update(zip(need, swa.own_attention(kv, tree, model, [nodes[c] for c in need],
+                                                           [queries[c] for c in need],
+                                                           [[base[c] + s for s in taken] for c in need],
+                                                           per_head=per_head)))
             for c, (i, n) in enumerate(zip(rows_sparse, nodes)):
                 seg, (keep, sel) = kv.segments[n], select[i]
                 w = weights.get(c, torch.zeros(seg.computed, device=kv.device))
@@ -183,6 +192,9 @@ def main() -> None:
     parser.add_argument("--greedy-tokens", type=int, default=256)
     parser.add_argument("--every", type=int, default=swa.DEFAULT_EVERY)
     parser.add_argument("--history", type=int, default=swa.DEFAULT_HISTORY)
+    parser.add_argument("--methods", nargs="+", default=["swa", "window"], choices=["swa", "swa_head", "window"],
+                        help="sparse methods to compare with dense (swa_head: SWA choosing per layer and KV head)")
+    parser.add_argument("--no-greedy", action="store_true", help="skip the greedy-agreement generations")
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
@@ -215,11 +227,11 @@ def main() -> None:
         gens = [list(g) for g in generate(engine, gen_prompts, args.gen_tokens, args.temperature, [None])[0]]
         print(f"sampled the continuations in {time.perf_counter() - start:.1f} s", flush=True)
         start = time.perf_counter()
-        greedy = generate(engine, gen_prompts, args.greedy_tokens, 0.0, [None, *args.ratios])
+        greedy = None if args.no_greedy else generate(engine, gen_prompts, args.greedy_tokens, 0.0, [None, *args.ratios])
         greedy_seconds = time.perf_counter() - start
         print(f"greedy generations in {greedy_seconds:.1f} s", flush=True)
-        methods = [("dense", None, None)] + [(name, r, sel) for r in args.ratios
-                                             for name, sel in (("swa", swa.alisa_select), ("window", recent_select))]
+        choosers = {"swa": swa.alisa_select, "swa_head": head_select, "window": recent_select}
+        methods = [("dense", None, None)] + [(name, r, choosers[name]) for r in args.ratios for name in args.methods]
         start = time.perf_counter()
         per = teacher_forced(engine, text_prompts + gen_prompts, text_conts + gens,
                              [(r, sel) for _, r, sel in methods], args.every, args.history)
@@ -233,7 +245,7 @@ def main() -> None:
         for row in rows[1:]:
             for part in ("text", "generations"):
                 row[part]["ppl_delta_pct"] = 100 * (row[part]["perplexity"] / ref[part]["perplexity"] - 1)
-        for r, out in zip(args.ratios, greedy[1:]):
+        for r, out in zip(args.ratios, greedy[1:] if greedy is not None and "swa" in args.methods else []):
             agree = [until_divergence(a, b) for a, b in zip(out, greedy[0])]
             row = next(x for x in rows if x["method"] == "swa" and x["kv_keep"] == r)
             row["greedy"] = {"prompts": len(agree), "new_tokens": args.greedy_tokens,
@@ -274,6 +286,7 @@ def main() -> None:
         "method": {"every": args.every, "history": args.history,
                    "selection": "ALISA Algorithm 1: ceil(r*n) kept, ceil/2 most recent + the rest by attention "
                                 "weight summed over the last `history` steps, heads and layers",
+                   "per_head": "swa_head: the same rule on each layer's and KV head's own weights (a kept set each)",
                    "baseline": "recent window: the same count and schedule, most recent tokens only"},
         "paper_reference": "ALISA Figure 8 / section VI-C: at 80% KV sparsity (keep 0.2) SWA within <5% drop for "
                            "most tasks, ~3% perplexity increase on Alpaca (OPT/LLaMA/Pythia 6.7B-33B, length 2048); "
@@ -290,10 +303,11 @@ def main() -> None:
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, part, title in ((axes[0], "text", "fixed text"), (axes[1], "generations", "long generations")):
-            for name, style in (("swa", "o-"), ("window", "s--")):
+            for name, style, label in (("swa", "o-", "SWA (ALISA)"), ("swa_head", "^-", "SWA per layer and head"),
+                                       ("window", "s--", "recent window")):
                 pts = [(r["kv_keep"], r[part]["ppl_delta_pct"]) for r in rows if r["method"] == name]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label="SWA (ALISA)" if name == "swa"
-                        else "recent window")
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
             ax.axhline(0, color="grey", lw=0.8)
             ax.set_xlabel("kv_keep (fraction of the branch's own KV kept)")
             ax.set_ylabel("perplexity increase over dense (%)")

@@ -88,6 +88,18 @@ def test_alisa_select_is_algorithm_1(written, tokens, keep):
     assert swa.alisa_select(torch.tensor([5.0, 1, 9, 2, 0, 3]), 6, 10, 0.4).tolist() == [0, 2, 4, 5]  # the doc's
 
 
+def test_alisa_select_chooses_per_row_of_a_batch():
+    """Importance ``[layers, kv_heads, written]`` (per_head): each row chooses as it would alone."""
+    g = torch.Generator().manual_seed(3)
+    importance = torch.rand(3, 2, 30, generator=g)
+    got = swa.alisa_select(importance, 30, 45, 0.3)
+    assert got.shape == (3, 2, swa.kept_count(0.3, 45) if swa.kept_count(0.3, 45) < 30 else 30)
+    for layer in range(3):
+        for head in range(2):
+            assert got[layer, head].tolist() == swa.alisa_select(importance[layer, head], 30, 45, 0.3).tolist()
+    assert swa.alisa_select(importance, 30, 30, 1.0).tolist() == [[list(range(30))] * 2] * 3
+
+
 def test_reservations_shrink_with_kv_keep():
     assert swa.reserve_slots(10, 1000, None, 32) == 1010
     assert swa.reserve_slots(10, 1000, 0.3, 32) == math.ceil(0.3 * 1010) + 65
@@ -147,6 +159,47 @@ def test_own_attention_is_the_softmax_over_the_whole_path_after_a_compaction(mod
         torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
     # the last step's own keys: a's third new key is visible only to the last query
     assert got[0].shape == (9,) and got[1].shape == (9,)
+
+
+def test_own_attention_per_head_sums_to_the_shared_importance(model, tokenizer):
+    """``per_head``: each layer's and KV head's weights, which summed over both are the shared importance."""
+    run = Engine(model, tokenizer).start()
+    tree = run.tree
+    root = tree.add_node(None, _ids(20, 0))
+    a = tree.add_node(root, _ids(15, 1))
+    run.prefill([a])
+    g = torch.Generator().manual_seed(5)
+    queries = [torch.randn(model.num_layers, 3, model.num_heads, model.head_dim, generator=g)]
+    positions = [[tree.position(a) + i for i in (12, 13, 14)]]
+    shared = swa.own_attention(run.kv, tree, model, [a], queries, positions)[0]
+    per = swa.own_attention(run.kv, tree, model, [a], queries, positions, per_head=True)[0]
+    assert per.shape == (model.num_layers, model.num_kv_heads, 15)
+    torch.testing.assert_close(per.sum(dim=(0, 1)), shared, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(per[0, 0], per[-1, -1])  # (layers and heads weigh the tokens differently)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
+def test_keep_per_layer_and_head_moves_each_ones_own_slots(model, tokenizer, kv_dtype):
+    run = Engine(model, tokenizer, kv_dtype=kv_dtype).start()
+    root = run.tree.add_node(None, _ids(5, 0))
+    leaf = run.tree.add_node(root, _ids(12, 1))
+    run.prefill([leaf])
+    kv, seg = run.kv, run.kv.segments[leaf]
+    g = torch.Generator().manual_seed(6)
+    kept = torch.stack([torch.stack([torch.randperm(12, generator=g)[:5].sort().values for _ in range(kv.num_kv_heads)])
+                        for _ in range(kv.num_layers)])  # [layers, kv_heads, 5]
+    before = {name: getattr(kv, name)[:, seg.start: seg.start + 12].clone() for name in kv._pools()}
+    kv.keep(leaf, kept)
+    for name in kv._pools():
+        after = getattr(kv, name)[:, seg.start: seg.start + 5]
+        for layer in range(kv.num_layers):
+            for head in range(kv.num_kv_heads):
+                want = before[name][layer, kept[layer, head], head]
+                assert torch.equal(after[layer, :, head].view(torch.uint8) if want.element_size() == 1
+                                   else after[layer, :, head], want.view(torch.uint8) if want.element_size() == 1 else want)
+    assert (seg.computed, seg.dropped) == (5, 7)
+    with pytest.raises(ValueError, match="kept must be"):
+        kv.keep(leaf, kept[:1])
 
 
 def test_keep_moves_the_kept_kv_to_the_front_in_every_layer(model, tokenizer):

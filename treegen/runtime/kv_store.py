@@ -174,15 +174,27 @@ class KVStore:
         """Compact ``node``'s segment to the written slots ``kept`` (offsets in the segment, ascending,
         int64 on the KV's device): their KV (every layer, scales too) moves to the segment's first
         ``len(kept)`` slots in that order, the rest of its written KV is dropped and its slots are
-        free for new tokens. One gather and one scatter per pool; the capacity is unchanged."""
+        free for new tokens. One gather and one scatter per pool; the capacity is unchanged.
+        ``kept [layers, kv_heads, m]``: each layer and KV head keeps its own ``m`` slots (slot ``i`` of
+        layer ``l``, head ``h`` then holds the token at offset ``kept[l, h, i]``) — the attention reads a
+        compacted segment's keys as one set, all before its rows' queries, so which token a slot holds
+        may differ between layers and heads."""
         seg = self.segments[node]
-        n = kept.numel()
+        n = kept.shape[-1]
+        if kept.dim() not in (1, 3) or kept.dim() == 3 and tuple(kept.shape[:2]) != (self.num_layers, self.num_kv_heads):
+            raise ValueError(f"node {node}: kept must be [m] or [{self.num_layers}, {self.num_kv_heads}, m], got "
+                             f"{tuple(kept.shape)}")
         if n > seg.computed:
             raise ValueError(f"node {node}: keeping {n} of {seg.computed} written slots")
         src = kept.to(device=self.device, dtype=torch.int64) + seg.start
         dst = torch.arange(seg.start, seg.start + n, device=self.device)
+        if kept.dim() == 3:  # per layer and head: [layers, m, kv_heads] advanced indices
+            layer = torch.arange(self.num_layers, device=self.device)[:, None, None]
+            head = torch.arange(self.num_kv_heads, device=self.device)[None, None, :]
+            src = src.transpose(1, 2)
         for pool in (getattr(self, name) for name in self._pools()):
-            pool[:, dst] = pool[:, src]  # (the gather copies first: no overlap hazard; works for float8 too)
+            # (the gather copies first: no overlap hazard; advanced indexing works for float8 too)
+            pool[:, dst] = pool[:, src] if kept.dim() == 1 else pool[layer, src, head]
         seg.dropped += seg.computed - n
         seg.computed = n
 

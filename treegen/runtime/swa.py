@@ -97,20 +97,21 @@ def alisa_select(importance: Tensor, written: int, tokens: int, keep: float) -> 
     """ALISA Algorithm 1 over a segment's ``written`` slots (token order; ``tokens`` of the node's
     tokens accounted for, dropped ones included): the slot offsets to keep, ascending, int64.
 
-    ``importance [written]``: each slot's attention weight summed over recent steps (and heads, layers).
-    Keeps ``m = kept_count(keep, tokens)``: the ``ceil(m/2)`` last slots (the most recent tokens) and
-    the ``floor(m/2)`` earlier slots of largest importance, ties to the earlier slot. ``m >= written``:
-    every slot. E.g. importance ``[5, 1, 9, 2, 0, 3]``, 6 of 10 tokens, keep 0.4 → m 4: slots 4, 5
-    (recent) and 2, 0 → ``[0, 2, 4, 5]``."""
-    device = importance.device
+    ``importance [..., written]``: each slot's attention weight summed over recent steps (and heads,
+    layers); leading dimensions (say ``[layers, kv_heads]``, :func:`own_attention`'s ``per_head``) each
+    choose on their own, giving ``[..., m]``. Keeps ``m = kept_count(keep, tokens)``: the ``ceil(m/2)``
+    last slots (the most recent tokens) and the ``floor(m/2)`` earlier slots of largest importance, ties
+    to the earlier slot. ``m >= written``: every slot. E.g. importance ``[5, 1, 9, 2, 0, 3]``, 6 of 10
+    tokens, keep 0.4 → m 4: slots 4, 5 (recent) and 2, 0 → ``[0, 2, 4, 5]``."""
+    device, lead = importance.device, importance.shape[:-1]
     m = kept_count(keep, tokens)
     if m >= written:
-        return torch.arange(written, device=device)
+        return torch.arange(written, device=device).expand(*lead, written).contiguous()
     local = (m + 1) // 2
-    earlier = importance[: written - local].float()
-    order = torch.sort(-earlier, stable=True).indices[: m - local]
-    recent = torch.arange(written - local, written, device=device)
-    return torch.sort(torch.cat([order.to(device), recent])).values
+    earlier = importance[..., : written - local].float()
+    order = torch.sort(-earlier, dim=-1, stable=True).indices[..., : m - local]
+    recent = torch.arange(written - local, written, device=device).expand(*lead, local)
+    return torch.sort(torch.cat([order.to(device), recent], dim=-1), dim=-1).values
 
 
 class QueryRecorder:
@@ -146,7 +147,7 @@ class QueryRecorder:
 
 
 def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], positions: list[list[int]],
-                  chunk: int = 32) -> list[Tensor]:
+                  chunk: int = 32, per_head: bool = False) -> list[Tensor]:
     """Each node's importance: the attention weight of its written keys, summed over the given queries,
     heads and layers — ALISA's "local attention sum".
 
@@ -155,15 +156,18 @@ def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], posi
     node's ancestors and its own written keys up to its position (in the segment's mask positions, see
     :meth:`~treegen.runtime.tree_run.TreeRun.plan_rows`). Weights are softmax-normalised over all of it
     (the LSE from :func:`~treegen.kernels.tree_attention.tree_attention_reference` over the same plan).
-    Returns fp32 ``[written slots of the node]`` per node. Batched over ``chunk`` nodes at a time."""
+    Returns fp32 ``[written slots of the node]`` per node; ``per_head``: ``[layers, kv_heads, written]``,
+    each layer's and KV head's own sum (over the queries and the query heads of its group: H2O's
+    per-head choice, for :meth:`KVStore.keep` with a kept set per layer and head). Batched over ``chunk``
+    nodes at a time."""
     out: list[Tensor] = []
     for begin in range(0, len(nodes), chunk):
         out += _own_attention(kv, tree, model, nodes[begin:begin + chunk], queries[begin:begin + chunk],
-                              positions[begin:begin + chunk])
+                              positions[begin:begin + chunk], per_head)
     return out
 
 
-def _own_attention(kv, tree, model, nodes, queries, positions) -> list[Tensor]:
+def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -> list[Tensor]:
     device = kv.device
     segs = sorted({p for n in nodes for p in tree.path(n)})
     index = {s: j for j, s in enumerate(segs)}
@@ -195,7 +199,8 @@ def _own_attention(kv, tree, model, nodes, queries, positions) -> list[Tensor]:
         at += len(pos)
     own_slots, own_pos, qpos, where = (t.to(device) for t in (own_slots, own_pos, qpos, where))
     hidden = own_pos.unsqueeze(1) > qpos.unsqueeze(2)  # [B, T, W]
-    total = torch.zeros(num_b, width, dtype=torch.float32, device=device)
+    total = torch.zeros(num_b, *((kv.num_layers, num_kv) if per_head else ()), width, dtype=torch.float32,
+                        device=device)
     scale, softcap = model.attn_scale, model.attn_softcap
     for layer in range(kv.num_layers):
         q_rows = torch.cat([q[layer] for q in queries])  # [R, heads, D]
@@ -209,5 +214,8 @@ def _own_attention(kv, tree, model, nodes, queries, positions) -> list[Tensor]:
             s = torch.tanh(s / softcap) * softcap
         s = s - lse_pad.unsqueeze(-1)
         s.masked_fill_(hidden[:, :, None, None, :], float("-inf"))
-        total += s.exp_().sum(dim=(1, 2, 3))
-    return [total[b, :w] for b, w in enumerate(written)]
+        if per_head:
+            total[:, layer] += s.exp_().sum(dim=(1, 3))
+        else:
+            total += s.exp_().sum(dim=(1, 2, 3))
+    return [total[b, ..., :w] for b, w in enumerate(written)]
