@@ -7,7 +7,10 @@ Methods, at each keep ratio r (``--ratios``, default 0.1 0.2 0.3 0.4 0.5):
 
 * ``swa``: treegen's SWA (:mod:`treegen.runtime.swa`) — every ``--every`` steps the branch's own KV is
   compacted to ``ceil(r * n)`` of its ``n`` tokens: the most recent half plus the earlier tokens with the
-  largest attention weight over the last ``--history`` steps (ALISA Algorithm 1);
+  largest attention weight over the last ``--history`` steps (ALISA Algorithm 1), chosen by each layer and
+  KV head on its own weights;
+* ``swa_shared`` (``--methods``): the same rule with one kept set for every layer and head, ranked by the
+  weight summed over them (the runtime's choice before 2026-11-26);
 * ``window``: the plain recent-window baseline (Longformer's local attention, ALISA's comparison) —
   the same schedule and the same number of kept tokens, all of them the most recent;
 * ``dense``: exact attention (the reference).
@@ -81,8 +84,14 @@ from treegen.runtime.sampler import SamplingParams  # noqa: E402
 
 
 def head_select(importance, written: int, tokens: int, keep: float) -> torch.Tensor:
-    """SWA choosing per layer and KV head (H2O's granularity): ALISA's rule on each one's own attention
-    weights (``own_attention(per_head=True)``, ``[layers, kv_heads, written]``), kept sets ``[layers, kv_heads, m]``."""
+    """The runtime's SWA, choosing per layer and KV head (H2O's granularity): ALISA's rule on each one's own
+    attention weights (``own_attention(per_head=True)``, ``[layers, kv_heads, written]``), kept sets
+    ``[layers, kv_heads, m]``."""
+    return swa.alisa_select(importance, written, tokens, keep)
+
+
+def shared_select(importance, written: int, tokens: int, keep: float) -> torch.Tensor:
+    """One kept set for all layers and heads, from the weight summed over them (``[written]``)."""
     return swa.alisa_select(importance, written, tokens, keep)
 
 
@@ -132,7 +141,7 @@ def teacher_forced(engine: Engine, prompts: list[list[int]], continuations: list
             queries = [recorder.q[:, ring, c] for c in range(len(nodes))]
             select = {i: methods[j] for i, j in zip(rows_sparse, sparse)}
             weights = {}
-            for chooser, per_head in ((swa.alisa_select, False), (head_select, True)):
+            for chooser, per_head in ((shared_select, False), (head_select, True)):
                 need = [c for c, i in enumerate(rows_sparse) if select[i][1] is chooser]
                 weights.update(zip(need, swa.own_attention(kv, tree, model, [nodes[c] for c in need],
                                                            [queries[c] for c in need],
@@ -192,8 +201,8 @@ def main() -> None:
     parser.add_argument("--greedy-tokens", type=int, default=256)
     parser.add_argument("--every", type=int, default=swa.DEFAULT_EVERY)
     parser.add_argument("--history", type=int, default=swa.DEFAULT_HISTORY)
-    parser.add_argument("--methods", nargs="+", default=["swa", "window"], choices=["swa", "swa_head", "window"],
-                        help="sparse methods to compare with dense (swa_head: SWA choosing per layer and KV head)")
+    parser.add_argument("--methods", nargs="+", default=["swa", "window"], choices=["swa", "swa_shared", "window"],
+                        help="sparse methods to compare with dense (swa_shared: one kept set for all layers and heads)")
     parser.add_argument("--no-greedy", action="store_true", help="skip the greedy-agreement generations")
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-plot", action="store_true")
@@ -230,7 +239,7 @@ def main() -> None:
         greedy = None if args.no_greedy else generate(engine, gen_prompts, args.greedy_tokens, 0.0, [None, *args.ratios])
         greedy_seconds = time.perf_counter() - start
         print(f"greedy generations in {greedy_seconds:.1f} s", flush=True)
-        choosers = {"swa": swa.alisa_select, "swa_head": head_select, "window": recent_select}
+        choosers = {"swa": head_select, "swa_shared": shared_select, "window": recent_select}
         methods = [("dense", None, None)] + [(name, r, choosers[name]) for r in args.ratios for name in args.methods]
         start = time.perf_counter()
         per = teacher_forced(engine, text_prompts + gen_prompts, text_conts + gens,
@@ -285,8 +294,9 @@ def main() -> None:
                         "temperature": args.temperature, "greedy_tokens": args.greedy_tokens},
         "method": {"every": args.every, "history": args.history,
                    "selection": "ALISA Algorithm 1: ceil(r*n) kept, ceil/2 most recent + the rest by attention "
-                                "weight summed over the last `history` steps, heads and layers",
-                   "per_head": "swa_head: the same rule on each layer's and KV head's own weights (a kept set each)",
+                                "weight summed over the last `history` steps, each layer and KV head its own set "
+                                "(its weights summed over its group's query heads)",
+                   "swa_shared": "the same rule, one kept set for all layers and heads (weights summed over them)",
                    "baseline": "recent window: the same count and schedule, most recent tokens only"},
         "paper_reference": "ALISA Figure 8 / section VI-C: at 80% KV sparsity (keep 0.2) SWA within <5% drop for "
                            "most tasks, ~3% perplexity increase on Alpaca (OPT/LLaMA/Pythia 6.7B-33B, length 2048); "
@@ -303,7 +313,8 @@ def main() -> None:
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, part, title in ((axes[0], "text", "fixed text"), (axes[1], "generations", "long generations")):
-            for name, style, label in (("swa", "o-", "SWA (ALISA)"), ("swa_head", "^-", "SWA per layer and head"),
+            for name, style, label in (("swa", "o-", "SWA (per layer and head)"),
+                                       ("swa_shared", "^-", "SWA (one set for all layers)"),
                                        ("window", "s--", "recent window")):
                 pts = [(r["kv_keep"], r[part]["ppl_delta_pct"]) for r in rows if r["method"] == name]
                 if pts:

@@ -120,24 +120,30 @@ def _path_keys(run, node, layer):
     return torch.cat(keys), torch.tensor(pos)
 
 
-def _own_weights_brute(run, nodes, queries, positions):
+def _own_weights_brute(run, nodes, queries, positions, per_head=False):
     """The attention weight of each node's own written keys, summed over layers, heads and steps, from a
-    plain softmax over each row's concatenated root-to-leaf keys (ancestors, and own keys up to its position)."""
+    plain softmax over each row's concatenated root-to-leaf keys (ancestors, and own keys up to its position).
+    ``per_head``: summed over steps and each KV head's group of query heads only, ``[layers, kv_heads, own]``."""
     model, out = run.model, []
+    group = model.num_heads // model.num_kv_heads
     for n, q, ps in zip(nodes, queries, positions):
         own = run.kv.segments[n].computed
-        total = torch.zeros(own, device=run.kv.k.device)
+        total = torch.zeros(model.num_layers, model.num_kv_heads, own, device=run.kv.k.device)
         for layer in range(model.num_layers):
             keys, kpos = _path_keys(run, n, layer)
             kpos = kpos.to(keys.device)
-            group = model.num_heads // model.num_kv_heads
             keys = keys.repeat_interleave(group, dim=1)  # [K, H, D]
             for t, p in enumerate(ps):
                 s = torch.einsum("hd,khd->hk", q[layer, t].float(), keys) * model.attn_scale
                 s[:, kpos > p] = float("-inf")
-                total += s.softmax(-1)[:, -own:].sum(0)
-        out.append(total)
+                total[layer] += s.softmax(-1)[:, -own:].view(model.num_kv_heads, group, own).sum(1)
+        out.append(total if per_head else total.sum(dim=(0, 1)))
     return out
+
+
+def _alisa_brute_per_head(weights, written, tokens, keep):
+    """:func:`_alisa_brute` of every layer's and KV head's row of ``weights [layers, kv_heads, written]``."""
+    return [[_alisa_brute(row, written, tokens, keep) for row in layer] for layer in weights.tolist()]
 
 
 def test_own_attention_is_the_softmax_over_the_whole_path_after_a_compaction(model, tokenizer):
@@ -222,13 +228,14 @@ def test_keep_moves_the_kept_kv_to_the_front_in_every_layer(model, tokenizer):
 
 # --- decoding ----------------------------------------------------------------------------------------------
 def _masked_reference_logits(model, tokens, visible):
-    """Logits of the whole sequence with plain softmax attention under ``visible [T, T]`` (query, key)."""
+    """Logits of the whole sequence with plain softmax attention under ``visible [layers, kv_heads, T, T]``
+    (query, key: what each layer's KV head shows its query heads)."""
     group = model.num_heads // model.num_kv_heads
 
     def attend(layer, q, k, v):
         k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
         s = torch.einsum("qhd,khd->hqk", q.float(), k) * model.attn_scale
-        s.masked_fill_(~visible, float("-inf"))
+        s.masked_fill_(~visible[layer].repeat_interleave(group, dim=0), float("-inf"))
         return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
 
     n, device = len(tokens), model.device
@@ -237,15 +244,19 @@ def _masked_reference_logits(model, tokens, visible):
 
 
 def _visible(run, leaf, log):
-    """[T, T] bool over the leaf's root-to-leaf tokens: causal, less the leaf's own tokens dropped by a
-    compaction before the query ran (compaction c ran after the tokens it accounted for, before the next)."""
+    """[layers, kv_heads, T, T] bool over the leaf's root-to-leaf tokens: causal, less the leaf's own tokens
+    that layer's KV head dropped in a compaction before the query ran (compaction c ran after the tokens it
+    accounted for, before the next; the log holds each one's kept tokens per layer and KV head)."""
     tokens = run.tree.path_tokens(leaf)
     n, start = len(tokens), run.tree.position(leaf)
-    visible = torch.ones(n, n).tril().bool()
+    layers, heads = run.kv.num_layers, run.kv.num_kv_heads
+    visible = torch.ones(n, n).tril().bool().expand(layers, heads, n, n).clone()
     for covered, kept in log.get(leaf, []):
-        dropped = [start + i for i in range(covered) if i not in set(kept)]
-        for j in range(start + covered, n):
-            visible[j, dropped] = False
+        for layer in range(layers):
+            for head in range(heads):
+                held = set(kept[layer][head])
+                dropped = [start + i for i in range(covered) if i not in held]
+                visible[layer, head, start + covered:, dropped] = False
     return tokens, visible
 
 
@@ -274,15 +285,16 @@ def test_swa_decoding_equals_plain_attention_over_the_kept_tokens(model, model64
     expected = []
     original = swa.own_attention
 
-    def checked(kv, tree, m, nodes, queries, positions, chunk=32):
-        got = original(kv, tree, m, nodes, queries, positions, chunk)
-        want = _own_weights_brute(run_of["run"], nodes, queries, positions)
+    def checked(kv, tree, m, nodes, queries, positions, chunk=32, per_head=False):
+        assert per_head  # (each layer and KV head chooses its own kept tokens)
+        got = original(kv, tree, m, nodes, queries, positions, chunk, per_head)
+        want = _own_weights_brute(run_of["run"], nodes, queries, positions, per_head=True)
         for n, g_, w_, ps in zip(nodes, got, want, positions):
             torch.testing.assert_close(g_, w_, atol=1e-4, rtol=1e-4)
             seg = kv.segments[n]
             # the queries are the last steps before the compaction: the last one is the newest written key's
             assert ps == list(range(ps[0], ps[0] + len(ps))) and ps[-1] == tree.position(n) + seg.tokens - 1
-            expected.append((n, _alisa_brute(w_.tolist(), seg.computed, seg.tokens, 0.3)))
+            expected.append((n, _alisa_brute_per_head(w_, seg.computed, seg.tokens, 0.3)))
         return got
 
     run_of = {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from test_swa import _alisa_brute, _masked_reference_logits, _own_weights_brute, _visible  # noqa: E402
+from test_swa import _alisa_brute_per_head, _masked_reference_logits, _own_weights_brute, _visible  # noqa: E402
 from treegen.runtime import swa
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
@@ -74,13 +74,14 @@ def test_swa_importance_and_choice_on_the_gpu(monkeypatch):
     expected, runs = [], []
     original = swa.own_attention
 
-    def checked(kv, tree, m, nodes, queries, positions, chunk=32):
-        got = original(kv, tree, m, nodes, queries, positions, chunk)
-        want = _own_weights_brute(runs[-1], nodes, queries, positions)
+    def checked(kv, tree, m, nodes, queries, positions, chunk=32, per_head=False):
+        assert per_head
+        got = original(kv, tree, m, nodes, queries, positions, chunk, per_head)
+        want = _own_weights_brute(runs[-1], nodes, queries, positions, per_head=True)
         for n, g_, w_ in zip(nodes, got, want):
             torch.testing.assert_close(g_.cpu(), w_.cpu(), atol=1e-3, rtol=1e-3)
             seg = kv.segments[n]
-            expected.append(_alisa_brute(g_.tolist(), seg.computed, seg.tokens, 0.3))
+            expected.append(_alisa_brute_per_head(g_, seg.computed, seg.tokens, 0.3))
         return got
 
     monkeypatch.setattr(swa, "own_attention", checked)

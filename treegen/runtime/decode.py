@@ -290,7 +290,8 @@ class Decoder:
         asked, queries, at = [], [], []
         for j in list(todo):
             if recorder is None:  # attention "none" (a benchmark ceiling): the recent tokens only
-                importance[j] = torch.zeros(kv.segments[nodes[j]].computed, device=kv.device)
+                importance[j] = torch.zeros(kv.num_layers, kv.num_kv_heads, kv.segments[nodes[j]].computed,
+                                            device=kv.device)
                 continue
             ring, taken = recorder.steps(steps_run, len(self.out[live[j]]) - out_before[j])
             if not ring:  # it finished before the ring's steps: compacted when it decodes again, if ever
@@ -300,18 +301,20 @@ class Decoder:
             queries.append(recorder.q[:, ring, column[j]])
             at.append([positions[j] + t for t in taken])
         if asked:
-            weights = swa.own_attention(kv, self.tree, self.model, [nodes[j] for j in asked], queries, at)
+            weights = swa.own_attention(kv, self.tree, self.model, [nodes[j] for j in asked], queries, at,
+                                        per_head=True)
             importance.update(zip(asked, weights))
         log = run.swa_log
         for j in todo:
             n, seg = nodes[j], kv.segments[nodes[j]]
-            kept = swa.alisa_select(importance[j], seg.computed, seg.tokens, keep[j])
-            if log is not None:  # token index of every kept slot (tests, the accuracy script)
+            kept = swa.alisa_select(importance[j], seg.computed, seg.tokens, keep[j])  # [layers, kv_heads, m]
+            if log is not None:  # token index of every kept slot, per layer and KV head (tests, the accuracy script)
                 held = log.get(n, [])
-                held = held[-1][1] if held else []
-                token_of = [held[s] if s < len(held) else seg.dropped + s for s in range(seg.computed)]
-                log.setdefault(n, []).append((seg.tokens, [token_of[s] for s in kept.tolist()]))
-            run.swa_dropped += seg.computed - kept.numel()
+                held = held[-1][1] if held else [[[] for _ in range(kv.num_kv_heads)] for _ in range(kv.num_layers)]
+                log.setdefault(n, []).append((seg.tokens, [
+                    [[h[s] if s < len(h) else seg.dropped + s for s in row] for h, row in zip(held_l, kept_l)]
+                    for held_l, kept_l in zip(held, kept.tolist())]))
+            run.swa_dropped += seg.computed - kept.shape[-1]
             kv.keep(n, kept)
         run.swa_compactions += len(todo)
         run.host_seconds["swa"] += time.perf_counter() - started

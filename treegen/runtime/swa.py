@@ -22,9 +22,13 @@ How it runs (the choices, and why):
   its unwritten tail after it) while the queries keep their true RoPE positions
   (:meth:`~treegen.runtime.tree_run.TreeRun.plan_rows`). Sliding-window layers compare true distances, so
   SWA is refused on models that have them.
-* **One kept set for all layers.** ALISA selects per layer; with one slot range per node shared by all
-  layers, a per-layer choice would need a per-layer index table in every kernel. The importance of a
-  token is therefore its attention weight summed over steps, heads *and layers*.
+* **A kept set per layer and KV head.** ALISA selects per layer, H2O per head. A compacted segment's
+  keys are all visible to every query of its rows (they precede them), so the kernels never ask which
+  token a slot holds: each layer and KV head keeps its own ``m`` tokens in the same ``m`` slots
+  (:meth:`KVStore.keep` with ``[layers, kv_heads, m]``), ranked by its own attention weight summed over
+  steps and the query heads of its group. (Measured against one set for all layers, chosen by the weight
+  summed over layers and heads too: ``benchmarks/swa_accuracy.py --methods swa swa_head window``, see
+  the README.)
 * **Exact attention weights, cheaply.** The kernels return no probabilities. During a decode phase the
   SWA rows' queries (after RoPE) are recorded per layer in a ring buffer of the last ``history`` steps
   (static device tensors, so CUDA graphs capture it). When the phase ends, each recorded query's weights
