@@ -41,11 +41,11 @@ sharply already at 20% sparsity. A 135M model is far less sparse in its attentio
 larger models are sparser), so larger increases are expected here; the comparison that transfers is SWA
 against the window baseline at the same ratio.
 
-The committed ``results/alisa_swa_accuracy_cpu.json`` (and ``.png``) came from (38 min on 2 shared cores):
+The committed ``results/alisa_swa_accuracy_cpu.json`` (and ``.png``) came from (3 min on 2 cores):
 
-    HF_HUB_OFFLINE=1 python benchmarks/swa_accuracy.py --threads 1 --text-seqs 3 --gen-seqs 3 \
-        --gen-tokens 320 --text-tokens 325 --greedy-tokens 192
-    options: --ratios 0.1 0.3  --every 32 --history 8  --device cuda --dtype bfloat16  --out PATH  --no-plot
+    HF_HUB_OFFLINE=1 python benchmarks/swa_accuracy.py --threads 2 --text-seqs 3 --gen-seqs 3 \
+        --gen-tokens 320 --text-tokens 325 --greedy-tokens 192 --ratios 0.1 0.2 0.3 0.5 --methods swa window
+    options: --methods swa swa_shared window  --no-greedy  --every 32 --history 8  --device cuda --dtype bfloat16  --out PATH  --no-plot
 
 Every sequence (text and generation) steps together in one tree run, so ``--text-tokens`` must be
 ``--sink + 1 + --gen-tokens``. Between compactions a branch holds up to ``--every`` tokens more than its
