@@ -380,7 +380,7 @@ def library_copy_bytes(plan: TreeAttentionPlan, k_cache: Tensor, dtype: torch.dt
     if plan.triton is None or plan.triton.library is None:
         return 0
     seg = plan.triton.library
-    return 2 * seg.chunks * seg.chunk_len * k_cache.shape[1] * k_cache.shape[2] * torch.empty((), dtype=dtype).element_size()
+    return 2 * seg.chunks * seg.chunk_len * k_cache.shape[1] * k_cache.shape[2] * dtype.itemsize
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float,

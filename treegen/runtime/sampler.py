@@ -144,13 +144,14 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     are :func:`sample`'s. No host sync (a CUDA graph captures it, collectives included)."""
     args = dict(temperature=temperature, top_p=top_p, top_k=top_k, keys=keys, steps=steps, all_greedy=all_greedy,
                 filter_needed=filter_needed)
-    if logits.dtype != torch.float32 and not ((all_greedy or not filter_needed) and sampling.available(logits)):
-        logits = logits.float()  # (only the one-pass kernel below reads 16-bit logits)
+    one_pass = (all_greedy or not filter_needed) and sampling.available(logits)  # the kernel, no filtering
+    if logits.dtype != torch.float32 and not one_pass:
+        logits = logits.float()  # (only the one-pass kernel reads 16-bit logits)
     if split is not None and filter_needed and not all_greedy:  # top-p / top-k sort the whole distribution
         logits, split = split.gather(logits), None
     if split is not None:
         return _pick_split(logits, split, bitmask, **args)
-    if (all_greedy or not filter_needed) and sampling.available(logits):  # one pass, the noise in registers
+    if one_pass:  # one pass, the noise in registers
         tokens, _, logit, lse = sampling.gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy)
         return tokens, logit - lse
     if bitmask is None:

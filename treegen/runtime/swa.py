@@ -27,7 +27,7 @@ How it runs (the choices, and why):
   token a slot holds: each layer and KV head keeps its own ``m`` tokens in the same ``m`` slots
   (:meth:`KVStore.keep` with ``[layers, kv_heads, m]``), ranked by its own attention weight summed over
   steps and the query heads of its group. (Measured against one set for all layers, chosen by the weight
-  summed over layers and heads too: ``benchmarks/swa_accuracy.py --methods swa swa_head window``, see
+  summed over layers and heads too: ``benchmarks/swa_accuracy.py --methods swa swa_shared window``, see
   the README.)
 * **Exact attention weights, cheaply.** The kernels return no probabilities. During a decode phase the
   SWA rows' queries (after RoPE) are recorded per layer in a ring buffer of the last ``history`` steps
