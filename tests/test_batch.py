@@ -172,6 +172,43 @@ def test_batch_errors(smol):
         broken.run_batch(smol, [{"k": 0}, {"k": 1}, {"k": 2}])
 
 
+def test_ctrl_c_inside_a_program_stops_the_batch_not_the_program(smol):
+    """Program bodies run on the driver's thread (coroutines), so Ctrl-C may arrive while one runs: it
+    stops the batch (BatchInterrupted with the programs already done), it is not that program's error;
+    the paused programs are ended, and the engine takes the next batch."""
+    from treegen.lang.batch import BatchInterrupted
+
+    @treegen.program
+    def waits(s, k):
+        s += FEW_SHOT + f"Q: {QUESTIONS[k % 3]}\nA:" + treegen.gen("a", max_tokens=2)
+        s["a"]  # pause once
+        if k == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(BatchInterrupted) as caught:
+        waits.run_batch(smol, [{"k": 0}, {"k": 1}, {"k": 2}, {"k": 3}])
+    done = [r is not None for r in caught.value.results]
+    assert done[:2] == [True, True] and done[2] is False  # resumed in program order: 0 and 1 had finished
+    assert [r["a"] for r in waits.run_batch(smol, [{"k": 0}])] == [caught.value.results[0]["a"]]
+
+
+def test_cooperative_hands_over_in_order_and_refuses_a_wait_outside_a_program():
+    from treegen.lang.batch import Cooperative
+
+    log = []
+    sched = Cooperative([lambda i=i: (log.append((i, 0)), sched.wait(), log.append((i, 1))) for i in range(3)])
+    assert not sched.in_program()
+    with pytest.raises(RuntimeError, match="outside a running program"):
+        sched.wait()
+    for w in sched.workers:
+        sched._switch(w)
+        assert w.waiting and not w.done
+    for w in reversed(sched.workers):
+        sched._switch(w)
+        assert w.done and w.error is None
+    assert log == [(0, 0), (1, 0), (2, 0), (2, 1), (1, 1), (0, 1)]
+
+
 # progress: programs done ------------------------------------------------------------------------------------
 def test_programs_done_advances_as_each_program_finishes(smol):
     """A program is done once its function returned and everything it queued has run: here program 1
