@@ -102,9 +102,9 @@ def test_alisa_select_chooses_per_row_of_a_batch():
 
 def test_reservations_shrink_with_kv_keep():
     assert swa.reserve_slots(10, 1000, None, 32) == 1010
-    assert swa.reserve_slots(10, 1000, 0.3, 32) == math.ceil(0.3 * 1010) + 65
-    assert swa.reserve_slots(500, 100, 0.3, 32) == 565  # its prompt is written densely first
-    assert swa.reserve_slots(500, 50, 0.3, 32) == 550  # never more than dense
+    assert swa.reserve_slots(10, 1000, 0.3, 32) == math.ceil(0.3 * 1010) + 32 + swa.MIXED_STEPS + 1
+    assert swa.reserve_slots(500, 100, 0.3, 32) == 500 + 32 + swa.MIXED_STEPS + 1  # its prompt is written densely first
+    assert swa.reserve_slots(500, 30, 0.3, 32) == 530  # never more than dense
     assert swa.reserve_slots(10, 20, 1.0, 32) == 30
 
 
@@ -331,6 +331,53 @@ def test_swa_decoding_equals_plain_attention_over_the_kept_tokens(model, model64
         assert result.tokens == tuple(logits[rows].argmax(-1).tolist())
     # shared ancestors stay dense
     assert run.kv.dropped(root) == 0 and run.kv.segments[root].computed == len(run.tree.tokens(root))
+
+
+def test_sparse_window_branches_never_outgrow_their_reservation_while_work_streams_in(model, tokenizer, monkeypatch):
+    """New work arriving while sparse-window branches decode prefills in mixed steps (each adds a token to
+    every live branch): at most ``MIXED_STEPS`` of them run before the branches' next phase (which ends in
+    a compaction), so a branch never holds more than its kept budget + ``every + MIXED_STEPS`` — what
+    ``reserve_slots`` reserves. Here 12 prompts of 6 tokens under a prefill budget of 8 rows want 12
+    mixed steps in a row."""
+    from treegen.runtime.decode import Decoder
+    from treegen.runtime.tree_run import TreeRun
+
+    every = 4
+    engine = Engine(model, tokenizer, kv_keep_every=every, kv_keep_history=3, max_prefill_tokens=8)
+    events, worst = [], []
+    run_step, phase = TreeRun._run_step, Decoder.phase
+
+    def mixed(self, step):
+        events.append("mixed" if self.decoder.sparse_window_live() else "mixed-exact")
+        run_step(self, step)
+        for b in self.decoder.live:
+            params, node = self.decoder.jobs[b].request.params, self.decoder.jobs[b].request.node
+            if params.kv_keep is not None:
+                seg = self.kv.segments[node]
+                worst.append(seg.computed - swa.kept_count(params.kv_keep, seg.tokens))
+                assert seg.computed <= seg.capacity
+
+    def phased(self):
+        events.append("phase")
+        return phase(self)
+
+    monkeypatch.setattr(TreeRun, "_run_step", mixed)
+    monkeypatch.setattr(Decoder, "phase", phased)
+    run = engine.start()
+    root = run.tree.add_node(None, _ids(24, 10))
+    reqs = [GenRequest(run.tree.add_node(root, _ids(3, 11 + i)), SamplingParams(max_tokens=60, ignore_eos=True,
+                                                                                 kv_keep=0.3), key=i)
+            for i in range(2)]
+    reqs += [GenRequest(run.tree.add_node(root, _ids(6, 30 + i)), SamplingParams(max_tokens=3, ignore_eos=True),
+                        key=10 + i) for i in range(12)]
+    results, _ = run.execute(reqs, [])
+    assert all(len(r.tokens) == 60 for r in results[:2]) and run.swa_compactions > 0
+    in_row = longest = 0
+    for e in events:
+        in_row = in_row + 1 if e == "mixed" else 0
+        longest = max(longest, in_row)
+    assert events.count("mixed") > swa.MIXED_STEPS and longest == swa.MIXED_STEPS  # (12 in a row without the limit)
+    assert max(worst) <= every + swa.MIXED_STEPS
 
 
 def test_kv_keep_one_is_exact_and_recorded(model, tokenizer):

@@ -98,6 +98,10 @@ class Decoder:
         self.early_ends = 0  # phases ended on that count before their block's tokens were read
 
     # ---------------------------------------------------------------------------------------------
+    def sparse_window_live(self) -> bool:
+        """Whether a live branch keeps only part of its KV (sparse window attention, ``kv_keep``)."""
+        return any(self.jobs[b].request.params.kv_keep is not None for b in self.live)
+
     def decode_rows(self) -> list[tuple[int, int]]:
         """Each live branch's pending last token (sampled, no KV yet): its row in the next step."""
         return [(n, len(self.tree.tokens(n)) - 1) for n in (self.jobs[b].request.node for b in self.live)]

@@ -36,9 +36,10 @@ How it runs (the choices, and why):
   ancestors too: the LSE comes from the reference tree attention over the same plan), which is the
   paper's softmax over the whole (sparse) context.
 * **Every ``every`` steps.** A phase with an SWA branch runs at most ``every`` steps (its CUDA graph is
-  planned with fixed segment lengths), then compacts. A branch's segment thus holds at most its kept
-  budget plus ``every`` (+ the few tokens of steps that prefill other work), which is what the scheduler
-  reserves for it (:func:`reserve_slots`) instead of its whole length: more branches fit a KV budget.
+  planned with fixed segment lengths), then compacts; while one decodes, at most ``MIXED_STEPS`` steps
+  that prefill other work run between two phases. A branch's segment thus holds at most its kept
+  budget plus ``every + MIXED_STEPS``, which is what the scheduler reserves for it (:func:`reserve_slots`)
+  instead of its whole length: more branches fit a KV budget.
 
 The selection (:func:`alisa_select`): a branch with ``n`` own tokens accounted for keeps
 ``m = ceil(r * n)`` of them (at least one): the ``ceil(m / 2)`` most recent and the ``floor(m / 2)``
@@ -58,6 +59,9 @@ from treegen.kernels.tree_attention import _gather, plan_tree_attention, tree_at
 
 # steps between compactions (the slack a branch holds above its kept budget); also the longest phase
 DEFAULT_EVERY = 32
+# forward passes that prefill other work, at most, between two decode phases while a sparse-window
+# branch decodes (each adds one token to every live branch; the engine starts the phase after them)
+MIXED_STEPS = 4
 # decode steps whose queries' attention weights rank the earlier tokens (ALISA's "last few steps")
 DEFAULT_HISTORY = 8
 
@@ -89,12 +93,13 @@ def kept_count(keep: float, tokens: int) -> int:
 def reserve_slots(prompt_tokens: int, max_tokens: int, keep: float | None, every: int) -> int:
     """KV slots a gen into a leaf holding ``prompt_tokens`` reserves for its node: all its tokens
     (``prompt_tokens + max_tokens``) when exact; with SWA at most what it ever holds — its prompt (written
-    densely before the first compaction) or its kept budget at full length, plus two periods of slack
-    (a phase's steps, and the steps that prefill other work between phases)."""
+    densely before the first compaction) or its kept budget at full length, plus what it gains between
+    two compactions: a phase's ``every`` steps and the ``MIXED_STEPS`` that may prefill other work
+    before it (the engine holds to both: ``Decoder.phase``, ``TreeRun.advance``), and one slot."""
     total = prompt_tokens + max_tokens
     if keep is None:
         return total
-    return min(total, max(prompt_tokens, kept_count(keep, total)) + 2 * every + 1)
+    return min(total, max(prompt_tokens, kept_count(keep, total)) + every + MIXED_STEPS + 1)
 
 
 def alisa_select(importance: Tensor, written: int, tokens: int, keep: float) -> Tensor:
