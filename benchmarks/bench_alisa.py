@@ -205,6 +205,11 @@ def main() -> None:
         for new in args.new_tokens:
             print(f"{time.strftime('%H:%M:%S')} {branches} branches x {new} new tokens, dense unlimited", flush=True)
             (base,) = measure(model, args, "dense-unlimited", branches, new, prompt, None, None)
+            if "_out" not in base:  # refused: no baseline for this size (the row says why)
+                rows.append(base)
+                print(f"dense-unlimited refused {branches} x {new}: {base['refused']}", flush=True)
+                write(args, shape, rows)
+                continue
             reference = base.pop("_out")
             base.update(ratio_to_dense_unlimited=1.0, tokens_identical=1.0)
             need = base["peak_kv_bytes"]
