@@ -380,6 +380,34 @@ def test_sparse_window_branches_never_outgrow_their_reservation_while_work_strea
     assert max(worst) <= every + swa.MIXED_STEPS
 
 
+def test_a_branch_that_goes_on_after_compaction_reserves_only_what_it_holds(model, tokenizer):
+    """A follow-up gen on a node that sparse window attention compacted: the tokens it dropped take no
+    slot, so the follow-up reserves from what the node holds (a few slots more than its range at most)
+    where counting every token would ask for the node's whole dense length again."""
+    every = 4
+    engine = Engine(model, tokenizer, kv_keep_every=every, kv_keep_history=3)
+    run = engine.start()
+    root = run.tree.add_node(None, _ids(24, 10))
+    leaves = [run.tree.add_node(root, _ids(3, 11 + i)) for i in range(2)]
+    first, _ = run.execute([GenRequest(leaf, SamplingParams(max_tokens=60, ignore_eos=True, kv_keep=0.3), key=i,
+                                       final=False) for i, leaf in enumerate(leaves)], [])
+    assert all(r.kv_dropped > 0 for r in first)
+    jobs = []
+    for i, leaf in enumerate(leaves):
+        run.tree.extend(leaf, [7])  # the follow-up reads the answer
+        seg, tokens = run.kv.segments[leaf], len(run.tree.tokens(leaf))
+        req = GenRequest(leaf, SamplingParams(max_tokens=8, ignore_eos=True, kv_keep=0.3), key=10 + i)
+        want = run.scheduler.gen_slots(req)
+        assert want == swa.reserve_slots(tokens, 8, 0.3, every, seg.dropped) < tokens - 30
+        assert swa.reserve_slots(tokens, 8, 0.3, every) == tokens + 8  # (its tokens all counted: dense)
+        job = run.submit(req)
+        assert run.scheduler.need(job) == {leaf: 0 if want <= seg.capacity else want}
+        jobs.append(job)
+    while run.busy() and run.advance():
+        pass
+    assert all(j.error is None and len(j.result.tokens) == 8 for j in jobs)
+
+
 def test_kv_keep_one_is_exact_and_recorded(model, tokenizer):
     _, _, _, exact = _run_swa(model, tokenizer, None, max_tokens=24)
     run, _, _, full = _run_swa(model, tokenizer, 1.0, max_tokens=24)

@@ -166,9 +166,10 @@ class KVStore:
         return seg.tokens if seg else 0
 
     def dropped(self, node: int) -> int:
-        """Tokens of ``node`` whose KV sparse window attention dropped (0: a dense segment)."""
-        seg = self.segments.get(node)
-        return seg.dropped if seg else 0
+        """Tokens of ``node`` whose KV sparse window attention dropped (0: a dense segment), on the
+        device or offloaded."""
+        held = self.segments.get(node) or self.offloaded.get(node)
+        return held.dropped if held else 0
 
     def keep(self, node: int, kept: torch.Tensor) -> None:
         """Compact ``node``'s segment to the written slots ``kept`` (offsets in the segment, ascending,

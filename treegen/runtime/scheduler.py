@@ -234,8 +234,8 @@ class Scheduler:
         tree, kv = self.tree, self.kv
         req = job.request
         # (a node extended past its range since it was reserved moves too: its new range is needed whole)
-        need = {n: max(len(tree.tokens(n)), 1) for n in self.nodes(job)  # (an empty node is given one slot)
-                if n not in counted and (n not in kv.segments or kv.segments[n].capacity < len(tree.tokens(n)))}
+        need = {n: max(self.held(n), 1) for n in self.nodes(job)  # (an empty node is given one slot)
+                if n not in counted and (n not in kv.segments or kv.segments[n].capacity < self.held(n))}
         if isinstance(req, GenRequest):
             want = self.gen_slots(req)
             have = kv.segments[req.node].capacity if req.node in kv.segments else 0
@@ -253,7 +253,11 @@ class Scheduler:
         """Slots a gen's node needs: its tokens plus ``max_tokens``; with sparse window attention
         (``params.kv_keep``) only what it holds at most between compactions (:func:`~treegen.runtime.swa.reserve_slots`)."""
         return reserve_slots(len(self.tree.tokens(req.node)), req.params.max_tokens, req.params.kv_keep,
-                             self.kv_keep_every)
+                             self.kv_keep_every, self.kv.dropped(req.node))
+
+    def held(self, node: int) -> int:
+        """Slots ``node``'s tokens take: all of them, less those whose KV sparse window attention dropped."""
+        return len(self.tree.tokens(node)) - self.kv.dropped(node)
 
     def _admit(self, step: Step, live: int) -> None:
         budget = self.budget()
@@ -317,7 +321,7 @@ class Scheduler:
             for node in need:
                 req = job.request
                 gen = isinstance(req, GenRequest) and node == req.node
-                length = max(self.gen_slots(req) if gen else len(self.tree.tokens(node)), 1)
+                length = max(self.gen_slots(req) if gen else self.held(node), 1)
                 if node in self.kv.offloaded:
                     restore[node] = length
                     continue

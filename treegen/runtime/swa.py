@@ -90,16 +90,18 @@ def kept_count(keep: float, tokens: int) -> int:
     return min(tokens, max(1, math.ceil(keep * tokens - 1e-9)))
 
 
-def reserve_slots(prompt_tokens: int, max_tokens: int, keep: float | None, every: int) -> int:
+def reserve_slots(prompt_tokens: int, max_tokens: int, keep: float | None, every: int, dropped: int = 0) -> int:
     """KV slots a gen into a leaf holding ``prompt_tokens`` reserves for its node: all its tokens
     (``prompt_tokens + max_tokens``) when exact; with SWA at most what it ever holds — its prompt (written
     densely before the first compaction) or its kept budget at full length, plus what it gains between
     two compactions: a phase's ``every`` steps and the ``MIXED_STEPS`` that may prefill other work
-    before it (the engine holds to both: ``Decoder.phase``, ``TreeRun.advance``), and one slot."""
-    total = prompt_tokens + max_tokens
+    before it (the engine holds to both: ``Decoder.phase``, ``TreeRun.advance``), and one slot.
+    ``dropped``: prompt tokens whose KV an earlier compaction dropped (a branch that goes on after a
+    sparse-window gen, say a follow-up): they take no slot."""
+    held = prompt_tokens - dropped
     if keep is None:
-        return total
-    return min(total, max(prompt_tokens, kept_count(keep, total)) + every + MIXED_STEPS + 1)
+        return held + max_tokens
+    return min(held + max_tokens, max(held, kept_count(keep, prompt_tokens + max_tokens)) + every + MIXED_STEPS + 1)
 
 
 def alisa_select(importance: Tensor, written: int, tokens: int, keep: float) -> Tensor:
