@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from treegen.kernels.tree_attention import merge_attention_states, plan_tree_attention, tree_attention
+from treegen.kernels.tree_attention import (merge_attention_states, plan_tree_attention, tree_attention,
+                                            tree_attention_reference, tree_lse_reference)
 
 
 def random_tree(rng: random.Random, *, max_depth: int, max_fanout: int, max_len: int, min_len: int = 1):
@@ -123,6 +124,44 @@ def test_random_trees_match_plain_attention(seed, num_heads, num_kv, head_dim):
     got = tree_attention(q, k_cache, v_cache, plan, scale)
     want = ground_truth(q, k_cache, v_cache, parent, start, length, pos, query_segment, query_pos, scale)
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lse_reference_is_each_rows_log_sum_exp_over_what_it_sees(seed):
+    """``tree_lse_reference`` (values never read) equals the full reference's LSE and plain fp64
+    log-sum-exp over each row's root-to-own keys — with windows and soft caps, rows that see no key
+    (-inf, no NaN), GQA."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 6), max_len=rng.choice([1, 17, 90]))
+    start, pos, slots = layout(parent, length, rng)
+    query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=rng.choice([0, 5]))
+    query_pos[0] = -1  # a row before every key: sees none
+    num_heads, num_kv, head_dim = rng.choice([(4, 4), (9, 3), (8, 2)]) + (32,)
+    window, softcap = rng.choice([None, 7]), rng.choice([None, 20.0])
+    q, k, v = torch.randn(len(query_pos), num_heads, head_dim), torch.randn(slots, num_kv, head_dim), torch.randn(slots, num_kv, head_dim)
+    plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                               query_segment=query_segment, query_pos=query_pos, window=window, softcap=softcap)
+    scale = head_dim**-0.5
+    got = tree_lse_reference(q, k, plan, scale)
+    _, full = tree_attention_reference(q, k, v, plan, scale, return_lse=True)
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+    for row, seg in enumerate(query_segment):
+        path = []
+        while seg != -1:
+            path.append(seg)
+            seg = parent[seg]
+        keys = torch.cat([torch.arange(start[s], start[s] + length[s]) for s in path])
+        kpos = torch.cat([torch.arange(pos[s], pos[s] + length[s]) for s in path])
+        sc = torch.einsum("hd,lhd->hl", q[row].double(), k[keys].double().repeat_interleave(num_heads // num_kv, 1)) * scale
+        if softcap is not None:
+            sc = torch.tanh(sc / softcap) * softcap
+        hidden = kpos > query_pos[row]
+        if window is not None:
+            hidden |= kpos <= query_pos[row] - window
+        want = torch.logsumexp(sc.masked_fill(hidden, float("-inf")), -1).float()
+        torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(got[0]).all() and not got.isnan().any()
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -276,6 +276,30 @@ def _gather(cache: Tensor, scales: Tensor | None, slots: Tensor) -> Tensor:
     return stored.float() if scales is None else dequantize_reference(stored, scales.index_select(0, slots))
 
 
+def _level_scores(q: Tensor, k_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float,
+                  k_scale: Tensor | None, window: int | None, softcap: float | None) -> Tensor:
+    """Scores of one level's query rows against their segments' keys, ``[n, Hkv, R*G, L]`` fp32, -inf
+    where a key is invisible (position rule, window, padding)."""
+    n, rows = level.query_rows.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[1]
+    group = num_heads // num_kv
+    qs = q[level.query_rows].float()  # [n, R, Hq, D]
+    qs = qs.view(n, rows, num_kv, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, num_kv, rows * group, head_dim)
+    k = _gather(k_cache, k_scale, level.kv_slots.reshape(-1)).view(n, -1, num_kv, head_dim).permute(0, 2, 3, 1)
+    scores = torch.matmul(qs, k).mul_(scale)  # (k: [n, Hkv, D, L])
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores.masked_fill_(_hidden(level, query_pos, group, window), float("-inf"))
+
+
+def _rows_lse(lse: Tensor, level: LevelPlan, num_heads: int) -> Tensor:
+    """``[n, Hkv, R*G]`` LSE of a level as ``[n, R, heads]``."""
+    n, rows = level.query_rows.shape
+    num_kv = lse.shape[1]
+    return lse.view(n, num_kv, rows, num_heads // num_kv).permute(0, 2, 1, 3).reshape(n, rows, num_heads)
+
+
 def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float,
                   k_scale: Tensor | None = None, v_scale: Tensor | None = None, window: int | None = None,
                   softcap: float | None = None):
@@ -283,22 +307,30 @@ def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor
     n, rows = level.query_rows.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[1]
-    group = num_heads // num_kv
-    qs = q[level.query_rows].float()  # [n, R, Hq, D]
-    qs = qs.view(n, rows, num_kv, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, num_kv, rows * group, head_dim)
-    flat = level.kv_slots.reshape(-1)
-    k = _gather(k_cache, k_scale, flat).view(n, -1, num_kv, head_dim).permute(0, 2, 3, 1)  # [n, Hkv, D, L]
-    v = _gather(v_cache, v_scale, flat).view(n, -1, num_kv, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
-    scores = torch.matmul(qs, k).mul_(scale)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores.masked_fill_(_hidden(level, query_pos, group, window), float("-inf"))
+    scores = _level_scores(q, k_cache, query_pos, level, scale, k_scale, window, softcap)
+    v = _gather(v_cache, v_scale, level.kv_slots.reshape(-1)).view(n, -1, num_kv, head_dim).transpose(1, 2)
     lse = torch.logsumexp(scores, dim=-1)  # [n, Hkv, R*G]
     lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)
-    out = torch.matmul(torch.exp(scores - lse_safe.unsqueeze(-1)), v)  # [n, Hkv, R*G, D]
-    out = out.view(n, num_kv, rows, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, rows, num_heads, head_dim)
-    lse = lse.view(n, num_kv, rows, group).permute(0, 2, 1, 3).reshape(n, rows, num_heads)
-    return out, lse
+    out = torch.matmul(torch.exp(scores - lse_safe.unsqueeze(-1)), v)  # [n, Hkv, R*G, D]  (v: [n, Hkv, L, D])
+    out = out.view(n, num_kv, rows, num_heads // num_kv, head_dim).permute(0, 2, 1, 3, 4).reshape(
+        n, rows, num_heads, head_dim)
+    return out, _rows_lse(lse, level, num_heads)
+
+
+def tree_lse_reference(q: Tensor, k_cache: Tensor, plan: TreeAttentionPlan, scale: float,
+                       k_scale: Tensor | None = None) -> Tensor:
+    """Each query row's LSE over every key it sees, ``[num_queries, num_heads]`` fp32 (natural log;
+    -inf: no key) — :func:`tree_attention_reference`'s ``return_lse`` without the values: no value is
+    read and no output computed, the levels' LSEs merged by ``logaddexp`` (what sparse window
+    attention normalises its weights by, every compaction, in every layer)."""
+    num_q, num_heads = q.shape[0], q.shape[1]
+    lse_acc = torch.full((num_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for level in plan.levels:
+        scores = _level_scores(q, k_cache, plan.query_pos, level, scale, k_scale, plan.window, plan.softcap)
+        lse = _rows_lse(torch.logsumexp(scores, dim=-1), level, num_heads)
+        lse = lse.reshape(-1, num_heads).index_select(0, level.valid_index)
+        lse_acc.index_copy_(0, level.valid_rows, torch.logaddexp(lse_acc.index_select(0, level.valid_rows), lse))
+    return lse_acc
 
 
 def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TreeAttentionPlan, scale: float,

@@ -55,7 +55,7 @@ import math
 import torch
 from torch import Tensor
 
-from treegen.kernels.tree_attention import _gather, plan_tree_attention, tree_attention_reference
+from treegen.kernels.tree_attention import _gather, plan_tree_attention, tree_lse_reference
 
 # steps between compactions (the slack a branch holds above its kept budget); also the longest phase
 DEFAULT_EVERY = 32
@@ -166,7 +166,7 @@ def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], posi
     true positions ``positions[b] [T_b]`` were rows of node ``nodes[b]``; each sees what its row saw: the
     node's ancestors and its own written keys up to its position (in the segment's mask positions, see
     :meth:`~treegen.runtime.tree_run.TreeRun.plan_rows`). Weights are softmax-normalised over all of it
-    (the LSE from :func:`~treegen.kernels.tree_attention.tree_attention_reference` over the same plan).
+    (the LSE from :func:`~treegen.kernels.tree_attention.tree_lse_reference` over the same plan).
     Returns fp32 ``[written slots of the node]`` per node; ``per_head``: ``[layers, kv_heads, written]``,
     each layer's and KV head's own sum (over the queries and the query heads of its group: H2O's
     per-head choice, for :meth:`KVStore.keep` with a kept set per layer and head). Batched over ``chunk``
@@ -215,8 +215,8 @@ def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -
     scale, softcap = model.attn_scale, model.attn_softcap
     for layer in range(kv.num_layers):
         q_rows = torch.cat([q[layer] for q in queries])  # [R, heads, D]
-        k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
-        _, lse = tree_attention_reference(q_rows, k_cache, v_cache, plan, scale, k_scale, v_scale, return_lse=True)
+        k_cache, _, k_scale, _ = kv.layer(layer)
+        lse = tree_lse_reference(q_rows, k_cache, plan, scale, k_scale)
         q_pad = q_rows.float().index_select(0, where.reshape(-1)).view(num_b, steps, num_kv, -1, head_dim)
         lse_pad = lse.index_select(0, where.reshape(-1)).view(num_b, steps, num_kv, -1)
         k_own = _gather(k_cache, k_scale, own_slots.reshape(-1)).view(num_b, width, num_kv, head_dim)
