@@ -155,7 +155,12 @@ def measure(model, args, mode: str, branches: int, new: int, prompt: list[int], 
         r.update(seconds=elapsed, tokens=made, tok_s=made / elapsed,
                  peak_kv_bytes=run.scheduler.peak_slots * run.kv.bytes_per_token,
                  memory_waits=run.scheduler.memory_waits, decode_phases=len(run.decode_phases),
-                 forward_passes=run.forward_passes, mixed_steps=run.mixed_steps, **run.offload_stats)
+                 forward_passes=run.forward_passes, mixed_steps=run.mixed_steps, **run.offload_stats,
+                 # the engine's host time by part (s): SWA's compactions ("swa") and the phases' graph
+                 # captures ("capture") are what sparse window attention adds; phases captured / replaying kept graphs
+                 engine_host_s={k: round(v, 3) for k, v in run.host_seconds.items()},
+                 phases_captured=run.decoder.captured_phases, phases_replaying_kept=run.decoder.kept_phases,
+                 swa_compactions=run.swa_compactions)
         if reference is not None and not final_only:  # (the final workload's tokens differ by design)
             r["tokens_identical"] = sum(out[i] == reference[i] for i in out) / len(out)
         elif reference is None:
