@@ -3,10 +3,10 @@
 Each program body runs as its own coroutine (a greenlet: a stack of its own on the driver's thread),
 so **only one runs at a time** (the driver, or one program) and a batch run is as deterministic as a
 single one; handing control to a program and back is a stack switch (well under a microsecond, where
-OS threads took 25-55 us a round trip: thousands of hand-offs a second at 1,024 branches). A program that needs a generated
-value (it reads one, or forks a state with queued work) pauses; its queued ``gen`` / ``select`` ops
-are already jobs of the engine (:class:`~treegen.runtime.tree_run.TreeRun`). The driver runs the
-engine's loop (:meth:`~treegen.runtime.tree_run.TreeRun.advance`), which returns whenever some jobs
+OS threads took 25-55 us a round trip: thousands of hand-offs a second at 1,024 branches). A program
+that needs a generated value (it reads one, or forks a state with queued work) pauses; its queued
+``gen`` / ``select`` ops are already jobs of the engine (:class:`~treegen.runtime.tree_run.TreeRun`).
+The driver runs the engine's loop (:meth:`~treegen.runtime.tree_run.TreeRun.advance`), which returns whenever some jobs
 complete, and resumes — in program order — every paused program whose own work is done, while the
 GPU keeps decoding the others' branches. Before anything runs, the roots of all programs are merged
 by common token prefix (:func:`treegen.tree.passes.share_prefixes`) and the tree is simplified
