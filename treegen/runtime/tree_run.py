@@ -126,8 +126,7 @@ class TreeRun:
         self.phase_capture_seconds: list[float] = []  # host seconds each of them spent capturing (0: replayed kept graphs)
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         self._phase = None  # the running decode phase (a generator), if any
-        self._just_mixed = False  # the last step prefilled new work (see advance)
-        self._mixed_in_row = 0  # steps that prefilled new work since the last decode phase
+        self._mixed_in_row = 0  # steps in a row that prefilled new work (0: the last step did not; see advance)
         # host time by kind (seconds): scheduling, planning phases, capturing their CUDA graphs (which
         # runs the first step), reading sampled tokens, running program code (batch driver)
         self.host_seconds = {"schedule": 0.0, "plan": 0.0, "capture": 0.0, "accept": 0.0, "programs": 0.0,
@@ -187,12 +186,11 @@ class TreeRun:
                     self._phase = None
                 continue
             live = len(self.decoder.live)
-            if self._just_mixed and live and (not self.scheduler.phase_should_end(live, live) or (
+            if self._mixed_in_row and live and (not self.scheduler.phase_should_end(live, live) or (
                     self._mixed_in_row >= swa.MIXED_STEPS and self.decoder.sparse_window_live())):
                 # new work arrived during the last mixed step, too little to be worth another
                 # uncaptured step before the live branches decode on: it joins when the phase ends
                 # (and sparse-window branches compact after at most MIXED_STEPS: what they reserve)
-                self._just_mixed = False
                 self._mixed_in_row = 0
                 self._phase = self.decoder.phase()
                 continue
@@ -201,12 +199,10 @@ class TreeRun:
             self.host_seconds["schedule"] += time.perf_counter() - t0
             for job in step.refused:
                 self.complete(job, None)
-            self._just_mixed = step.runs_model
+            self._mixed_in_row = self._mixed_in_row + 1 if step.runs_model else 0
             if step.runs_model:
-                self._mixed_in_row += 1
                 self._run_step(step)
             elif self.decoder.live:
-                self._mixed_in_row = 0
                 self._phase = self.decoder.phase()
             elif not step.refused:
                 if self.scheduler.has_work():  # the scheduler refuses what cannot fit when nothing runs
