@@ -249,7 +249,8 @@ def test_kept_phase_graphs_are_replayed_by_later_phases_with_the_same_tokens():
 
 def test_a_written_kv_pool_grows_within_what_ensure_free_checks():
     """Growing a pool that holds KV copies it: the memory held on top of the old pool peaks at the new
-    slots plus one old pool (k or v), inside the check's new slots plus a copy of the whole pool."""
+    slots plus one old pool (k or v): what the check counts (the largest pool's copy), so a pool of half
+    the free memory can still grow."""
     from treegen.runtime.kv_store import KVStore
 
     kv = KVStore(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")

@@ -117,6 +117,10 @@ class KVStore:
     def _pools(self) -> list[str]:
         return [name for name in self._POOLS if getattr(self, name) is not None]
 
+    def _largest_pool_bytes(self) -> int:
+        """Bytes of the largest pool (keys, values or a scale pool): what growing holds on top of the pools."""
+        return max((getattr(self, n).numel() * getattr(self, n).element_size() for n in self._pools()), default=0)
+
     def _zeros(self, name: str, slots: int) -> torch.Tensor:
         if name in ("k", "v"):
             return torch.zeros((self.num_layers, slots, self.num_kv_heads, self.head_dim), dtype=self.dtype,
@@ -266,13 +270,13 @@ class KVStore:
         if limit is not None:
             extra = max(short, min(max(self.num_slots, 0 if copying else want - free_slots), limit - self.num_slots))
         per = self.bytes_per_token
-        copy = self.num_slots * per if copying else 0
+        copy = self._largest_pool_bytes() if copying else 0  # _grow copies one pool at a time
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached
             if short * per + copy > free:
                 raise MemoryError(f"the KV cache needs {(short * per + copy) / 2**30:.2f} GiB more for {short} token slots "
-                                  f"({per} bytes each{', plus a copy of the pool it grows' if copying else ''}), "
+                                  f"({per} bytes each{', plus a copy of the largest pool it grows' if copying else ''}), "
                                   f"{free / 2**30:.2f} GiB is free on {self.device}")
             extra = max(short, min(extra, (free - copy) // per - 1024))  # leave the device some room
         self._grow(extra)
