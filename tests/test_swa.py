@@ -146,7 +146,11 @@ def _alisa_brute_per_head(weights, written, tokens, keep):
     return [[_alisa_brute(row, written, tokens, keep) for row in layer] for layer in weights.tolist()]
 
 
-def test_own_attention_is_the_softmax_over_the_whole_path_after_a_compaction(model, tokenizer):
+@pytest.mark.parametrize("one_layer_a_call", [False, True])
+def test_own_attention_is_the_softmax_over_the_whole_path_after_a_compaction(model, tokenizer, monkeypatch,
+                                                                             one_layer_a_call):
+    if one_layer_a_call:  # (by default the tiny model's layers all go in one call)
+        monkeypatch.setattr(swa, "SCORE_ELEMENTS", 1)
     run = Engine(model, tokenizer).start()
     tree = run.tree
     root = tree.add_node(None, _ids(20, 0))
@@ -165,6 +169,9 @@ def test_own_attention_is_the_softmax_over_the_whole_path_after_a_compaction(mod
         torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
     # the last step's own keys: a's third new key is visible only to the last query
     assert got[0].shape == (9,) and got[1].shape == (9,)
+    per_head = swa.own_attention(run.kv, tree, model, [a, b], queries, positions, per_head=True)
+    for g_, w_ in zip(per_head, _own_weights_brute(run, [a, b], queries, positions, per_head=True)):
+        torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
 
 
 def test_own_attention_per_head_sums_to_the_shared_importance(model, tokenizer):

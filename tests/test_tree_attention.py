@@ -162,6 +162,13 @@ def test_lse_reference_is_each_rows_log_sum_exp_over_what_it_sees(seed):
         want = torch.logsumexp(sc.masked_fill(hidden, float("-inf")), -1).float()
         torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-5)
     assert torch.isneginf(got[0]).all() and not got.isnan().any()
+    # several layers in one call (leading dimensions on q, the cache and its scales): each layer's own LSE
+    layers_q, layers_k = torch.stack([q, 2 * q, -q]), torch.stack([k, k.flip(0), 0.5 * k])
+    scales = torch.rand(3, slots, num_kv) + 0.5
+    stacked = tree_lse_reference(layers_q, layers_k, plan, scale, scales)
+    for layer in range(3):
+        torch.testing.assert_close(stacked[layer], tree_lse_reference(layers_q[layer], layers_k[layer], plan, scale,
+                                                                       scales[layer]), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(4))

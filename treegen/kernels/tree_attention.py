@@ -271,33 +271,37 @@ def _hidden(level: LevelPlan, query_pos: Tensor, group: int, window: int | None)
 
 
 def _gather(cache: Tensor, scales: Tensor | None, slots: Tensor) -> Tensor:
-    """fp32 ``cache[slots]`` [len(slots), kv_heads, head_dim], dequantized when ``scales`` are given."""
-    stored = cache.index_select(0, slots)
-    return stored.float() if scales is None else dequantize_reference(stored, scales.index_select(0, slots))
+    """fp32 ``cache[..., slots, :, :]`` [..., len(slots), kv_heads, head_dim], dequantized when ``scales``
+    are given (leading dimensions, say layers, are kept)."""
+    stored = cache.index_select(-3, slots)
+    return stored.float() if scales is None else dequantize_reference(stored, scales.index_select(-2, slots))
 
 
 def _level_scores(q: Tensor, k_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float,
                   k_scale: Tensor | None, window: int | None, softcap: float | None) -> Tensor:
-    """Scores of one level's query rows against their segments' keys, ``[n, Hkv, R*G, L]`` fp32, -inf
-    where a key is invisible (position rule, window, padding)."""
+    """Scores of one level's query rows against their segments' keys, ``[..., n, Hkv, R*G, L]`` fp32, -inf
+    where a key is invisible (position rule, window, padding). ``q [..., Q, Hq, D]`` and ``k_cache
+    [..., slots, Hkv, D]`` may share leading dimensions (layers: one call for many layers)."""
     n, rows = level.query_rows.shape
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv = k_cache.shape[1]
+    lead, (num_heads, head_dim) = q.shape[:-3], q.shape[-2:]
+    num_kv = k_cache.shape[-2]
     group = num_heads // num_kv
-    qs = q[level.query_rows].float()  # [n, R, Hq, D]
-    qs = qs.view(n, rows, num_kv, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, num_kv, rows * group, head_dim)
-    k = _gather(k_cache, k_scale, level.kv_slots.reshape(-1)).view(n, -1, num_kv, head_dim).permute(0, 2, 3, 1)
-    scores = torch.matmul(qs, k).mul_(scale)  # (k: [n, Hkv, D, L])
+    qs = q.index_select(-3, level.query_rows.reshape(-1)).float()  # [..., n*R, Hq, D]
+    qs = qs.view(*lead, n, rows, num_kv, group, head_dim).transpose(-4, -3).reshape(
+        *lead, n, num_kv, rows * group, head_dim)
+    k = _gather(k_cache, k_scale, level.kv_slots.reshape(-1)).view(*lead, n, -1, num_kv, head_dim)
+    k = k.permute(*range(len(lead)), -4, -2, -1, -3)  # [..., n, Hkv, D, L]
+    scores = torch.matmul(qs, k).mul_(scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     return scores.masked_fill_(_hidden(level, query_pos, group, window), float("-inf"))
 
 
 def _rows_lse(lse: Tensor, level: LevelPlan, num_heads: int) -> Tensor:
-    """``[n, Hkv, R*G]`` LSE of a level as ``[n, R, heads]``."""
+    """``[..., n, Hkv, R*G]`` LSE of a level as ``[..., n, R, heads]``."""
     n, rows = level.query_rows.shape
-    num_kv = lse.shape[1]
-    return lse.view(n, num_kv, rows, num_heads // num_kv).permute(0, 2, 1, 3).reshape(n, rows, num_heads)
+    lead, num_kv = lse.shape[:-3], lse.shape[-2]
+    return lse.view(*lead, n, num_kv, rows, num_heads // num_kv).transpose(-3, -2).reshape(*lead, n, rows, num_heads)
 
 
 def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor, level: LevelPlan, scale: float,
@@ -322,14 +326,19 @@ def tree_lse_reference(q: Tensor, k_cache: Tensor, plan: TreeAttentionPlan, scal
     """Each query row's LSE over every key it sees, ``[num_queries, num_heads]`` fp32 (natural log;
     -inf: no key) — :func:`tree_attention_reference`'s ``return_lse`` without the values: no value is
     read and no output computed, the levels' LSEs merged by ``logaddexp`` (what sparse window
-    attention normalises its weights by, every compaction, in every layer)."""
-    num_q, num_heads = q.shape[0], q.shape[1]
-    lse_acc = torch.full((num_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    attention normalises its weights by, every compaction, in every layer).
+
+    ``q [..., num_queries, heads, head_dim]`` and ``k_cache [..., slots, kv_heads, head_dim]`` (scales
+    ``[..., slots, kv_heads]``) may carry the same leading dimensions — several layers in one call, the
+    plan being the same for every layer — giving ``[..., num_queries, heads]``."""
+    lead, (num_q, num_heads) = q.shape[:-3], q.shape[-3:-1]
+    lse_acc = torch.full((*lead, num_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     for level in plan.levels:
         scores = _level_scores(q, k_cache, plan.query_pos, level, scale, k_scale, plan.window, plan.softcap)
         lse = _rows_lse(torch.logsumexp(scores, dim=-1), level, num_heads)
-        lse = lse.reshape(-1, num_heads).index_select(0, level.valid_index)
-        lse_acc.index_copy_(0, level.valid_rows, torch.logaddexp(lse_acc.index_select(0, level.valid_rows), lse))
+        lse = lse.reshape(*lead, -1, num_heads).index_select(-2, level.valid_index)
+        lse_acc.index_copy_(len(lead), level.valid_rows,
+                            torch.logaddexp(lse_acc.index_select(-2, level.valid_rows), lse))
     return lse_acc
 
 

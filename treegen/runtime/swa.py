@@ -157,6 +157,11 @@ class QueryRecorder:
         return [t % self.history for t in taken], taken
 
 
+# about the most fp32 elements one score tensor of :func:`own_attention` holds (512 MiB): it takes as many
+# layers a call as fit
+SCORE_ELEMENTS = 2**27
+
+
 def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], positions: list[list[int]],
                   chunk: int = 32, per_head: bool = False) -> list[Tensor]:
     """Each node's importance: the attention weight of its written keys, summed over the given queries,
@@ -213,20 +218,27 @@ def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -
     total = torch.zeros(num_b, *((kv.num_layers, num_kv) if per_head else ()), width, dtype=torch.float32,
                         device=device)
     scale, softcap = model.attn_scale, model.attn_softcap
-    for layer in range(kv.num_layers):
-        q_rows = torch.cat([q[layer] for q in queries])  # [R, heads, D]
-        k_cache, _, k_scale, _ = kv.layer(layer)
-        lse = tree_lse_reference(q_rows, k_cache, plan, scale, k_scale)
-        q_pad = q_rows.float().index_select(0, where.reshape(-1)).view(num_b, steps, num_kv, -1, head_dim)
-        lse_pad = lse.index_select(0, where.reshape(-1)).view(num_b, steps, num_kv, -1)
-        k_own = _gather(k_cache, k_scale, own_slots.reshape(-1)).view(num_b, width, num_kv, head_dim)
-        s = torch.einsum("bthgd,bwhd->bthgw", q_pad, k_own) * scale
+    # several layers a call (the plan is every layer's): as many as keep the largest score tensor in bounds
+    num_heads = queries[0].shape[-2]
+    keys = max([width] + [level.kv_slots.shape[1] for level in plan.levels])
+    layers_a_call = max(1, min(kv.num_layers, SCORE_ELEMENTS // (len(query_pos) * num_heads * keys)))
+    where = where.reshape(-1)
+    for first in range(0, kv.num_layers, layers_a_call):
+        layers = slice(first, min(first + layers_a_call, kv.num_layers))
+        q_rows = torch.cat([q[layers] for q in queries], dim=1)  # [c, R, heads, D]
+        k_cache = kv.k[layers]
+        k_scale = None if kv.k_scale is None else kv.k_scale[layers]
+        c = k_cache.shape[0]
+        lse = tree_lse_reference(q_rows, k_cache, plan, scale, k_scale)  # [c, R, heads]
+        q_pad = q_rows.float().index_select(1, where).view(c, num_b, steps, num_kv, -1, head_dim)
+        lse_pad = lse.index_select(1, where).view(c, num_b, steps, num_kv, -1)
+        k_own = _gather(k_cache, k_scale, own_slots.reshape(-1)).view(c, num_b, width, num_kv, head_dim)
+        s = torch.einsum("lbthgd,lbwhd->lbthgw", q_pad, k_own).mul_(scale)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        s = s - lse_pad.unsqueeze(-1)
-        s.masked_fill_(hidden[:, :, None, None, :], float("-inf"))
+        s.sub_(lse_pad.unsqueeze(-1)).masked_fill_(hidden[None, :, :, None, None, :], float("-inf"))
         if per_head:
-            total[:, layer] += s.exp_().sum(dim=(1, 3))
+            total[:, layers] += s.exp_().sum(dim=(2, 4)).transpose(0, 1)  # [B, c, kv_heads, W]
         else:
-            total += s.exp_().sum(dim=(1, 2, 3))
+            total += s.exp_().sum(dim=(0, 2, 3, 4))
     return [total[b, ..., :w] for b, w in enumerate(written)]
