@@ -310,13 +310,14 @@ def test_swa_decoding_equals_plain_attention_over_the_kept_tokens(model, model64
 
     def start(self):
         run_of["run"] = real_start(self)
-        keep_fn = run_of["run"].kv.keep
+        keep_fn = run_of["run"].kv.keep_many
 
-        def keep(node, kept):
-            assert (node, kept.tolist()) == expected.pop(0)
-            keep_fn(node, kept)
+        def keep_many(kept):
+            for node, rows in kept.items():
+                assert (node, rows.tolist()) == expected.pop(0)
+            keep_fn(kept)
 
-        run_of["run"].kv.keep = keep
+        run_of["run"].kv.keep_many = keep_many
         return run_of["run"]
 
     monkeypatch.setattr(Engine, "start", start)

@@ -309,6 +309,7 @@ class Decoder:
                                         per_head=True)
             importance.update(zip(asked, weights))
         log = run.swa_log
+        compacted = {}
         for j in todo:
             n, seg = nodes[j], kv.segments[nodes[j]]
             kept = swa.alisa_select(importance[j], seg.computed, seg.tokens, keep[j])  # [layers, kv_heads, m]
@@ -319,7 +320,8 @@ class Decoder:
                     [[h[s] if s < len(h) else seg.dropped + s for s in row] for h, row in zip(held_l, kept_l)]
                     for held_l, kept_l in zip(held, kept.tolist())]))
             run.swa_dropped += seg.computed - kept.shape[-1]
-            kv.keep(n, kept)
+            compacted[n] = kept
+        kv.keep_many(compacted)
         run.swa_compactions += len(todo)
         run.host_seconds["swa"] += time.perf_counter() - started
 

@@ -117,8 +117,9 @@ class KVStore:
     def _pools(self) -> list[str]:
         return [name for name in self._POOLS if getattr(self, name) is not None]
 
-    def _largest_pool_bytes(self) -> int:
-        """Bytes of the largest pool (keys, values or a scale pool): what growing holds on top of the pools."""
+    def grow_copy_bytes(self) -> int:
+        """What growing a written pool holds on top of the pools and the new slots: a copy of its largest
+        tensor (keys, values or a scale pool; they are copied one at a time)."""
         return max((getattr(self, n).numel() * getattr(self, n).element_size() for n in self._pools()), default=0)
 
     def _zeros(self, name: str, slots: int) -> torch.Tensor:
@@ -179,29 +180,46 @@ class KVStore:
         """Compact ``node``'s segment to the written slots ``kept`` (offsets in the segment, ascending,
         int64 on the KV's device): their KV (every layer, scales too) moves to the segment's first
         ``len(kept)`` slots in that order, the rest of its written KV is dropped and its slots are
-        free for new tokens. One gather and one scatter per pool; the capacity is unchanged.
+        free for new tokens. The capacity is unchanged.
         ``kept [layers, kv_heads, m]``: each layer and KV head keeps its own ``m`` slots (slot ``i`` of
         layer ``l``, head ``h`` then holds the token at offset ``kept[l, h, i]``) — the attention reads a
         compacted segment's keys as one set, all before its rows' queries, so which token a slot holds
         may differ between layers and heads."""
-        seg = self.segments[node]
-        n = kept.shape[-1]
-        if kept.dim() not in (1, 3) or kept.dim() == 3 and tuple(kept.shape[:2]) != (self.num_layers, self.num_kv_heads):
-            raise ValueError(f"node {node}: kept must be [m] or [{self.num_layers}, {self.num_kv_heads}, m], got "
-                             f"{tuple(kept.shape)}")
-        if n > seg.computed:
-            raise ValueError(f"node {node}: keeping {n} of {seg.computed} written slots")
-        src = kept.to(device=self.device, dtype=torch.int64) + seg.start
-        dst = torch.arange(seg.start, seg.start + n, device=self.device)
-        if kept.dim() == 3:  # per layer and head: [layers, m, kv_heads] advanced indices
+        self.keep_many({node: kept})
+
+    def keep_many(self, kept: dict[int, torch.Tensor]) -> None:
+        """:meth:`keep` of several nodes at once (one gather and one scatter per pool for all of them);
+        every node's ``kept`` is ``[m]`` or every one is ``[layers, kv_heads, m]``."""
+        if not kept:
+            return
+        per_head = None
+        src, dst = [], []
+        for node, rows in kept.items():
+            seg = self.segments[node]
+            n = rows.shape[-1]
+            if rows.dim() not in (1, 3) or rows.dim() == 3 and tuple(rows.shape[:2]) != (self.num_layers, self.num_kv_heads):
+                raise ValueError(f"node {node}: kept must be [m] or [{self.num_layers}, {self.num_kv_heads}, m], got "
+                                 f"{tuple(rows.shape)}")
+            if per_head is not None and per_head != (rows.dim() == 3):
+                raise ValueError(f"node {node}: kept sets of one call must all be [m] or all per layer and head")
+            per_head = rows.dim() == 3
+            if n > seg.computed:
+                raise ValueError(f"node {node}: keeping {n} of {seg.computed} written slots")
+            src.append(rows.to(device=self.device, dtype=torch.int64) + seg.start)
+            dst.append(torch.arange(seg.start, seg.start + n, device=self.device))
+        src, dst = torch.cat(src, dim=-1), torch.cat(dst)
+        if per_head:  # per layer and head: [layers, m, kv_heads] advanced indices
             layer = torch.arange(self.num_layers, device=self.device)[:, None, None]
             head = torch.arange(self.num_kv_heads, device=self.device)[None, None, :]
             src = src.transpose(1, 2)
         for pool in (getattr(self, name) for name in self._pools()):
-            # (the gather copies first: no overlap hazard; advanced indexing works for float8 too)
-            pool[:, dst] = pool[:, src] if kept.dim() == 1 else pool[layer, src, head]
-        seg.dropped += seg.computed - n
-        seg.computed = n
+            # (the gather copies first: no overlap hazard, segments never overlap; advanced indexing works
+            # for float8 too)
+            pool[:, dst] = pool[layer, src, head] if per_head else pool[:, src]
+        for node, rows in kept.items():
+            seg = self.segments[node]
+            seg.dropped += seg.computed - rows.shape[-1]
+            seg.computed = rows.shape[-1]
 
     def written(self) -> bool:
         """Some node holds written KV (growing the pool then copies it)."""
@@ -270,7 +288,7 @@ class KVStore:
         if limit is not None:
             extra = max(short, min(max(self.num_slots, 0 if copying else want - free_slots), limit - self.num_slots))
         per = self.bytes_per_token
-        copy = self._largest_pool_bytes() if copying else 0  # _grow copies one pool at a time
+        copy = self.grow_copy_bytes() if copying else 0  # _grow copies one pool at a time
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached

@@ -457,9 +457,9 @@ class TreeRun:
     # ---------------------------------------------------------------------------------------------
     def kv_budget(self) -> KVBudget:
         """The KV memory this run may use now. On CUDA: its slot pool plus what the device has free
-        (cached blocks included) less a margin for activations — less the pool itself again once KV
-        is written, because a grown pool is a copy made while the old one is still held (so
-        admitting work never needs memory the device cannot give); at most ``engine.kv_budget_bytes``
+        (cached blocks included) less a margin for activations — less a copy of the pool's largest
+        tensor (keys or values) once KV is written, because a grown pool is a copy made while the old
+        one is still held (so admitting work never needs memory the device cannot give); at most ``engine.kv_budget_bytes``
         when set. On the CPU: ``engine.kv_budget_bytes`` (None: no limit)."""
         kv, engine = self.kv, self.engine
         if kv.device.type != "cuda":
@@ -478,7 +478,7 @@ class TreeRun:
             free, total = torch.cuda.mem_get_info(kv.device)
             allocated = torch.cuda.memory_allocated(kv.device)
         free += torch.cuda.memory_reserved(kv.device) - allocated
-        room = int(free - _activation_margin(total)) - (pool if kv.written() else 0)
+        room = int(free - _activation_margin(total)) - (kv.grow_copy_bytes() if kv.written() else 0)
         reachable = pool + max(0, room)
         if engine.kv_budget_bytes is not None:
             reachable = min(reachable, engine.kv_budget_bytes)
