@@ -55,6 +55,7 @@ def test_swa_triton_with_graphs_equals_plain_attention_over_the_kept_tokens(dtyp
     model = llama3_heads(dtype)
     run, shared, leaves, results = run_swa(model, 0.3)
     assert run.engine.attention_backend == "auto" and run.decoder.captured_phases > 0
+    assert run.decoder.kept_phases > 0  # (phases replay kept graphs, the query recorder inside)
     assert run.swa_compactions >= 10 and run.swa_dropped > 0
     for node in shared:
         assert run.kv.dropped(node) == 0
@@ -89,13 +90,14 @@ def test_swa_importance_and_choice_on_the_gpu(monkeypatch):
 
     def start(self):
         runs.append(real_start(self))
-        keep_fn = runs[-1].kv.keep
+        keep_fn = runs[-1].kv.keep_many
 
-        def keep(node, kept):
-            assert kept.tolist() == expected.pop(0)
-            keep_fn(node, kept)
+        def keep_many(kept):
+            for rows in kept.values():
+                assert rows.tolist() == expected.pop(0)
+            keep_fn(kept)
 
-        runs[-1].kv.keep = keep
+        runs[-1].kv.keep_many = keep_many
         return runs[-1]
 
     monkeypatch.setattr(Engine, "start", start)

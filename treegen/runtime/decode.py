@@ -195,25 +195,24 @@ class Decoder:
         slot_limit = slots + torch.tensor(grow, device=device)
         params = _Params([self.jobs[b] for b in live], device, model.vocab_split)
         steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
-        recorder = None
-        if swa_rows and run.engine.attention != "none":
-            recorder = swa.QueryRecorder(num_layers=model.num_layers, rows=swa_rows,
-                                         history=run.engine.kv_keep_history, num_heads=model.num_heads,
-                                         head_dim=model.head_dim, dtype=model.dtype, device=device)
+        # the SWA rows whose queries a recorder keeps for the compaction (none: attention "none" has none)
+        recorded = swa_rows if run.engine.attention != "none" else []
         constrained = self.masks is not None and any(b in self.masks for b in live)
         states = self._states(live, device)  # (rows that token automata constrain: masks made in the step)
         tables = run.engine.automata.tables if states is not None else None
-        kept = None if recorder is not None else self._kept(plan, params, len(live), width, constrained, remaining,
-                                                            tables)
+        kept = self._kept(plan, params, len(live), width, constrained, remaining, tables, len(recorded))
+        recorder = None
         if kept is not None:  # the phase runs in kept buffers (padded), replaying their graphs if captured
             kept.load(input_ids=input_ids, slots=slots, slot_limit=slot_limit, steps=steps, plan=plan, params=params,
-                      states=states)
+                      states=states, recorded=recorded)
             input_ids, slots, slot_limit, steps, plan, params, states = (
                 kept.input_ids, kept.slots, kept.slot_limit, kept.steps, kept.plan, kept.params, kept.states)
             idx, buf, lp_buf, column, bitmask = kept.idx, kept.buf, kept.lp_buf, kept.column, kept.bitmask
             done, alive = kept.done, kept.alive
-            logits_of, graphs = kept.logits, kept.graphs
+            logits_of, graphs, recorder = kept.logits, kept.graphs, kept.recorder
         else:
+            if recorded:
+                recorder = self._recorder(recorded)
             idx = torch.arange(len(live), device=device)
             buf = torch.zeros(len(live), width, dtype=torch.int64, device=device)
             lp_buf = torch.zeros(len(live), width, dtype=torch.float32, device=device)
@@ -597,24 +596,35 @@ class Decoder:
             left = sum(self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in self.live)
             hook(len(self.live), self.tokens_done, self.tokens_done + left)
 
-    def _kept(self, plan, params, rows: int, width: int, constrained: bool, remaining: list[int], tables=None):
+    def _kept(self, plan, params, rows: int, width: int, constrained: bool, remaining: list[int], tables=None,
+              recorded: int = 0):
         """The kept buffers a phase like this runs in (:mod:`~treegen.runtime.phase_graphs`): an earlier
         phase's of the same key, or new ones when the phase is worth capturing; None: the phase runs in
         tensors of its own (no graphs, no kept graphs, or a plan that cannot be padded). ``tables``: the
-        token automata's tables the phase's step reads (kept with the buffers), or None."""
+        token automata's tables the phase's step reads (kept with the buffers), or None; ``recorded``: how
+        many of its rows sparse window attention records (the buffers then hold a recorder)."""
         if self.kept is None or plan.backend != "triton":
             return None
         key = phase_graphs.phase_key(plan, rows=rows, constrained=constrained, params=params,
                                      pool_generation=self.kv.pool_generation,
-                                     automata_generation=None if tables is None else tables.generation)
+                                     automata_generation=None if tables is None else tables.generation,
+                                     recorded=recorded)
         if key is None:
             return None
         kept = self.kept.get(key, plan, width)
         if kept is None and self._worth_capturing(remaining):
             kept = self.kept.add(key, PhaseBuffers.allocate(
                 plan=plan, params=params, rows=rows, width=width, device=self.model.device,
-                mask_width=self.masks.grammars.mask_width if constrained else None, automata=tables))
+                mask_width=self.masks.grammars.mask_width if constrained else None, automata=tables,
+                recorder=self._recorder([], capacity=key.recorded) if recorded else None))
         return kept
+
+    def _recorder(self, rows: list[int], capacity: int | None = None) -> swa.QueryRecorder:
+        """A query recorder of ``rows`` (room for ``capacity``) for sparse window attention's compaction."""
+        model = self.model
+        return swa.QueryRecorder(num_layers=model.num_layers, rows=rows, history=self.run.engine.kv_keep_history,
+                                 num_heads=model.num_heads, head_dim=model.head_dim, dtype=model.dtype,
+                                 device=model.device, capacity=capacity)
 
     def _worth_capturing(self, remaining: list[int]) -> bool:
         """Capturing costs a few steps' host time: skip it for a phase that new work waiting for room

@@ -64,17 +64,19 @@ class PhaseKey(NamedTuple):
     all_greedy: bool  # the sampler's branches
     filter_needed: bool
     plan: tuple  # the plan's shape key
+    recorded: int = 0  # padded rows whose queries sparse window attention records (swa.QueryRecorder)
 
 
 def phase_key(plan, *, rows: int, constrained: bool, params, pool_generation: int,
-              automata_generation: int | None = None) -> PhaseKey | None:
+              automata_generation: int | None = None, recorded: int = 0) -> PhaseKey | None:
     """The :class:`PhaseKey` of a phase (None: the plan cannot be padded); phases of one key must also
-    have tables that fit to share buffers (:meth:`PhaseBuffers.fits`)."""
+    have tables that fit to share buffers (:meth:`PhaseBuffers.fits`). ``recorded``: its rows whose
+    queries sparse window attention records."""
     plan_key = plan.shape_key()
     if plan_key is None:
         return None
     return PhaseKey(pool_generation, bucket(rows), constrained, automata_generation, params.all_greedy,
-                    params.filter_needed, plan_key)
+                    params.filter_needed, plan_key, bucket(recorded) if recorded else 0)
 
 
 def _room(sizes):
@@ -115,15 +117,17 @@ class PhaseBuffers:
     alive: torch.Tensor | None = None  # [1] int64: rows not done
     states: torch.Tensor | None = None  # [R] int64: each row's token-automaton state (a phase with automata)
     automata: object = None  # the token automata's tables its graphs read (token_automata.AutomatonTables)
+    recorder: object = None  # sparse window attention's swa.QueryRecorder its graphs write (or None)
     capacity: tuple = ()  # the plan's tables' (as PassPlan.sizes)
     graphs: dict = field(default_factory=dict)  # name -> torch.cuda.CUDAGraph, captured by the first phase
     logits: dict = field(default_factory=dict)  # a split step's logits, from its forward graph to its pick graph
 
     @classmethod
     def allocate(cls, *, plan, params, rows: int, width: int, mask_width: int | None, device,
-                 automata=None) -> "PhaseBuffers":
+                 automata=None, recorder=None) -> "PhaseBuffers":
         """Buffers for phases like one of ``rows`` branches, ``width`` steps, this plan and these params;
-        ``automata``: the token automata's tables its step reads (kept alive with its graphs), or None."""
+        ``automata``: the token automata's tables its step reads (kept alive with its graphs), or None;
+        ``recorder``: a query recorder with room for the key's ``recorded`` rows, or None."""
         size = bucket(rows)
         capacity = _room(plan.sizes())
 
@@ -137,7 +141,7 @@ class PhaseBuffers:
                    plan=plan.padded(size, capacity), params=params.padded(size), capacity=capacity,
                    bitmask=None if mask_width is None else torch.full((size, mask_width), -1, dtype=torch.int32,
                                                                       device=device),
-                   states=None if automata is None else ints(size), automata=automata,
+                   states=None if automata is None else ints(size), automata=automata, recorder=recorder,
                    done=torch.zeros(size, dtype=torch.bool, device=device), alive=ints(1))
 
     @property
@@ -148,9 +152,9 @@ class PhaseBuffers:
         """A phase of this key with ``plan`` and ``width`` steps can run in these buffers."""
         return width <= self.buf.shape[1] and _fits(self.capacity, plan.sizes())
 
-    def load(self, *, input_ids, slots, slot_limit, steps, plan, params, states=None) -> None:
+    def load(self, *, input_ids, slots, slot_limit, steps, plan, params, states=None, recorded=None) -> None:
         """Copy one phase's values in (its rows first; see the module doc for the padding rows, whose
-        automaton state is free)."""
+        automaton state is free); ``recorded``: the rows whose queries the recorder keeps."""
         n = input_ids.numel()
         for mine, theirs, rest in ((self.input_ids, input_ids, 0), (self.steps, steps, 0),
                                    (self.slots, slots, slot_limit[:1]), (self.slot_limit, slot_limit, slot_limit[:1])):
@@ -166,10 +170,13 @@ class PhaseBuffers:
         if self.states is not None:
             self.states.zero_()
             self.states[:n].copy_(states)
+        if self.recorder is not None:
+            self.recorder.load(recorded)
 
     def own_bytes(self) -> int:
         """Memory this phase keeps for itself (its graphs' temporaries are in the shared pool)."""
-        tensors = [self.buf, self.lp_buf, self.bitmask, *self.logits.values()]
+        tensors = [self.buf, self.lp_buf, self.bitmask, *self.logits.values(),
+                   None if self.recorder is None else self.recorder.q]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

@@ -131,14 +131,26 @@ class QueryRecorder:
     ``rows [S]``: the SWA rows among the phase's rows. ``q [layers, history, S, heads, head_dim]`` (the
     model's dtype); step ``t`` of the phase is at ``t % history``. Everything is a static device tensor
     advanced in place (``slot``), so the phase's CUDA graph captures :meth:`record` and :meth:`advance`.
+    ``capacity``: room for that many SWA rows (a kept phase's recorder, :meth:`load`-ed by later phases
+    with as many or fewer; the entries past a phase's own record its row 0, and nothing reads them).
     """
 
     def __init__(self, *, num_layers: int, rows: list[int], history: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, capacity: int | None = None) -> None:
         self.history = history
-        self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
-        self.q = torch.zeros(num_layers, history, len(rows), num_heads, head_dim, dtype=dtype, device=device)
+        capacity = len(rows) if capacity is None else capacity
+        self.rows = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.q = torch.zeros(num_layers, history, capacity, num_heads, head_dim, dtype=dtype, device=device)
         self.slot = torch.zeros(1, dtype=torch.int64, device=device)
+        self.load(rows)
+
+    def load(self, rows: list[int]) -> None:
+        """Record ``rows`` from the next step on, the ring empty (its first step at entry 0)."""
+        if len(rows) > self.rows.numel():
+            raise ValueError(f"a recorder for {self.rows.numel()} rows cannot record {len(rows)}")
+        self.rows.zero_()
+        self.rows[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
+        self.slot.zero_()
 
     def record(self, layer: int, q: Tensor) -> None:
         """Store this step's queries ``q [T, heads, head_dim]`` (all the pass's rows) of the SWA rows."""
