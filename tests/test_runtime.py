@@ -143,6 +143,22 @@ def test_kv_pool_grows_only_by_the_shortfall_reusing_freed_spans():
     assert len(kv.segments) == 11
 
 
+def test_a_grown_pool_frees_the_old_ones_memory_whoever_holds_the_tensor():
+    """Growing copies each pool and frees the old one's memory at once, even while something still holds
+    the old tensor (on a GPU something did: the second copy of a 64 x 4,096 run ran out of memory), and
+    the KV moved with it."""
+    from treegen.runtime.kv_store import KVStore
+
+    kv = KVStore(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", initial_slots=16)
+    kv.reserve(0, 16).computed = 16
+    kv.write(0, torch.arange(16), torch.ones(16, 1, 4), 2 * torch.ones(16, 1, 4))
+    held = (kv.k, kv.v, kv.layer(0))  # a stale holder of the old pools and their views
+    kv.ensure_free(64)
+    assert all(t.untyped_storage().nbytes() == 0 for t in held[:2])
+    k, v, _, _ = kv.layer(0)
+    assert k.shape[0] >= 80 and bool((k[:16] == 1).all()) and bool((v[:16] == 2).all())
+
+
 def test_over_budget_branches_that_continue_are_offloaded_or_refused_with_offload_off(tiny_model, tokenizer):
     """Branches that may continue keep their KV: over the budget, offload moves the idle ones out and the
     run gives the unlimited run's tokens; with offload off it is refused rather than waited for forever."""

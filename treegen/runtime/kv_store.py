@@ -476,6 +476,8 @@ class KVStore:
         new = old + length if self.device.type == "cuda" else max(2 * old, old + length)
         if not self.written():
             # nothing written yet: drop the old pool first instead of copying it (no transient 2x)
+            for name in self._pools():
+                getattr(self, name).untyped_storage().resize_(0)  # (its memory, whoever holds it: see below)
             self.k = self.v = self.k_scale = self.v_scale = self._layer_views = None
             self._allocate_pool(new)
             self._release(old, new - old)
@@ -484,7 +486,7 @@ class KVStore:
         self.pool_generation += 1
         # One pool at a time is copied into a grown tensor and the old one dropped: the memory held on top of
         # the old pools peaks at the new slots plus one old pool, within what ensure_free checks (the new
-        # slots plus a copy of the pool). (torch.cat with a zero tail also held that tail: growing the
+        # slots plus a copy of the largest pool). (torch.cat with a zero tail also held that tail: growing the
         # pool of an 8B model at 256 branches ran out of memory.)
         for name in self._pools():
             pool = getattr(self, name)
@@ -492,6 +494,10 @@ class KVStore:
             grown[:, :old].copy_(pool)
             grown[:, old:].zero_()
             setattr(self, name, grown)
+            # free the old pool's memory now, whoever still holds the tensor: on a GPU something does (seen
+            # on an H100: both old pools of a 64 x 4,096 run stayed allocated, the second copy ran out of
+            # memory); anything that read it is stale now (kept graphs are keyed by pool_generation)
+            pool.untyped_storage().resize_(0)
             del pool, grown
         self._release(old, new - old)
 
