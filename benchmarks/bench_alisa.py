@@ -20,7 +20,9 @@ the unlimited run (``Engine(kv_budget_bytes=...)``):
 * ``auto`` — ``offload="auto"``: host or recompute per node from the measured rates (recorded);
 * ``recompute`` — ``offload="recompute"``: idle KV dropped and prefilled again;
 * ``swa`` — sparse window attention (``kv_keep``, built beside this work): run when ``SamplingParams``
-  or ``GenRequest`` has a ``kv_keep`` field, else skipped with a message.
+  or ``GenRequest`` has a ``kv_keep`` field, else skipped with a message;
+* ``swa-int8`` — the same over an INT8 KV cache (``Engine(kv_dtype="int8")``; ALISA's third part): half
+  the bytes a token, so the same budget holds twice the tokens.
 
 tokens/s = generated tokens / wall time (prefill, transfers and recompute included), after a warm-up
 (kernels compiled, offload rates measured). ``tokens_identical`` compares every branch's tokens with
@@ -57,7 +59,7 @@ from treegen.runtime.sampler import SamplingParams
 from bench_end_to_end import SHAPES, config_of  # benchmarks/
 from plotting import pyplot, save
 
-MODES = ("dense-unlimited", "dense-grouping", "offload", "auto", "recompute", "swa")
+MODES = ("dense-unlimited", "dense-grouping", "offload", "auto", "recompute", "swa", "swa-int8")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=4096)
 
@@ -121,13 +123,14 @@ def measure(model, args, mode: str, branches: int, new: int, prompt: list[int], 
             reference: dict | None) -> dict:
     device = model.device
     offload = {"dense-unlimited": "off", "dense-grouping": "off", "offload": "host", "auto": "auto",
-               "recompute": "recompute", "swa": "auto"}[mode]
+               "recompute": "recompute", "swa": "auto", "swa-int8": "auto"}[mode]
     engine = Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload=offload,
+                    **({"kv_dtype": "int8"} if mode == "swa-int8" else {}),
                     **({"offload_bytes": args.offload_bytes} if args.offload_bytes is not None else {}))
-    kv_keep = args.kv_keep if mode == "swa" else None
+    kv_keep = args.kv_keep if mode in ("swa", "swa-int8") else None
     row = {"mode": mode, "branches": branches, "new_tokens": new, "follow_up": args.follow_up, "prompt": len(prompt),
            "budget_fraction": None if budget is None else args.budget_fraction, "budget_bytes": budget,
-           "offload": offload}
+           "offload": offload, "kv_dtype": "int8" if mode == "swa-int8" else None}
     if kv_keep is not None:
         row["kv_keep"] = kv_keep
     # warm-up: compile this shape's kernels (a small batch), and measure the offload rates once
@@ -200,10 +203,10 @@ def main() -> None:
         model = LlamaFamilyModel.random(transformers.LlamaConfig(**TINY), dtype=torch.float32, device=device)
     else:
         model = LlamaFamilyModel.random(config_of(shape), dtype=torch.bfloat16, device=device)
-    if "swa" in args.modes and swa_field() is None:
+    if {"swa", "swa-int8"} & set(args.modes) and swa_field() is None:
         print("swa: skipped — this build has no kv_keep option (SamplingParams / GenRequest); it comes with the "
               "sparse-window-attention work of issue 19")
-        args.modes = [m for m in args.modes if m != "swa"]
+        args.modes = [m for m in args.modes if m not in ("swa", "swa-int8")]
     prompt = torch.randint(1, model.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     rows: list[dict] = []
     for branches in args.branches:
