@@ -174,6 +174,23 @@ def test_own_attention_is_the_softmax_over_the_whole_path_after_a_compaction(mod
         torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
 
 
+def test_own_attention_of_a_node_without_a_parent_beside_ones_with_one(model, tokenizer):
+    """A sequence of its own (no shared prompt: its own keys are all it sees) weighed in one call with
+    branches below a prompt, and alone."""
+    run = Engine(model, tokenizer).start()
+    tree = run.tree
+    root = tree.add_node(None, _ids(12, 0))
+    a, lone = tree.add_node(root, _ids(10, 1)), tree.add_node(None, _ids(14, 2))
+    run.prefill([a, lone])
+    g = torch.Generator().manual_seed(6)
+    queries = [torch.randn(model.num_layers, 2, model.num_heads, model.head_dim, generator=g) for _ in (a, lone)]
+    positions = [[tree.position(a) + i for i in (8, 9)], [tree.position(lone) + i for i in (12, 13)]]
+    for nodes, qs, ps in (([a, lone], queries, positions), ([lone], queries[1:], positions[1:])):
+        got = swa.own_attention(run.kv, tree, model, nodes, qs, ps, per_head=True)
+        for g_, w_ in zip(got, _own_weights_brute(run, nodes, qs, ps, per_head=True)):
+            torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
+
+
 def test_own_attention_per_head_sums_to_the_shared_importance(model, tokenizer):
     """``per_head``: each layer's and KV head's weights, which summed over both are the shared importance."""
     run = Engine(model, tokenizer).start()

@@ -183,7 +183,8 @@ def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], posi
     true positions ``positions[b] [T_b]`` were rows of node ``nodes[b]``; each sees what its row saw: the
     node's ancestors and its own written keys up to its position (in the segment's mask positions, see
     :meth:`~treegen.runtime.tree_run.TreeRun.plan_rows`). Weights are softmax-normalised over all of it
-    (the LSE from :func:`~treegen.kernels.tree_attention.tree_lse_reference` over the same plan).
+    (the ancestors' LSE from :func:`~treegen.kernels.tree_attention.tree_lse_reference`, merged with that of
+    the node's own keys, which are scored once for both).
     Returns fp32 ``[written slots of the node]`` per node; ``per_head``: ``[layers, kv_heads, written]``,
     each layer's and KV head's own sum (over the queries and the query heads of its group: H2O's
     per-head choice, for :meth:`KVStore.keep` with a kept set per layer and head). Batched over ``chunk``
@@ -197,18 +198,22 @@ def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], posi
 
 def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -> list[Tensor]:
     device = kv.device
-    segs = sorted({p for n in nodes for p in tree.path(n)})
+    # the ancestors' keys go through the reference's plan (their LSE); each node's own keys are scored once,
+    # below, for both their LSE and their weights
+    parents = [tree.parent(n) for n in nodes]
+    segs = sorted({p for n, parent in zip(nodes, parents) if parent is not None for p in tree.path(parent)})
     index = {s: j for j, s in enumerate(segs)}
-    seg_pos = {s: tree.position(s) + kv.segments[s].dropped for s in segs}  # mask positions
-    query_segment = [index[n] for n, pos in zip(nodes, positions) for _ in pos]
-    query_pos = [p for pos in positions for p in pos]
-    plan = plan_tree_attention(
-        segment_parent=[index.get(tree.parent(s), -1) for s in segs],
-        segment_start=[kv.segments[s].start for s in segs],
-        segment_len=[kv.segments[s].computed for s in segs],
-        segment_pos=[seg_pos[s] for s in segs],
-        query_segment=query_segment, query_pos=query_pos, device=device, backend="reference",
-        softcap=model.attn_softcap)
+    seg_pos = {s: tree.position(s) + kv.segments[s].dropped for s in {*segs, *nodes}}  # mask positions
+    with_parent = [(index[parent], p) for parent, pos in zip(parents, positions) if parent is not None for p in pos]
+    plan = None
+    if with_parent:
+        plan = plan_tree_attention(
+            segment_parent=[index.get(tree.parent(s), -1) for s in segs],
+            segment_start=[kv.segments[s].start for s in segs],
+            segment_len=[kv.segments[s].computed for s in segs],
+            segment_pos=[seg_pos[s] for s in segs],
+            query_segment=[q for q, _ in with_parent], query_pos=[p for _, p in with_parent], device=device,
+            backend="reference", softcap=model.attn_softcap)
     written = [kv.segments[n].computed for n in nodes]
     width, steps = max(written), max(len(p) for p in positions)
     num_b = len(nodes)
@@ -216,41 +221,56 @@ def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -
     own_slots = torch.zeros(num_b, width, dtype=torch.int64)
     own_pos = torch.full((num_b, width), torch.iinfo(torch.int64).max, dtype=torch.int64)
     qpos = torch.full((num_b, steps), -1, dtype=torch.int64)  # padding rows see no key
-    where = torch.zeros(num_b, steps, dtype=torch.int64)  # each (node, step)'s row in the plan (padding: 0)
-    at = 0
-    for b, (n, w, pos) in enumerate(zip(nodes, written, positions)):
+    # each (node, step)'s query row (padding: row 0) and its row in the ancestors' plan (padding and the rows
+    # of a node without a parent: the extra last row, LSE -inf — no key)
+    where = torch.zeros(num_b, steps, dtype=torch.int64)
+    where_anc = torch.full((num_b, steps), len(with_parent), dtype=torch.int64)
+    at = anc = 0
+    for b, (n, w, pos, parent) in enumerate(zip(nodes, written, positions, parents)):
         start = kv.segments[n].start
         own_slots[b, :w] = torch.arange(start, start + w)
         own_pos[b, :w] = torch.arange(seg_pos[n], seg_pos[n] + w)
         qpos[b, : len(pos)] = torch.tensor(pos)
         where[b, : len(pos)] = torch.arange(at, at + len(pos))
         at += len(pos)
-    own_slots, own_pos, qpos, where = (t.to(device) for t in (own_slots, own_pos, qpos, where))
+        if parent is not None:
+            where_anc[b, : len(pos)] = torch.arange(anc, anc + len(pos))
+            anc += len(pos)
+    planned_rows = None if anc == at else torch.tensor(  # (the rows of the nodes with a parent, when not all)
+        [r for b, (pos, parent) in enumerate(zip(positions, parents)) if parent is not None
+         for r in where[b, : len(pos)].tolist()], dtype=torch.int64).to(device)
+    own_slots, own_pos, qpos, where, where_anc = (t.to(device) for t in (own_slots, own_pos, qpos, where, where_anc))
     hidden = own_pos.unsqueeze(1) > qpos.unsqueeze(2)  # [B, T, W]
     total = torch.zeros(num_b, *((kv.num_layers, num_kv) if per_head else ()), width, dtype=torch.float32,
                         device=device)
     scale, softcap = model.attn_scale, model.attn_softcap
     # several layers a call (the plan is every layer's): as many as keep the largest score tensor in bounds
     num_heads = queries[0].shape[-2]
-    keys = max([width] + [level.kv_slots.shape[1] for level in plan.levels])
-    layers_a_call = max(1, min(kv.num_layers, SCORE_ELEMENTS // (len(query_pos) * num_heads * keys)))
-    where = where.reshape(-1)
+    keys = max([width] + ([level.kv_slots.shape[1] for level in plan.levels] if plan is not None else []))
+    layers_a_call = max(1, min(kv.num_layers, SCORE_ELEMENTS // (num_b * steps * num_heads * keys)))
+    where, where_anc = where.reshape(-1), where_anc.reshape(-1)
     for first in range(0, kv.num_layers, layers_a_call):
         layers = slice(first, min(first + layers_a_call, kv.num_layers))
         q_rows = torch.cat([q[layers] for q in queries], dim=1)  # [c, R, heads, D]
         k_cache = kv.k[layers]
         k_scale = None if kv.k_scale is None else kv.k_scale[layers]
         c = k_cache.shape[0]
-        lse = tree_lse_reference(q_rows, k_cache, plan, scale, k_scale)  # [c, R, heads]
+        ancestors = torch.full((c, len(with_parent) + 1, num_heads), float("-inf"), device=device)
+        if plan is not None:
+            rows = q_rows if planned_rows is None else q_rows.index_select(1, planned_rows)
+            ancestors[:, :-1] = tree_lse_reference(rows, k_cache, plan, scale, k_scale)
         q_pad = q_rows.float().index_select(1, where).view(c, num_b, steps, num_kv, -1, head_dim)
-        lse_pad = lse.index_select(1, where).view(c, num_b, steps, num_kv, -1)
+        anc_pad = ancestors.index_select(1, where_anc).view(c, num_b, steps, num_kv, -1)
         k_own = _gather(k_cache, k_scale, own_slots.reshape(-1)).view(c, num_b, width, num_kv, head_dim)
         s = torch.einsum("lbthgd,lbwhd->lbthgw", q_pad, k_own).mul_(scale)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        s.sub_(lse_pad.unsqueeze(-1)).masked_fill_(hidden[None, :, :, None, None, :], float("-inf"))
+        s.masked_fill_(hidden[None, :, :, None, None, :], float("-inf"))
+        lse = torch.logaddexp(anc_pad, torch.logsumexp(s, dim=-1))  # over everything the row saw
+        s.sub_(lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # (a padding row saw no key: stays -inf)
         if per_head:
             total[:, layers] += s.exp_().sum(dim=(2, 4)).transpose(0, 1)  # [B, c, kv_heads, W]
         else:
             total += s.exp_().sum(dim=(0, 2, 3, 4))
     return [total[b, ..., :w] for b, w in enumerate(written)]
+
