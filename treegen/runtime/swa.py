@@ -50,6 +50,7 @@ never come back; every compaction chooses again among the tokens still held.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -190,10 +191,29 @@ def own_attention(kv, tree, model, nodes: list[int], queries: list[Tensor], posi
     per-head choice, for :meth:`KVStore.keep` with a kept set per layer and head). Batched over ``chunk``
     nodes at a time."""
     out: list[Tensor] = []
-    for begin in range(0, len(nodes), chunk):
-        out += _own_attention(kv, tree, model, nodes[begin:begin + chunk], queries[begin:begin + chunk],
-                              positions[begin:begin + chunk], per_head)
+    with _tf32_when_exact(kv, queries):
+        for begin in range(0, len(nodes), chunk):
+            out += _own_attention(kv, tree, model, nodes[begin:begin + chunk], queries[begin:begin + chunk],
+                                  positions[begin:begin + chunk], per_head)
     return out
+
+
+@contextlib.contextmanager
+def _tf32_when_exact(kv, queries: list[Tensor]):
+    """fp32 matrix products on TF32 tensor cores where that changes nothing: queries and keys of 16 bits
+    (bf16's 8 and fp16's 11 significant bits fit TF32's 11; products and sums stay fp32). An 8-bit cache's
+    dequantized keys (int8 x an fp32 scale) do not fit: full fp32 there."""
+    exact = (kv.device.type == "cuda" and not kv.format.quantized and kv.dtype in (torch.bfloat16, torch.float16)
+             and all(q.dtype in (torch.bfloat16, torch.float16) for q in queries))
+    if not exact:
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -> list[Tensor]:
