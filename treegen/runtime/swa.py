@@ -56,7 +56,8 @@ import math
 import torch
 from torch import Tensor
 
-from treegen.kernels.tree_attention import _gather, plan_tree_attention, tree_lse_reference
+from treegen.kernels.own_importance import own_importance
+from treegen.kernels.tree_attention import plan_tree_attention, tree_lse_reference
 
 # steps between compactions (the slack a branch holds above its kept budget); also the longest phase
 DEFAULT_EVERY = 32
@@ -238,18 +239,13 @@ def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -
     width, steps = max(written), max(len(p) for p in positions)
     num_b = len(nodes)
     num_kv, head_dim = kv.num_kv_heads, kv.head_dim
-    own_slots = torch.zeros(num_b, width, dtype=torch.int64)
-    own_pos = torch.full((num_b, width), torch.iinfo(torch.int64).max, dtype=torch.int64)
     qpos = torch.full((num_b, steps), -1, dtype=torch.int64)  # padding rows see no key
     # each (node, step)'s query row (padding: row 0) and its row in the ancestors' plan (padding and the rows
     # of a node without a parent: the extra last row, LSE -inf — no key)
     where = torch.zeros(num_b, steps, dtype=torch.int64)
     where_anc = torch.full((num_b, steps), len(with_parent), dtype=torch.int64)
     at = anc = 0
-    for b, (n, w, pos, parent) in enumerate(zip(nodes, written, positions, parents)):
-        start = kv.segments[n].start
-        own_slots[b, :w] = torch.arange(start, start + w)
-        own_pos[b, :w] = torch.arange(seg_pos[n], seg_pos[n] + w)
+    for b, (pos, parent) in enumerate(zip(positions, parents)):
         qpos[b, : len(pos)] = torch.tensor(pos)
         where[b, : len(pos)] = torch.arange(at, at + len(pos))
         at += len(pos)
@@ -259,8 +255,9 @@ def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -
     planned_rows = None if anc == at else torch.tensor(  # (the rows of the nodes with a parent, when not all)
         [r for b, (pos, parent) in enumerate(zip(positions, parents)) if parent is not None
          for r in where[b, : len(pos)].tolist()], dtype=torch.int64).to(device)
-    own_slots, own_pos, qpos, where, where_anc = (t.to(device) for t in (own_slots, own_pos, qpos, where, where_anc))
-    hidden = own_pos.unsqueeze(1) > qpos.unsqueeze(2)  # [B, T, W]
+    own = torch.tensor([[kv.segments[n].start, w, seg_pos[n]] for n, w in zip(nodes, written)], dtype=torch.int64)
+    qpos, where, where_anc, own = (t.to(device) for t in (qpos, where, where_anc, own))
+    start, written_t, own_pos = (t.contiguous() for t in own.unbind(1))
     total = torch.zeros(num_b, *((kv.num_layers, num_kv) if per_head else ()), width, dtype=torch.float32,
                         device=device)
     scale, softcap = model.attn_scale, model.attn_softcap
@@ -279,18 +276,12 @@ def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -
         if plan is not None:
             rows = q_rows if planned_rows is None else q_rows.index_select(1, planned_rows)
             ancestors[:, :-1] = tree_lse_reference(rows, k_cache, plan, scale, k_scale)
-        q_pad = q_rows.float().index_select(1, where).view(c, num_b, steps, num_kv, -1, head_dim)
-        anc_pad = ancestors.index_select(1, where_anc).view(c, num_b, steps, num_kv, -1)
-        k_own = _gather(k_cache, k_scale, own_slots.reshape(-1)).view(c, num_b, width, num_kv, head_dim)
-        s = torch.einsum("lbthgd,lbwhd->lbthgw", q_pad, k_own).mul_(scale)
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        s.masked_fill_(hidden[None, :, :, None, None, :], float("-inf"))
-        lse = torch.logaddexp(anc_pad, torch.logsumexp(s, dim=-1))  # over everything the row saw
-        s.sub_(lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # (a padding row saw no key: stays -inf)
+        weights = own_importance(q_rows.index_select(1, where).view(c, num_b, steps, num_heads, head_dim), k_cache,
+                                 k_scale, ancestors.index_select(1, where_anc).view(c, num_b, steps, num_heads),
+                                 start, written_t, qpos, own_pos, scale, softcap, width)  # [B, c, kv_heads, W]
         if per_head:
-            total[:, layers] += s.exp_().sum(dim=(2, 4)).transpose(0, 1)  # [B, c, kv_heads, W]
+            total[:, layers] += weights
         else:
-            total += s.exp_().sum(dim=(0, 2, 3, 4))
+            total += weights.sum(dim=(1, 2))
     return [total[b, ..., :w] for b, w in enumerate(written)]
 
