@@ -60,6 +60,19 @@ def own_importance_reference(q: Tensor, k_cache: Tensor, k_scale: Tensor | None,
 if triton is not None:
 
     @triton.jit
+    def _scores(q, k_base, s_base, start, offs_n, written, seg_pos, qpos, offs_d, stride_ks, stride_ss, scale,
+                QUANT: tl.constexpr, PRECISION: tl.constexpr):
+        """The rows' scores against own keys ``offs_n`` ``[BLOCK_R, BLOCK_N]`` and which of them the rows
+        see (written, at or before the row's position)."""
+        key_ok = offs_n < written
+        slot = (start + offs_n).to(tl.int64)
+        k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if QUANT:  # (an 8-bit key times its scale: the scale applies to the product)
+            s = s * tl.load(s_base + slot * stride_ss, mask=key_ok, other=0.0)[None, :]
+        return s * scale, key_ok[None, :] & ((seg_pos + offs_n)[None, :] <= qpos[:, None])
+
+    @triton.jit
     def _own_importance_kernel(Q, K, KS, ANC, START, WRITTEN, QPOS, SEGPOS, OUT,
                                stride_ql, stride_qb, stride_qt, stride_qh,
                                stride_kl, stride_ks, stride_kh,
@@ -95,14 +108,8 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_R], tl.float32)
         for n0 in range(0, written, BLOCK_N):  # pass 1: the own keys' LSE, online
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            key_ok = offs_n < written
-            slot = (start + offs_n).to(tl.int64)
-            k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
-            if QUANT:
-                s = s * tl.load(s_base + slot * stride_ss, mask=key_ok, other=0.0)[None, :]
-            s = s * scale
-            visible = key_ok[None, :] & ((seg_pos + offs_n)[None, :] <= qpos[:, None])
+            s, visible = _scores(q, k_base, s_base, start, offs_n, written, seg_pos, qpos, offs_d, stride_ks,
+                                 stride_ss, scale, QUANT, PRECISION)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -116,16 +123,10 @@ if triton is not None:
         out_base = OUT + b.to(tl.int64) * stride_ob + layer * stride_ol + h * stride_oh
         for n0 in range(0, written, BLOCK_N):  # pass 2: each key's weight, summed over the rows
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            key_ok = offs_n < written
-            slot = (start + offs_n).to(tl.int64)
-            k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
-            if QUANT:
-                s = s * tl.load(s_base + slot * stride_ss, mask=key_ok, other=0.0)[None, :]
-            s = s * scale
-            visible = key_ok[None, :] & ((seg_pos + offs_n)[None, :] <= qpos[:, None])
+            s, visible = _scores(q, k_base, s_base, start, offs_n, written, seg_pos, qpos, offs_d, stride_ks,
+                                 stride_ss, scale, QUANT, PRECISION)
             w = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-            tl.store(out_base + offs_n, tl.sum(w, axis=0), mask=key_ok)
+            tl.store(out_base + offs_n, tl.sum(w, axis=0), mask=offs_n < written)
 
     _LAUNCH = Launcher(_own_importance_kernel)
 
