@@ -33,7 +33,8 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
-from treegen.display import progress, show
+from treegen.display.progress import progress
+from treegen.display.show import show
 
 #: where the ``.tg`` front end lives, and its function ``(text, path) -> program``
 TG_MODULE, TG_LOADER = "treegen.lang.tg", "loads"
