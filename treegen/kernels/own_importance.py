@@ -18,6 +18,8 @@ then the weights) — where it can (CUDA or the interpreter, no soft cap), else 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -139,7 +141,7 @@ def own_importance(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, anc_lse: 
     ``width`` must be at least ``written.max()`` (given, it saves reading that from the device)."""
     num_layers, num_b, steps, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[-2]
-    interpreting = __import__("os").environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if (triton is None or softcap is not None or (not q.is_cuda and not interpreting)
             or head_dim & (head_dim - 1) or not 16 <= head_dim <= 256):
         return own_importance_reference(q, k_cache, k_scale, anc_lse, start, written, qpos, seg_pos, scale,
