@@ -81,7 +81,7 @@ if triton is not None:
                                stride_sl, stride_ss,
                                stride_al, stride_ab, stride_at,
                                stride_ob, stride_ol, stride_oh,
-                               num_b, num_kv, scale, STEPS: tl.constexpr, GROUP: tl.constexpr,
+                               num_b, num_kv, width, scale, STEPS: tl.constexpr, GROUP: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                                QUANT: tl.constexpr, PRECISION: tl.constexpr):
         """One program a (layer, branch, KV head): its rows (step x group member, padded to BLOCK_R), two
@@ -128,7 +128,7 @@ if triton is not None:
             s, visible = _scores(q, k_base, s_base, start, offs_n, written, seg_pos, qpos, offs_d, stride_ks,
                                  stride_ss, scale, QUANT, PRECISION)
             w = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-            tl.store(out_base + offs_n, tl.sum(w, axis=0), mask=offs_n < written)
+            tl.store(out_base + offs_n, tl.sum(w, axis=0), mask=(offs_n < written) & (offs_n < width))
 
     _LAUNCH = Launcher(_own_importance_kernel)
 
@@ -137,13 +137,17 @@ def own_importance(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, anc_lse: 
                    written: Tensor, qpos: Tensor, seg_pos: Tensor, scale: float, softcap: float | None = None,
                    width: int | None = None) -> Tensor:
     """:func:`own_importance_reference`'s result, by the Triton kernel where it runs (CUDA or the
-    interpreter, no soft cap, a head dim of 16-256 that is a power of two), else by the reference.
-    ``width`` must be at least ``written.max()`` (given, it saves reading that from the device)."""
+    interpreter, no soft cap, a head dim of 16-256 that is a power of two, at most 128 rows — recorded steps x
+    group — a program, keys with unit stride), else by the reference. ``width``: the result's last dimension,
+    at least ``written.max()`` for every weight to be there (given, it saves reading that from the device;
+    a smaller one leaves out the weights of the keys past it)."""
     num_layers, num_b, steps, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[-2]
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    block_r = max(16, 1 << max(0, steps * (num_heads // num_kv) - 1).bit_length())  # rows a program holds
     if (triton is None or softcap is not None or (not q.is_cuda and not interpreting)
-            or head_dim & (head_dim - 1) or not 16 <= head_dim <= 256):
+            or head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or block_r > 128
+            or k_cache.stride(-1) != 1 or (k_scale is not None and k_scale.stride(-1) != 1)):
         return own_importance_reference(q, k_cache, k_scale, anc_lse, start, written, qpos, seg_pos, scale,
                                         softcap, width)
     width = int(written.max()) if width is None else width
@@ -154,7 +158,6 @@ def own_importance(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, anc_lse: 
     out = torch.zeros(num_b, num_layers, num_kv, width, dtype=torch.float32, device=q.device)
     quant = k_scale is not None
     scales = k_scale if quant else anc_lse  # (any tensor: not read)
-    block_r = max(16, triton.next_power_of_2(steps * group))
     _LAUNCH[(num_layers * num_b * num_kv,)](
         q, k_cache, scales, anc_lse, start, written, qpos, seg_pos, out,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
@@ -162,6 +165,6 @@ def own_importance(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, anc_lse: 
         scales.stride(0) if quant else 0, scales.stride(1) if quant else 0,
         anc_lse.stride(0), anc_lse.stride(1), anc_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        num_b, num_kv, float(scale), STEPS=steps, GROUP=group, HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_N=64,
+        num_b, num_kv, width, float(scale), STEPS=steps, GROUP=group, HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_N=64,
         QUANT=quant, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out

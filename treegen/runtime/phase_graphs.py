@@ -171,7 +171,7 @@ class PhaseBuffers:
             self.states.zero_()
             self.states[:n].copy_(states)
         if self.recorder is not None:
-            self.recorder.load(recorded)
+            self.recorder.load(recorded or [])
 
     def own_bytes(self) -> int:
         """Memory this phase keeps for itself (its graphs' temporaries are in the shared pool)."""

@@ -209,12 +209,16 @@ def _tf32_when_exact(kv, queries: list[Tensor]):
     if not exact:
         yield
         return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    matmul = torch.backends.cuda.matmul
+    try:
+        name, before, value = "allow_tf32", matmul.allow_tf32, True
+    except RuntimeError:  # this process set the newer API (torch >= 2.9), and reading the older one now raises
+        name, before, value = "fp32_precision", matmul.fp32_precision, "tf32"
+    setattr(matmul, name, value)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        setattr(matmul, name, before)
 
 
 def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -> list[Tensor]:
@@ -263,8 +267,13 @@ def _own_attention(kv, tree, model, nodes, queries, positions, per_head=False) -
     scale, softcap = model.attn_scale, model.attn_softcap
     # several layers a call (the plan is every layer's): as many as keep the largest score tensor in bounds
     num_heads = queries[0].shape[-2]
+    # (a layer's largest tensor: the scores of the rows against the longest level, or the keys every level
+    # gathers — fp32 and a copy as stored — when the branches' ancestors are many and short)
     keys = max([width] + ([level.kv_slots.shape[1] for level in plan.levels] if plan is not None else []))
-    layers_a_call = max(1, min(kv.num_layers, SCORE_ELEMENTS // (num_b * steps * num_heads * keys)))
+    gathered = 2 * num_kv * head_dim * max([num_b * width] + (
+        [level.kv_slots.numel() for level in plan.levels] if plan is not None else []))
+    per_layer = max(num_b * steps * num_heads * keys, gathered)
+    layers_a_call = max(1, min(kv.num_layers, SCORE_ELEMENTS // per_layer))
     where, where_anc = where.reshape(-1), where_anc.reshape(-1)
     for first in range(0, kv.num_layers, layers_a_call):
         layers = slice(first, min(first + layers_a_call, kv.num_layers))
