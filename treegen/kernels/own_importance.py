@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from treegen.kernels.launch import Launcher
-from treegen.kernels.kv_quant import dequantize_reference
+from treegen.kernels.tree_attention import _gather
 
 try:
     import triton
@@ -44,9 +44,7 @@ def own_importance_reference(q: Tensor, k_cache: Tensor, k_scale: Tensor | None,
     width = int(written.max()) if width is None else width
     offs = torch.arange(width, device=q.device)
     slots = (start[:, None] + offs).clamp_max(k_cache.shape[1] - 1)  # [B, W] (past written: masked below)
-    keys = k_cache.index_select(1, slots.reshape(-1))
-    keys = (keys.float() if k_scale is None else dequantize_reference(keys, k_scale.index_select(1, slots.reshape(-1))))
-    keys = keys.view(num_layers, num_b, width, num_kv, head_dim)
+    keys = _gather(k_cache, k_scale, slots.reshape(-1)).view(num_layers, num_b, width, num_kv, head_dim)
     s = torch.einsum("lbthgd,lbwhd->lbthgw", q.float().view(num_layers, num_b, steps, num_kv, -1, head_dim), keys)
     s = s * scale
     if softcap is not None:

@@ -494,9 +494,10 @@ class KVStore:
             grown[:, :old].copy_(pool)
             grown[:, old:].zero_()
             setattr(self, name, grown)
-            # free the old pool's memory now, whoever still holds the tensor: on a GPU something does (seen
-            # on an H100: both old pools of a 64 x 4,096 run stayed allocated, the second copy ran out of
-            # memory); anything that read it is stale now (kept graphs are keyed by pool_generation)
+            # free the old pool's memory now, whoever still holds the tensor: a kept phase's plan does, through
+            # the TMA descriptors of its layer views (tree_attention_triton's PassPlan.descriptors), until the
+            # next phase is kept (seen on an H100: both old pools of a 64 x 4,096 run stayed allocated, the
+            # second copy ran out of memory); all of that is stale now (kept graphs are keyed by pool_generation)
             pool.untyped_storage().resize_(0)
             del pool, grown
         self._release(old, new - old)

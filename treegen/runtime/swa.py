@@ -31,10 +31,11 @@ How it runs (the choices, and why):
   the README.)
 * **Exact attention weights, cheaply.** The kernels return no probabilities. During a decode phase the
   SWA rows' queries (after RoPE) are recorded per layer in a ring buffer of the last ``history`` steps
-  (static device tensors, so CUDA graphs capture it). When the phase ends, each recorded query's weights
-  over the branch's own keys are computed in PyTorch, normalised over *everything the row saw* (its
-  ancestors too: the LSE comes from the reference tree attention over the same plan), which is the
-  paper's softmax over the whole (sparse) context.
+  (static device tensors in the phase's buffers, so CUDA graphs capture it and later phases replay them).
+  When the phase ends, each recorded query's weights over the branch's own keys are computed by
+  :func:`~treegen.kernels.own_importance.own_importance`, normalised over *everything the row saw* (its
+  ancestors' LSE comes from the reference tree attention's LSE over their plan), which is the paper's
+  softmax over the whole (sparse) context.
 * **Every ``every`` steps.** A phase with an SWA branch runs at most ``every`` steps (its CUDA graph is
   planned with fixed segment lengths), then compacts; while one decodes, at most ``MIXED_STEPS`` steps
   that prefill other work run between two phases. A branch's segment thus holds at most its kept
@@ -171,8 +172,8 @@ class QueryRecorder:
         return [t % self.history for t in taken], taken
 
 
-# about the most fp32 elements one score tensor of :func:`own_attention` holds (512 MiB): it takes as many
-# layers a call as fit
+# about the most fp32 elements one of :func:`own_attention`'s reference tensors holds (512 MiB: the ancestors'
+# scores, or the keys they gather): it takes as many layers a call as fit
 SCORE_ELEMENTS = 2**27
 
 
