@@ -170,7 +170,8 @@ def measure(engine: Engine, name: str, constraint, batch: int, prompt: list[int]
         figures = {"forward_passes": run.forward_passes, "constrained_steps": run.decoder.constrained_steps,
                    "decode_phases": len(run.decode_phases), "host_ms_per_step": host_parts(run),
                    "host_accept_s": run.host_seconds["accept"], "host_capture_s": run.host_seconds["capture"],
-                   "memory_waits": run.scheduler.memory_waits}
+                   "host_s": {k: round(v, 4) for k, v in run.host_seconds.items()}, "phase_passes": list(run.phase_passes),
+                   "early_ends": run.decoder.early_ends, "memory_waits": run.scheduler.memory_waits}
         del run
         gc.collect()
         return tn - t1, t1, tn, [r.tokens for r in results], [r.constraint_met for r in results], figures
@@ -246,6 +247,8 @@ def main() -> None:
                         rows[-1]["ratio_to_unconstrained"] = rows[-1]["tok_s"] / base["tok_s"]
                         rows[-1]["unconstrained_tok_s"] = base["tok_s"]
                         rows[-1]["unconstrained_decode_s"] = base["total_s"] - base["prefill_s"]
+                        rows[-1]["unconstrained_figures"] = {k: base[k] for k in (
+                            "forward_passes", "decode_phases", "phase_passes", "host_s", "decode_s_runs")}
                 except torch.cuda.OutOfMemoryError as e:
                     rows.append({"constraint": name, "batch": batch, "served_by": by,
                                  "skipped": f"out of memory: {str(e)[:200]}"})
@@ -273,8 +276,9 @@ def main() -> None:
 
 
 def trace(engine: Engine, chosen: dict, batch: int, prompt: list[int], new: int, out: Path) -> None:
-    """Each constraint's run (after a warm-up) under the PyTorch profiler: where a step's time goes on
-    the GPU — its busy time per decode step (kernels and copies, union), idle gaps, kernel time by name."""
+    """Each constraint's run (after a warm-up) under the PyTorch profiler, and a realistic one's baseline (the
+    same token work unconstrained): where a step's time goes on the GPU — its busy time per decode step
+    (kernels and copies, union), idle gaps, kernel time by name."""
     from torch.profiler import ProfilerActivity, profile
 
     from trace_dynamic import union  # benchmarks/
@@ -282,10 +286,11 @@ def trace(engine: Engine, chosen: dict, batch: int, prompt: list[int], new: int,
     result = {"benchmark": "constrained_trace", "batch": batch, "new": new, "device": torch.cuda.get_device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "runs": {}}
-    for name, c in chosen.items():
-        timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=c)  # warm-up
+
+    def traced(label: str, c, lengths=None) -> list[int]:
+        timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=c, lengths=lengths)  # warm-up
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall, results, run = timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=c)
+            wall, results, run = timed_run(engine, batch=batch, prompt=prompt, new=new, constraint=c, lengths=lengths)
         gpu, by_name = [], {}
         for e in prof.profiler.kineto_results.events():
             if "CUDA" in str(e.device_type()) and e.duration_ns() > 0:
@@ -294,8 +299,10 @@ def trace(engine: Engine, chosen: dict, batch: int, prompt: list[int], new: int,
         busy = union(gpu)
         gaps = sorted(((b[0] - a[1]) / 1e3 for a, b in zip(busy, busy[1:]) if b[0] > a[1]), reverse=True)
         steps = run.forward_passes
-        result["runs"][name] = {
+        result["runs"][label] = {
             "wall_ms": 1e3 * wall, "forward_passes": steps, "constrained_steps": run.decoder.constrained_steps,
+            "decode_phases": len(run.decode_phases), "phase_passes": list(run.phase_passes),
+            "host_s": {k: round(v, 4) for k, v in run.host_seconds.items()},
             "tokens_made": sum(len(r.tokens) for r in results),
             "gpu_span_ms": (busy[-1][1] - busy[0][0]) / 1e6, "gpu_busy_ms": sum(e - s for s, e in busy) / 1e6,
             "gpu_busy_ms_per_step": sum(e - s for s, e in busy) / 1e6 / max(steps, 1),
@@ -303,9 +310,16 @@ def trace(engine: Engine, chosen: dict, batch: int, prompt: list[int], new: int,
             "gaps_over_100us": sum(g > 100 for g in gaps),
             "kernel_ms_by_name": {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda x: -x[1])[:25]},
             "host_ms_per_step": host_parts(run) if run.decoder.constrained_steps else None}
-        print(name, {k: v for k, v in result["runs"][name].items() if k != "kernel_ms_by_name"}, flush=True)
+        print(label, {k: v for k, v in result["runs"][label].items() if k != "kernel_ms_by_name"}, flush=True)
+        lengths = [len(r.tokens) for r in results]
         del run, results
         gc.collect()
+        return lengths
+
+    for name, c in chosen.items():
+        lengths = traced(name, c)
+        if name in REALISTIC:  # and its baseline: the same token work unconstrained (see measure)
+            traced(name + "_baseline", None, lengths)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

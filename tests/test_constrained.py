@@ -291,3 +291,29 @@ def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
     bad = [tokenizer.encode("\n")[0]] * n  # never allowed inside this one-line JSON
     with pytest.raises(RuntimeError, match="branch 0 drew token"):
         masks.accept_matchers(rows, handles, bad)
+
+
+def test_a_phase_of_constrained_answers_ends_with_its_matchers(smol, tiny_llama, monkeypatch):
+    """In blocks of 8 steps (a GPU's ``sync_every``), a phase whose branches xgrammar's matchers constrain
+    ends at the step after its last matcher's EOS — the host reads every step's tokens — not at the end of
+    the block (a short answer's phase ran up to 8 steps more): as many forward passes as in 1-step blocks,
+    and the same answers."""
+    from treegen.runtime.decode import Decoder
+
+    init = Decoder.__init__
+    got, passes = {}, {}
+    for every in (1, 8):
+        def with_blocks(self, run, every=every):
+            init(self, run)
+            self.sync_every = every
+        monkeypatch.setattr(Decoder, "__init__", with_blocks)
+        run = treegen.Engine(tiny_llama[1], smol.tokenizer, token_automata=False).start()
+        root = run.tree.add_node(None, smol.tokenizer.encode(QUESTION + "A: "))
+        choices = Constraint.of(choices=["19", "17", "twenty"])
+        results, _ = run.execute([GenRequest(run.tree.add_node(root), SamplingParams(
+            max_tokens=40, temperature=1.0, constraint=choices), key=i) for i in range(6)], [])
+        got[every] = [(r.tokens, r.finish_reason, r.text) for r in results]
+        passes[every] = run.forward_passes
+    assert got[8] == got[1]
+    assert all(reason == "eos" and text in ("19", "17", "twenty") for _, reason, text in got[1]), got[1]
+    assert passes[8] <= passes[1], passes  # (before: 10 against 8)

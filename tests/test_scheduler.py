@@ -138,9 +138,13 @@ def test_a_phase_ends_when_half_is_done_or_enough_new_work_waits():
     # with nothing waiting, a young phase of short answers runs on rather than set up a smaller one
     assert not sched.phase_should_end(64, 32, steps=SHRINK_AFTER_STEPS - 1)
     assert sched.phase_should_end(64, 32, steps=SHRINK_AFTER_STEPS) and sched.phase_should_end(64, 0, steps=1)
+    # ... nor one that can run only a few steps more (its rows' budgets end it soon)
+    assert not sched.phase_should_end(64, 32, steps=SHRINK_AFTER_STEPS, left=SHRINK_AFTER_STEPS - 1)
+    assert sched.phase_should_end(64, 32, steps=SHRINK_AFTER_STEPS, left=SHRINK_AFTER_STEPS)
     for _ in range(2):
         sched.submit(gen(tree.add_node(None, [1])))
     assert sched.phase_should_end(64, 32, steps=1)  # work waits: half done makes room for it at once
+    assert sched.phase_should_end(64, 32, steps=1, left=1)
     assert not sched.phase_should_end(64, 60)  # 4 finished + 2 new < half the phase
     assert not sched.phase_should_end(64, 35) and sched.phase_should_end(64, 34)  # 30 finished + 2 new: half
     sched.tick(64)

@@ -10,6 +10,7 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,3 +185,35 @@ def test_choices_with_control_characters_are_exact():
     for text, ok in [("a\x01b", True), ("a\x1b", False), ("\x1f", True), ("", False), ("b", True)]:
         m = xgr.GrammarMatcher(compiled)
         assert (m.accept_string(text) and m.is_completed()) is ok, repr(text)
+
+
+def _allowed(automata, state: int, vocab: int) -> list[int]:
+    bits = automata.tables.masks[state].numpy().view("uint8")
+    return np.unpackbits(bits, bitorder="little")[:vocab].nonzero()[0].tolist()
+
+
+def test_most_bounds_every_answer():
+    """A state's ``most``: the most tokens a branch there can still draw, its stop token included (with
+    single-character tokens, the longest text's length + 1); ``inf`` where the text can grow without end
+    (and for a free row). Along random walks it falls by one a token at least and bounds what is drawn
+    (a decode phase's width: :class:`~treegen.runtime.decode.Decoder`)."""
+    vocab, stop = 4096, 2
+    automata = Automata(Grammars(PieceTokenizer(vocab), vocab, {stop}), "cpu")
+    assert automata.most(automata.get(Constraint.of(choices=["yes", "no"])).initial) == 4
+    assert automata.most(automata.get(Constraint.of(regex=r"(a0)*b?")).initial) == float("inf")
+    assert automata.most(automata.get(Constraint.of(regex=r"x[0-9]+y")).initial) == float("inf")
+    assert automata.most(FREE) == float("inf")
+    answer = automata.get(SERVED[0])
+    assert automata.most(answer.initial) == len("The answer is 1234.") + 1
+    rng = random.Random(0)
+    for _ in range(40):
+        state, drawn = answer.initial, 0
+        while True:
+            token = rng.choice(_allowed(automata, state, vocab))
+            drawn += 1
+            if token == stop:
+                break
+            after = automata.walk(state, (token,))
+            assert automata.most(after) <= automata.most(state) - 1
+            state = after
+        assert drawn <= automata.most(answer.initial)

@@ -42,9 +42,10 @@ from treegen.runtime.token_masks import TokenMasks
 
 # a phase expected to end sooner than this many steps runs without a CUDA graph (capture costs more)
 MIN_CAPTURED_STEPS = 8
-# a pipelined phase's host runs at most this many steps ahead of the device (it reads each step's count of
-# rows still generating then: a phase that should end stops at most this many steps late)
-WATCH_LAG = 2
+# a pipelined phase's host runs this many steps ahead of the device (it reads each step's count of rows
+# still generating then: a phase that should end stops this many steps late), one more while it settles a
+# block (see Decoder._steps)
+WATCH_LAG = 1
 # the parts of a constrained step's host time (Decoder.constrained_host)
 CONSTRAINED_PARTS = ("wait", "accept", "fill", "upload", "settle", "launch", "other")
 # the clock those parts are timed by (a benchmark on a shared CPU may set time.process_time)
@@ -71,7 +72,7 @@ class Decoder:
         self.jobs: list[Job] = []  # branch b's job
         self.out: list[list[int]] = []
         self.logprobs: list[list[float]] = []
-        self.plain: list[bool] = []  # branch b has no constraint and no stop string
+        self.plain: list[bool] = []  # only EOS and max_tokens can end branch b (see draw)
         self.live: list[int] = []
         self.tokens_done = 0
         self.masks: TokenMasks | None = None  # the constrained branches' matchers (made at the first one)
@@ -115,10 +116,11 @@ class Decoder:
             self.jobs.append(job)
             self.out.append([])
             self.logprobs.append([])
-            # only EOS and max_tokens can end it (no constraint, no stop string): settled on the fast path
-            self.plain.append(job.request.params.constraint is None and not job.request.params.stop)
             constraint = job.request.params.constraint
             automaton = self.run.engine.automaton(constraint)
+            # only EOS and max_tokens can end it (no stop string; no constraint, or one that a token automaton
+            # serves, whose state the host walks): settled on the fast path
+            self.plain.append((constraint is None or automaton is not None) and not job.request.params.stop)
             if automaton is not None:
                 self.state[len(self.jobs) - 1] = automaton.initial
             elif constraint is not None:
@@ -176,6 +178,9 @@ class Decoder:
         run.decode_phases.append(len(live))
         nodes = [self.jobs[b].request.node for b in live]
         remaining = [self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in live]
+        if self.state:  # a token automaton's branch can draw no more than its longest answer
+            most = run.engine.automata.most
+            remaining = [int(min(r, most(self.state[b]))) if b in self.state else r for b, r in zip(live, remaining)]
         # tokens each node holds before its generated ones: what a program appends after a finished
         # gen (while the phase still runs) has no KV yet, so it must not be counted as computed
         prompt_len = [len(tree.tokens(n)) - len(self.out[b]) for b, n in zip(live, nodes)]
@@ -332,8 +337,10 @@ class Decoder:
         pipelined phase of one process with rows that EOS may end reads every step, ``WATCH_LAG`` steps
         behind (the host waits for it, so it queues no more than that): once the scheduler would end the
         phase on it, the steps stop there and their tokens are read at once, rather than up to two blocks
-        later (a phase of short answers ran about twice its steps). The price: at most ``WATCH_LAG``
-        steps are queued while the host settles a block or runs the programs at a ``yield``. A block
+        later (a phase of short answers ran about twice its steps). Every step queued past the one that
+        ended the phase is a whole step wasted (a short answer's run is a few dozen steps), so the lag is
+        one step; where a block ends, the host settles it (and the programs may run at a ``yield``)
+        before it reads the count, so the device has two steps queued to run meanwhile. A block
         that completes jobs yields before the phase decides whether to end (``overlap_programs``), so
         the programs run while the next block does and the decision sees the work they queued."""
         run = self.run
@@ -345,45 +352,66 @@ class Decoder:
         watch = pipelined and self.cold_captures and any(not self.jobs[b].request.params.ignore_eos for b in live)
         seen: list = []  # per step, its count copied into pinned memory, and the event after the copy
         done_steps, pending = 0, None
+
+        first_end = None  # the steps run when a row was first seen done
+
+        def watched_end(t: int) -> bool:
+            """The device's count of rows generating after step ``t - WATCH_LAG`` ends the phase."""
+            nonlocal first_end
+            count, copied = seen[t - WATCH_LAG]
+            copied.synchronize()
+            if first_end is None and int(count[0]) < len(live):
+                first_end = t - WATCH_LAG + 1
+            return t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), ran,
+                                                                    expected_left(width, t + 1, first_end))
+
         for t in range(width):
             (replay or step)()
             run.forward_passes += 1
             ran = t + 1 if capturing else None  # (for phase_should_end: an uncaptured phase's successor costs no capture)
-            if watch:  # the host stays WATCH_LAG steps ahead of the device at most, reading each step's count
+            watching = watch and t >= WATCH_LAG
+            if watch:  # the host stays WATCH_LAG steps ahead of the device, reading each step's count
                 seen.append((torch.empty(1, dtype=torch.int64, pin_memory=True).copy_(alive, non_blocking=True),
                              torch.cuda.Event()))
                 seen[-1][1].record()
-                if t >= WATCH_LAG:
-                    count, copied = seen[t - WATCH_LAG]
-                    copied.synchronize()
-                    if t + 1 < width and run.scheduler.phase_should_end(len(live), int(count[0]), ran):
-                        run.scheduler.tick(t + 1 - done_steps)
-                        if pending is not None:
-                            self._settle(live, pending)
-                        self._settle(live, _Block(buf, lp_buf, done_steps, t + 1, pipelined))
-                        self.early_ends += 1
-                        return
             if (t + 1) % self.sync_every and t + 1 < width:
+                if watching and watched_end(t):
+                    run.scheduler.tick(t + 1 - done_steps)
+                    if pending is not None:
+                        self._settle(live, pending)
+                    self._settle(live, _Block(buf, lp_buf, done_steps, t + 1, pipelined))
+                    self.early_ends += 1
+                    return
                 continue
+            # a block ends: the host settles one (and the programs may run) before it reads the count, so
+            # the device has this step and the one before queued meanwhile
             run.scheduler.tick(t + 1 - done_steps)
             block = _Block(buf, lp_buf, done_steps, t + 1, pipelined)
             done_steps = t + 1
             if pipelined:  # look at the previous block while this one's steps run: the GPU never waits
                 block, pending = pending, block
-                if block is None:
-                    continue
-            before = len(self.live)
-            self._settle(live, block)
-            completed = len(self.live) < before
-            resume_first = completed and self.overlap_programs and bool(self.live)
-            if resume_first:
-                # jobs completed: their programs may resume (and queue work, which the decision below
-                # then sees) while the GPU runs the next block (with none live, the phase ends first)
-                yield
-            if run.scheduler.phase_should_end(len(live), len(self.live), ran):
-                break
-            if completed and not resume_first:
-                yield
+            if block is not None:
+                block_end = block.end
+                before = len(self.live)
+                self._settle(live, block)
+                completed = len(self.live) < before
+                if completed and first_end is None:
+                    first_end = block_end
+                resume_first = completed and self.overlap_programs and bool(self.live)
+                if resume_first:
+                    # jobs completed: their programs may resume (and queue work, which the decision below
+                    # then sees) while the GPU runs the next block (with none live, the phase ends first)
+                    yield
+                if run.scheduler.phase_should_end(len(live), len(self.live), ran, expected_left(width, t + 1, first_end)):
+                    break
+                if completed and not resume_first:
+                    yield
+            if watching and watched_end(t):
+                if pending is not None:  # (the block just made: steps up to t)
+                    self._settle(live, pending)
+                    pending = None
+                self.early_ends += 1
+                return
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
             self._settle(live, pending)
 
@@ -421,9 +449,9 @@ class Decoder:
             parts["fill"] += t1 - t0
             parts["upload"] += clock() - t1
 
-        def advance(t: int, column: "_Column") -> None:
+        def advance(t: int, column: "_Column") -> bool:
             """Step ``t``'s tokens (one per row) into the active matchers; those that end leave (their
-            rows become all ones)."""
+            rows become all ones). True when some did."""
             nonlocal dirty
             t0 = clock()
             tokens = column.read()
@@ -433,10 +461,12 @@ class Decoder:
                 dirty = False
             picked = [tokens[j] for j in rows]
             masks.accept_matchers(active, matchers, picked)
+            before = len(active)
             if t + 1 >= shortest or not eos.isdisjoint(picked):
                 keep_only(lambda i, b: picked[i] not in eos and t + 1 < budget[b])
             parts["wait"] += t1 - t0
             parts["accept"] += clock() - t1
+            return len(active) < before
 
         def keep_only(keeps) -> None:
             nonlocal active, matchers, rows, shortest
@@ -467,6 +497,7 @@ class Decoder:
             upload()
         run.host_seconds["capture"] += time.perf_counter() - started
         done_steps, block, step_tokens = 0, None, None
+        first_end = None  # the steps run when a matcher first ended
         loop_started, known = clock(), sum(parts.values()) - parts["other"]
         try:
             for t in range(width):
@@ -474,20 +505,34 @@ class Decoder:
                     launch(forward)  # the GPU computes step t while the host works on step t - 1
                 run.forward_passes += 1
                 if t:
-                    advance(t - 1, step_tokens)
+                    ended = advance(t - 1, step_tokens)
+                    if ended and first_end is None:
+                        first_end = t
                     if block is not None:
                         before = len(self.live)
                         t0 = clock()
                         self._settle(live, block, advance=False)
                         parts["settle"] += clock() - t0
                         block, dirty = None, True
-                        if run.scheduler.phase_should_end(len(live), len(self.live), t if capturing else None):
+                        if run.scheduler.phase_should_end(len(live), len(self.live), t if capturing else None,
+                                                          expected_left(width, t, first_end)):
                             return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
                         if len(self.live) < before:
                             paused = clock()
                             yield  # jobs completed: their programs may resume while the GPU runs
                             loop_started += clock() - paused  # (the programs' time is not the loop's)
                             dirty = True
+                    # the host knows each step which matchers ended: a phase the scheduler would end on
+                    # that ends now, not at the next block (its other rows count as generating)
+                    if ended and run.scheduler.phase_should_end(
+                            len(live), len(active) + sum(b not in budget and not self.jobs[b].done for b in live),
+                            t if capturing else None, expected_left(width, t, first_end)):
+                        t0 = clock()
+                        if done_steps < t:  # (the steps after the last block)
+                            self._settle(live, _Block(buf, lp_buf, done_steps, t, pipelined), advance=False)
+                        parts["settle"] += clock() - t0
+                        self.early_ends += 1
+                        return
                     upload()
                 launch(pick)
                 self.constrained_steps += 1
@@ -510,6 +555,7 @@ class Decoder:
         if advance:
             self._advance_matchers(live, tokens)
         jobs, outs, logprobs, plain, eos, extend = self.jobs, self.out, self.logprobs, self.plain, self.eos, self.tree.extend
+        state, walk = self.state, self.run.engine.automata.walk if self.state else None
         for j, b in enumerate(live):
             job = jobs[b]
             if job.done:  # (finished, or cancelled by a callback of an earlier branch)
@@ -522,6 +568,8 @@ class Decoder:
                     logprobs[b].extend(lps[j])
                     extend(job.request.node, new)
                     self.tokens_done += len(new)
+                    if b in state:  # (a token automaton's branch: its mask allowed every token)
+                        state[b] = walk(state[b], new)
                     continue
             self._accept(b, tokens[j], lps[j])
         self.live = [b for b in self.live if not self.jobs[b].done]
@@ -731,6 +779,7 @@ class _Block:
     them), so the host can read them while later steps already run; else read at once."""
 
     def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, begin: int, end: int, pipelined: bool) -> None:
+        self.end = end
         self.tokens, self.logprobs = tokens[:, begin:end], logprobs[:, begin:end]
         self.event = None
         if pipelined:  # into pinned host memory, so the copies are truly asynchronous
@@ -745,6 +794,17 @@ class _Block:
         if self.event is not None:
             self.event.synchronize()
         return self.tokens.tolist(), self.logprobs.tolist()
+
+
+def expected_left(width: int, steps: int, first_end: int | None) -> int:
+    """How many more steps a phase of ``width`` steps that has run ``steps`` is expected to run, for the
+    scheduler's choice to shrink it (:meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end`): no
+    more than its width allows, and, once a row has ended (seen ``first_end`` steps in), no more than the
+    steps since — a phase half of whose rows ended within a few steps of the first is one of answers of
+    about one length, whose other half ends about as soon (the spread of the answers' lengths below the
+    median stands for the spread above it). A longer tail is caught later: the estimate grows a step a step."""
+    left = width - steps
+    return left if first_end is None else min(left, steps - first_end)
 
 
 def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer) -> GenResult | None:

@@ -188,13 +188,16 @@ class Scheduler:
     def tick(self, steps: int = 1) -> None:
         self.clock += steps
 
-    def phase_should_end(self, size: int, live: int, steps: int | None = None) -> bool:
+    def phase_should_end(self, size: int, live: int, steps: int | None = None, left: int | None = None) -> bool:
         """A decode phase of ``size`` branches, ``live`` of them still generating, ``steps`` steps run
-        (None: a phase whose successor costs only a plan, no capture): stop it now? Half done ends it when
-        work waits, after ``SHRINK_AFTER_STEPS``, or at once for ``steps=None``."""
+        (None: a phase whose successor costs only a plan, no capture), at most ``left`` more to run (its
+        rows' budgets: ``max_tokens``, a token automaton's longest answer; None: not known): stop it now?
+        Half done ends it when work waits, at once for ``steps=None``, or after ``SHRINK_AFTER_STEPS``
+        when as many may follow (a shrink's set-up pays only over many steps)."""
         if live == 0:
             return True
-        if 2 * live <= size and (steps is None or steps >= SHRINK_AFTER_STEPS or self.has_work()):
+        if 2 * live <= size and (steps is None or self.has_work() or steps >= SHRINK_AFTER_STEPS
+                                 and (left is None or left >= SHRINK_AFTER_STEPS)):
             return True
         done = size - live
         if self.memory_blocked and self.waiting and not self.admitted and self.kv.slots_reserved() >= self._blocked_at:

@@ -145,6 +145,38 @@ def char_automaton(regex: str):
     return number[fsm.initial], table, finals
 
 
+def most_tokens(states: int, sources: np.ndarray, targets: np.ndarray, finals: set[int]) -> list[float]:
+    """Per state of a token automaton (``states`` of them, a move from ``sources[i]`` to ``targets[i]``
+    for each allowed token), the most tokens a branch there can still draw before it must stop: the
+    longest path to a final state, plus its stop token; ``inf`` where a cycle can be reached (the text
+    can grow without end). Every state can reach a final one (see :func:`char_automaton`)."""
+    edges = np.unique(np.stack([sources, targets]).astype(np.int64), axis=1) if len(sources) else np.zeros((2, 0), int)
+    after: list[list[int]] = [[] for _ in range(states)]
+    for a, b in edges.T.tolist():
+        after[a].append(b)
+    most: list[float | None] = [None] * states
+    for start in range(states):  # depth first, iteratively; a state met again on the path is a cycle
+        if most[start] is not None:
+            continue
+        stack, on_path = [(start, 0)], {start}
+        while stack:
+            st, i = stack[-1]
+            if i < len(after[st]):
+                stack[-1] = (st, i + 1)
+                nxt = after[st][i]
+                if nxt in on_path:
+                    most[st] = float("inf")
+                elif most[nxt] is None:
+                    stack.append((nxt, 0))
+                    on_path.add(nxt)
+                continue
+            stack.pop()
+            on_path.discard(st)
+            longest = max([1 + most[n] for n in after[st] if most[n] is not None], default=0)
+            most[st] = max(longest, 1 if st in finals else 0, most[st] or 0)
+    return [float(m) for m in most]
+
+
 @dataclass(frozen=True)
 class Automaton:
     """One constraint's automaton in the engine's tables: its states are ``base .. base + states - 1``."""
@@ -196,6 +228,7 @@ class Automata:
         self._host_masks = [np.full(self.words, -1, dtype=np.int32)]  # state 0: free
         self._next: dict[int, int] = {}  # state * vocab + token -> next state (the host's copy)
         self.final: set[int] = set()
+        self._most: list[float] = [float("inf")]  # per state, the most tokens a branch can still make (see most)
         self._tables = AutomatonTables(masks=torch.full((1, self.words), -1, dtype=torch.int32, device=self.device),
                                        keys=torch.full((1,), -1, dtype=torch.int64, device=self.device),
                                        targets=torch.zeros(1, dtype=torch.int64, device=self.device),
@@ -254,6 +287,7 @@ class Automata:
         self._next.update(zip(keys.tolist(), targets.tolist()))
         self._host_masks.extend(masks.view(np.int32))
         self.final |= {base + f for f in finals}
+        self._most.extend(most_tokens(table.shape[0], state, ends[state, column], finals))
         self._upload()
         return Automaton(constraint, base=base, states=table.shape[0], initial=base + initial,
                          transitions=int(state.size), build_seconds=time.perf_counter() - started)
@@ -306,6 +340,11 @@ class Automata:
                 return FREE
             state = step.get(state * vocab + t, FREE)
         return state
+
+    def most(self, state: int) -> float:
+        """The most tokens a branch in ``state`` can still draw, its stop token included (``inf`` where
+        the text can grow without end, and for a free row)."""
+        return self._most[state]
 
     def allows(self, state: int, token: int) -> bool:
         """Whether ``state``'s mask allows ``token``."""
