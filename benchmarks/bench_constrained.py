@@ -213,7 +213,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is reported)")
     parser.add_argument("--label", default="", help="a name for this run in the results file (e.g. before/after)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="only draw the plots of these results")
     args = parser.parse_args()
+    if args.plot:
+        for f in args.plot:
+            plot(Path(f))
+        return
     if args.cpu_time:
         import treegen.runtime.decode as decode
 
@@ -272,7 +277,35 @@ def main() -> None:
                  if "tok_s" in by_key.get(k, {}) else "-" for k in names]
         print(f"| {batch} | " + " | ".join(cells) + " |")
     print(f"grammar compile s: {compile_s}")
-    print(f"wrote {write_json(args, rows, compile_s)}")
+    out = write_json(args, rows, compile_s)
+    print(f"wrote {out}")
+    plot(out)
+
+
+def plot(result_file: Path) -> None:
+    """Each constraint's ratio to unconstrained decode, per batch (bars), the 0.9 target as a line: a PNG
+    beside the JSON."""
+    from plotting import pyplot, save  # benchmarks/
+
+    plt = pyplot()
+    if plt is None:
+        return
+    result = json.loads(Path(result_file).read_text())
+    rows = [r for r in result["rows"] if "ratio_to_unconstrained" in r and r["constraint"] != "none"]
+    names = list(dict.fromkeys(f"{r['constraint']}@{r['served_by']}" for r in rows))
+    batches = sorted({r["batch"] for r in rows})
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(names) * len(batches) / 2, 3.6))
+    width = 0.8 / len(batches)
+    for k, batch in enumerate(batches):
+        ratio = {f"{r['constraint']}@{r['served_by']}": r["ratio_to_unconstrained"] for r in rows if r["batch"] == batch}
+        ax.bar([i + (k - (len(batches) - 1) / 2) * width for i in range(len(names))],
+               [ratio.get(n, 0.0) for n in names], width, label=f"{batch} branches")
+    ax.axhline(0.9, color="black", linestyle="--", linewidth=0.8, label="target 0.9")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("constrained / unconstrained tok/s")
+    ax.set_title(f"{result['shape']}, {result['device']}", fontsize=9)
+    ax.legend(fontsize=8)
+    save(fig, Path(result_file).with_suffix(".png"))
 
 
 def trace(engine: Engine, chosen: dict, batch: int, prompt: list[int], new: int, out: Path) -> None:
