@@ -29,8 +29,8 @@ prefill, phase set-up — which the baseline then pays too). Every constrained
 sample is checked: a realistic one matches its constraint (complete, or cut short by ``max_tokens``
 with ``constraint_met=False``); a stress one is a prefix the grammar accepts (the matcher took every
 token) and the JSON starts ``{"reasoning": "``. ``host_ms_per_step`` splits the host's time per
-constrained step (``Decoder.constrained_host``): ``wait`` for the step's tokens, matcher ``accept``,
-mask ``fill``, mask ``upload``, ``settle`` (appending tokens, finishing branches), ``launch`` (graph
+constrained step (``Decoder.constrained_host``): ``wait`` for the step's tokens, matcher ``accept`` (with
+the next masks' fill, one pass), ``fill`` (a phase's first masks only), mask ``upload``, ``settle`` (appending tokens, finishing branches), ``launch`` (graph
 replays), ``other`` (the loop's own Python).
 
 ``--host-only`` runs the real decode loop on the CPU with a one-layer random model of a real vocabulary

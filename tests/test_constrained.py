@@ -256,17 +256,20 @@ def test_long_repetitions_are_rewritten_to_the_same_language(regex):
 
 
 def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
-    """TokenMasks splits many matchers' accepts over threads and fills rows by xgrammar's handles: the
-    states and masks equal one matcher at a time, and a forbidden token names its branch."""
+    """TokenMasks splits many matchers' accepts (and a step's accepts with its fills) over threads and
+    fills rows by xgrammar's handles: the states and masks equal one matcher at a time, a row not to be
+    filled keeps what it held, and a forbidden token names its branch."""
     import random
 
     import xgrammar as xgr
 
+    from treegen.runtime import token_masks
     from treegen.runtime.constraint import Grammars
     from treegen.runtime.piece_tokenizer import PieceTokenizer
     from treegen.runtime.token_masks import TokenMasks
 
     monkeypatch.setenv("TREEGEN_MASK_THREADS", "3")
+    monkeypatch.setattr(token_masks, "FILL_CHUNK", 100)  # (400 rows: three threads)
     tokenizer = PieceTokenizer(3000)
     masks = TokenMasks(Grammars(tokenizer, 3000, [2]))
     assert masks.threads == 3
@@ -279,18 +282,27 @@ def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
     rows = list(range(n))
     bitmask, expected = masks.new_bitmask(n), masks.new_bitmask(n)
     rng = random.Random(0)
-    for _ in range(12):
-        masks.fill_rows(bitmask, handles, rows)
+    masks.fill_rows(bitmask, handles, rows)
+    for step in range(12):
         for j, m in enumerate(solo):
             m.fill_next_token_bitmask(expected, j)
         assert torch.equal(bitmask, expected)
         bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(n, -1)[:, :3000]
         tokens = [rng.choice(bits[j].nonzero().flatten().tolist()) for j in range(n)]
-        masks.accept_matchers(rows, handles, tokens)
         assert all(m.accept_token(t) for m, t in zip(solo, tokens))
+        if step % 2:  # accepts, then fills
+            masks.accept_matchers(rows, handles, tokens)
+            masks.fill_rows(bitmask, handles, rows)
+        else:  # one pass, every row but the first filled
+            bitmask[0] = 7
+            masks.accept_and_fill(rows, handles, tokens, bitmask, rows, [j > 0 for j in range(n)])
+            assert bitmask[0].eq(7).all()
+            masks.fill_rows(bitmask, handles[:1], rows[:1])
     bad = [tokenizer.encode("\n")[0]] * n  # never allowed inside this one-line JSON
     with pytest.raises(RuntimeError, match="branch 0 drew token"):
         masks.accept_matchers(rows, handles, bad)
+    with pytest.raises(RuntimeError, match="branch 0 drew token"):
+        masks.accept_and_fill(rows, handles, bad, bitmask, rows)
 
 
 def test_a_phase_of_constrained_answers_ends_with_its_matchers(smol, tiny_llama, monkeypatch):

@@ -46,7 +46,8 @@ MIN_CAPTURED_STEPS = 8
 # still generating then: a phase that should end stops this many steps late), one more while it settles a
 # block (see Decoder._steps)
 WATCH_LAG = 1
-# the parts of a constrained step's host time (Decoder.constrained_host)
+# the parts of a constrained step's host time (Decoder.constrained_host; "accept" holds the step's mask fill,
+# done in the same pass, "fill" only a phase's first masks)
 CONSTRAINED_PARTS = ("wait", "accept", "fill", "upload", "settle", "launch", "other")
 # the clock those parts are timed by (a benchmark on a shared CPU may set time.process_time)
 CLOCK = time.perf_counter
@@ -441,17 +442,18 @@ class Decoder:
         matchers = masks.handles([masks.matchers[b] for b in active])
         rows = [row_of[b] for b in active]
 
-        def upload() -> None:  # ordered after the step that read the previous masks (same stream)
+        def upload(fill: bool = True) -> None:  # ordered after the step that read the previous masks (same stream)
             t0 = clock()
-            masks.fill_rows(host, matchers, rows)
+            if fill:  # (a step's own masks are filled with its accepts: advance)
+                masks.fill_rows(host, matchers, rows)
             t1 = clock()
             bitmask.copy_(host, non_blocking=pipelined)
             parts["fill"] += t1 - t0
             parts["upload"] += clock() - t1
 
         def advance(t: int, column: "_Column") -> bool:
-            """Step ``t``'s tokens (one per row) into the active matchers; those that end leave (their
-            rows become all ones). True when some did."""
+            """Step ``t``'s tokens (one per row) into the active matchers, and the next step's masks
+            from them (one pass); those that end leave (their rows become all ones). True when some did."""
             nonlocal dirty
             t0 = clock()
             tokens = column.read()
@@ -460,10 +462,12 @@ class Decoder:
                 keep_only(lambda i, b: not self.jobs[b].done)
                 dirty = False
             picked = [tokens[j] for j in rows]
-            masks.accept_matchers(active, matchers, picked)
+            ending = t + 1 >= shortest or not eos.isdisjoint(picked)
+            goes = [picked[i] not in eos and t + 1 < budget[b] for i, b in enumerate(active)] if ending else None
+            masks.accept_and_fill(active, matchers, picked, host, rows, goes)
             before = len(active)
-            if t + 1 >= shortest or not eos.isdisjoint(picked):
-                keep_only(lambda i, b: picked[i] not in eos and t + 1 < budget[b])
+            if ending:
+                keep_only(lambda i, b: goes[i])
             parts["wait"] += t1 - t0
             parts["accept"] += clock() - t1
             return len(active) < before
@@ -533,7 +537,7 @@ class Decoder:
                         parts["settle"] += clock() - t0
                         self.early_ends += 1
                         return
-                    upload()
+                    upload(fill=False)
                 launch(pick)
                 self.constrained_steps += 1
                 run.scheduler.tick(1)

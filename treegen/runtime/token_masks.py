@@ -4,8 +4,8 @@
 Each constrained branch has its own xgrammar matcher (made from the compiled grammar that all
 branches with the same constraint share, :class:`~treegen.runtime.constraint.Grammars`). After the
 host accepts a branch's token it advances the matcher; before the branch's next token is sampled its
-row of a bitmask ``[rows, ceil(vocab / 32)] int32`` is filled from the matcher (all of a batch's
-rows at once, on xgrammar's threads: half the usable CPUs, at most 8) and :func:`apply_bitmask`
+row of a bitmask ``[rows, ceil(vocab / 32)] int32`` is filled from the matcher (a decode step's accepts
+and fills in one pass, chunks of many rows on threads of their own: :meth:`TokenMasks.accept_and_fill`) and :func:`apply_bitmask`
 sets the logits of the tokens it forbids to ``-inf``. Rows of unconstrained or finished branches are all ones (nothing forbidden), so
 one bitmask serves a mixed batch and its shape never changes during a decode phase.
 """
@@ -20,6 +20,10 @@ from treegen.runtime.constraint import Grammars
 
 
 ACCEPT_CHUNK = 128  # matchers per thread at least when accepting tokens (below, one call: ~1 us each)
+# rows per thread at least when accepting and filling a step's masks. xgrammar's own multi-threaded fill was
+# measured slower than one thread (H100 host, 16 CPUs, TinyLlama's 32K vocabulary, free-text regex: 1.4 ms
+# on 8 threads against 0.27 on one at 256 rows, 4.4 against 1.1 at 1,024; bench_constrained, TREEGEN_MASK_THREADS)
+FILL_CHUNK = 256
 
 
 class TokenMasks:
@@ -33,8 +37,9 @@ class TokenMasks:
         # xgrammar's "auto" is half of std::thread::hardware_concurrency(): in a container that is the
         # host's count (often 100+ threads), not the CPUs this process may use
         self.threads = fill_threads()
-        self._batch = xgr.BatchGrammarMatcher(self.threads)
+        self._batch = xgr.BatchGrammarMatcher(1)  # (one thread: see FILL_CHUNK)
         self._pool = None  # threads for accepting many matchers' tokens (made when first needed)
+        self._fillers = [self._batch] + [xgr.BatchGrammarMatcher(1) for _ in range(self.threads - 1)]
 
     def __contains__(self, branch: int) -> bool:
         return branch in self.matchers
@@ -84,6 +89,45 @@ class TokenMasks:
             b, t = next((b, t) for b, t, ok in zip(branches, tokens, flags) if not ok)
             raise RuntimeError(f"branch {b} drew token {t}, which its constraint forbids (its token mask was not applied)")
 
+    def accept_and_fill(self, branches: list[int], handles: list, tokens: list[int] | None, bitmask: torch.Tensor,
+                        rows: list[int], fill: list[bool] | None = None) -> None:
+        """A decode step's host work, in one pass: advance the matcher of each ``handles[i]`` (branch
+        ``branches[i]``) by ``tokens[i]`` (None: no token, fill only), then write ``bitmask[rows[i]]`` from
+        it where ``fill[i]`` (None: everywhere; a matcher that just took its last token is not filled).
+        A row's mask needs only its own matcher, so chunks of at least ``FILL_CHUNK`` rows go to threads
+        (xgrammar releases the GIL), each accepting and filling its own with a one-thread batch matcher.
+        A token its matcher refuses raises, naming the branch (its mask was not applied)."""
+        if not handles:
+            return
+        from xgrammar.base import _core
+
+        accept = _core.BatchGrammarMatcher.batch_accept_token
+
+        def part(k: int, lo: int, hi: int):
+            taken = accept(handles[lo:hi], tokens[lo:hi], False) if tokens is not None else ()
+            chosen = range(lo, hi) if fill is None else [i for i in range(lo, hi) if fill[i]]
+            if chosen:
+                self._fillers[k]._handle.batch_fill_next_token_bitmask(
+                    [handles[i] for i in chosen], bitmask, [rows[i] for i in chosen], False)
+            return taken
+
+        chunks = max(1, min(self.threads, len(handles) // FILL_CHUNK))
+        size = -(-len(handles) // chunks)
+        if chunks == 1:
+            taken = [part(0, 0, len(handles))]
+        else:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="treegen-masks")
+            futures = [self._pool.submit(part, k, lo, min(lo + size, len(handles)))
+                       for k, lo in enumerate(range(0, len(handles), size))]
+            taken = [f.result() for f in futures]
+        if tokens is not None and any(0 in t for t in taken):
+            flags = [ok for t in taken for ok in t]
+            b, t = next((b, t) for b, t, ok in zip(branches, tokens, flags) if not ok)
+            raise RuntimeError(f"branch {b} drew token {t}, which its constraint forbids (its token mask was not applied)")
+
     def matched(self, branch: int) -> bool:
         """The branch's text so far is a complete match of its constraint."""
         m = self.matchers[branch]
@@ -102,10 +146,8 @@ class TokenMasks:
         return [m._handle for m in matchers]
 
     def fill_rows(self, bitmask: torch.Tensor, handles: list, rows: list[int]) -> None:
-        """Write ``bitmask[rows[i]]`` from the matcher of ``handles[i]`` (live, not terminated), on
-        xgrammar's threads."""
-        if rows:
-            self._batch._handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)
+        """Write ``bitmask[rows[i]]`` from the matcher of ``handles[i]`` (live, not terminated)."""
+        self.accept_and_fill([], handles, None, bitmask, rows)
 
     def fill(self, bitmask: torch.Tensor, branches: list[int | None]) -> bool:
         """Write row ``j`` of the host ``bitmask`` for ``branches[j]``: its matcher's next-token mask,
@@ -137,8 +179,9 @@ def usable_cpus() -> int:
 
 
 def fill_threads() -> int:
-    """Threads for filling masks and accepting tokens: half the usable CPUs (the rest run Python, the
-    model's launches and torch), at most 8; ``TREEGEN_MASK_THREADS`` overrides."""
+    """Threads for accepting tokens and filling masks (each takes whole chunks of rows: ``ACCEPT_CHUNK``,
+    ``FILL_CHUNK``): half the usable CPUs (the rest run Python, the model's launches and torch), at most
+    8; ``TREEGEN_MASK_THREADS`` overrides."""
     given = os.environ.get("TREEGEN_MASK_THREADS")
     if given:
         return max(1, int(given))
