@@ -256,8 +256,7 @@ def test_long_repetitions_are_rewritten_to_the_same_language(regex):
 
 
 def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
-    """TokenMasks splits many matchers' accepts (and a step's accepts with its fills) over threads and
-    fills rows by xgrammar's handles: the states and masks equal one matcher at a time, a row not to be
+    """TokenMasks splits a step's accepts and fills of many matchers over threads, by xgrammar's handles: the states and masks equal one matcher at a time, a row not to be
     filled keeps what it held, and a forbidden token names its branch."""
     import random
 
@@ -291,7 +290,7 @@ def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
         tokens = [rng.choice(bits[j].nonzero().flatten().tolist()) for j in range(n)]
         assert all(m.accept_token(t) for m, t in zip(solo, tokens))
         if step % 2:  # accepts, then fills
-            masks.accept_matchers(rows, handles, tokens)
+            masks.accept_and_fill(rows, handles, tokens, bitmask, rows, [False] * n)  # (accepts only)
             masks.fill_rows(bitmask, handles, rows)
         else:  # one pass, every row but the first filled
             bitmask[0] = 7
@@ -299,8 +298,6 @@ def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
             assert bitmask[0].eq(7).all()
             masks.fill_rows(bitmask, handles[:1], rows[:1])
     bad = [tokenizer.encode("\n")[0]] * n  # never allowed inside this one-line JSON
-    with pytest.raises(RuntimeError, match="branch 0 drew token"):
-        masks.accept_matchers(rows, handles, bad)
     with pytest.raises(RuntimeError, match="branch 0 drew token"):
         masks.accept_and_fill(rows, handles, bad, bitmask, rows)
 

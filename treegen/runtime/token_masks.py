@@ -19,7 +19,6 @@ import torch
 from treegen.runtime.constraint import Grammars
 
 
-ACCEPT_CHUNK = 128  # matchers per thread at least when accepting tokens (below, one call: ~1 us each)
 # rows per thread at least when accepting and filling a step's masks. xgrammar's own multi-threaded fill was
 # measured slower than one thread (H100 host, 16 CPUs, TinyLlama's 32K vocabulary, free-text regex: 1.4 ms
 # on 8 threads against 0.27 on one at 256 rows, 4.4 against 1.1 at 1,024; bench_constrained, TREEGEN_MASK_THREADS)
@@ -38,7 +37,7 @@ class TokenMasks:
         # host's count (often 100+ threads), not the CPUs this process may use
         self.threads = fill_threads()
         self._batch = xgr.BatchGrammarMatcher(1)  # (one thread: see FILL_CHUNK)
-        self._pool = None  # threads for accepting many matchers' tokens (made when first needed)
+        self._pool = None  # threads for a step's accepts and fills of many rows (made when first needed)
         self._fillers = [self._batch] + [xgr.BatchGrammarMatcher(1) for _ in range(self.threads - 1)]
 
     def __contains__(self, branch: int) -> bool:
@@ -62,32 +61,6 @@ class TokenMasks:
             if not ok:
                 raise RuntimeError(f"branch {b} drew token {t}, which its constraint forbids "
                                    "(its token mask was not applied)")
-
-    def accept_matchers(self, branches: list[int], handles: list, tokens: list[int]) -> None:
-        """:meth:`accept` for callers that hold the branches' matchers' :meth:`handles`. Many matchers
-        are split over threads (xgrammar releases the GIL; each matcher is its own state): chunks of
-        at least ``ACCEPT_CHUNK`` on ``fill_threads()`` threads."""
-        if not handles:
-            return
-        from xgrammar.base import _core
-
-        accept = _core.BatchGrammarMatcher.batch_accept_token
-        chunks = min(self.threads, len(handles) // ACCEPT_CHUNK)
-        if chunks > 1:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="treegen-masks")
-            size = -(-len(handles) // chunks)
-            parts = [self._pool.submit(accept, handles[i:i + size], tokens[i:i + size], False)
-                     for i in range(0, len(handles), size)]
-            taken = [part.result() for part in parts]
-        else:
-            taken = [accept(handles, tokens, False)]
-        if any(0 in part for part in taken):  # (a C++ search; reading the items back one by one is slow)
-            flags = [ok for part in taken for ok in part]
-            b, t = next((b, t) for b, t, ok in zip(branches, tokens, flags) if not ok)
-            raise RuntimeError(f"branch {b} drew token {t}, which its constraint forbids (its token mask was not applied)")
 
     def accept_and_fill(self, branches: list[int], handles: list, tokens: list[int] | None, bitmask: torch.Tensor,
                         rows: list[int], fill: list[bool] | None = None) -> None:
@@ -140,7 +113,7 @@ class TokenMasks:
 
     @staticmethod
     def handles(matchers: list) -> list:
-        """xgrammar's own objects behind ``matchers``, for :meth:`fill_rows` and :meth:`accept_matchers`
+        """xgrammar's own objects behind ``matchers``, for :meth:`fill_rows` and :meth:`accept_and_fill`
         (its Python wrappers rebuild this list per call and read results back one item at a time,
         which at 1,024 branches costs about three times the accept itself)."""
         return [m._handle for m in matchers]
@@ -179,8 +152,8 @@ def usable_cpus() -> int:
 
 
 def fill_threads() -> int:
-    """Threads for accepting tokens and filling masks (each takes whole chunks of rows: ``ACCEPT_CHUNK``,
-    ``FILL_CHUNK``): half the usable CPUs (the rest run Python, the model's launches and torch), at most
+    """Threads for accepting tokens and filling masks (each takes a chunk of at least ``FILL_CHUNK``
+    rows): half the usable CPUs (the rest run Python, the model's launches and torch), at most
     8; ``TREEGEN_MASK_THREADS`` overrides."""
     given = os.environ.get("TREEGEN_MASK_THREADS")
     if given:
