@@ -33,7 +33,7 @@ from bench_dynamic import VARIANTS, now, workload  # benchmarks/
 from bench_end_to_end import SHAPES, config_of
 from treegen.lang.batch import Cooperative
 from treegen.lang.interpreter import ProgramRun
-from treegen.runtime import decode, kv_store, phase_graphs, tree_run
+from treegen.runtime import decode, kv_store, phase_graphs, phase_io, tree_run
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
@@ -47,10 +47,10 @@ MARKED = {
     (tree_run.TreeRun, "_run_step"): "mixed_step",
     (decode.Decoder, "draw"): "draw",
     (decode.Decoder, "_settle"): "settle",
-    (decode._Block, "read"): "wait_tokens",
+    (phase_io.TokenBlock, "read"): "wait_tokens",
     (decode.Decoder, "_graph"): "capture",
     (phase_graphs.PhaseBuffers, "load"): "kept_load",
-    (decode._Params, "__init__"): "params",
+    (phase_io.RowSampling, "__init__"): "params",
     (Cooperative, "_resume"): "programs",
     (tree_run.TreeRun, "complete"): "complete",
     (tree_run.TreeRun, "advance"): "advance",  # (the engine loop's own code: what no inner range marks)
@@ -59,7 +59,7 @@ MARKED = {
     (tree_run.TreeRun, "attend_fn"): "attend_fn",
     (decode.Decoder, "_kept"): "kept_lookup",
     (decode.Decoder, "decode_rows"): "decode_rows",
-    (decode._Block, "__init__"): "block_copy",
+    (phase_io.TokenBlock, "__init__"): "block_copy",
     (ProgramRun, "submit"): "program_submit",
 }
 GAP_SIZES_US = (10, 100, 1_000, 10_000)  # the gap histogram's bin edges

@@ -34,8 +34,9 @@ import torch
 from treegen.runtime import phase_graphs, swa
 from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.phase_graphs import PhaseBuffers, PhaseGraphs
+from treegen.runtime.phase_io import RowSampling, TokenBlock, TokenColumn
 from treegen.runtime.requests import GenResult, Job
-from treegen.runtime.sampler import SamplingParams, pick
+from treegen.runtime.sampler import SamplingParams
 from treegen.runtime.scheduler import REPLAN_FRACTION
 from treegen.runtime.token_automata import FREE
 from treegen.runtime.token_masks import TokenMasks
@@ -133,7 +134,7 @@ class Decoder:
             return
         device = logits.device
         steps = torch.tensor([len(self.out[b]) for b in rows], dtype=torch.int64, device=device)
-        params = _Params([self.jobs[b] for b in rows], device, self.model.vocab_split)
+        params = RowSampling([self.jobs[b] for b in rows], device, self.model.vocab_split)
         bitmask = None
         if self.masks is not None:
             bitmask = self.masks.new_bitmask(len(rows))
@@ -199,7 +200,7 @@ class Decoder:
         # a branch done while the phase runs on keeps writing into its reservation's last slot, which
         # holds no KV (its last token's is never written): never into its written KV, never past it
         slot_limit = slots + torch.tensor(grow, device=device)
-        params = _Params([self.jobs[b] for b in live], device, model.vocab_split)
+        params = RowSampling([self.jobs[b] for b in live], device, model.vocab_split)
         steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
         # the SWA rows whose queries a recorder keeps for the compaction (none: attention "none" has none)
         recorded = swa_rows if run.engine.attention != "none" else []
@@ -380,14 +381,14 @@ class Decoder:
                     run.scheduler.tick(t + 1 - done_steps)
                     if pending is not None:
                         self._settle(live, pending)
-                    self._settle(live, _Block(buf, lp_buf, done_steps, t + 1, pipelined))
+                    self._settle(live, TokenBlock(buf, lp_buf, done_steps, t + 1, pipelined))
                     self.early_ends += 1
                     return
                 continue
             # a block ends: the host settles one (and the programs may run) before it reads the count, so
             # the device has this step and the one before queued meanwhile
             run.scheduler.tick(t + 1 - done_steps)
-            block = _Block(buf, lp_buf, done_steps, t + 1, pipelined)
+            block = TokenBlock(buf, lp_buf, done_steps, t + 1, pipelined)
             done_steps = t + 1
             if pipelined:  # look at the previous block while this one's steps run: the GPU never waits
                 block, pending = pending, block
@@ -451,7 +452,7 @@ class Decoder:
             parts["fill"] += t1 - t0
             parts["upload"] += clock() - t1
 
-        def advance(t: int, column: "_Column") -> bool:
+        def advance(t: int, column: "TokenColumn") -> bool:
             """Step ``t``'s tokens (one per row) into the active matchers, and the next step's masks
             from them (one pass); those that end leave (their rows become all ones). True when some did."""
             nonlocal dirty
@@ -533,7 +534,7 @@ class Decoder:
                             t if capturing else None, expected_left(width, t, first_end)):
                         t0 = clock()
                         if done_steps < t:  # (the steps after the last block)
-                            self._settle(live, _Block(buf, lp_buf, done_steps, t, pipelined), advance=False)
+                            self._settle(live, TokenBlock(buf, lp_buf, done_steps, t, pipelined), advance=False)
                         parts["settle"] += clock() - t0
                         self.early_ends += 1
                         return
@@ -541,9 +542,9 @@ class Decoder:
                 launch(pick)
                 self.constrained_steps += 1
                 run.scheduler.tick(1)
-                step_tokens = _Column(last, pipelined)
+                step_tokens = TokenColumn(last, pipelined)
                 if (t + 1) % self.sync_every == 0 or t + 1 == width:
-                    block, done_steps = _Block(buf, lp_buf, done_steps, t + 1, pipelined), t + 1
+                    block, done_steps = TokenBlock(buf, lp_buf, done_steps, t + 1, pipelined), t + 1
             advance(width - 1, step_tokens)
             t0 = clock()
             self._settle(live, block, advance=False)
@@ -551,7 +552,7 @@ class Decoder:
         finally:
             parts["other"] += (clock() - loop_started) - (sum(parts.values()) - parts["other"] - known)
 
-    def _settle(self, live: list[int], block: "_Block", advance: bool = True) -> None:
+    def _settle(self, live: list[int], block: "TokenBlock", advance: bool = True) -> None:
         """Accept a block of sampled tokens of the phase's branches ``live`` (those still live).
         ``advance``: the constrained branches' matchers take the tokens (False: they have already)."""
         tokens, lps = block.read()
@@ -713,91 +714,6 @@ class Decoder:
             graph.replay()
 
         return replay
-
-
-class _Params:
-    """The sampling parameters of some branches as device tensors, row by row; ``split``: the model's
-    ``vocab_split`` (the logits :meth:`pick` gets are this rank's slice) or None."""
-
-    def __init__(self, jobs: list[Job], device, split=None) -> None:
-        self.split = split
-        params: list[SamplingParams] = [j.request.params for j in jobs]
-        self.temperature = torch.tensor([float(p.temperature) for p in params], device=device)
-        self.top_p = torch.tensor([float(p.top_p) for p in params], device=device)
-        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-        self.keys = torch.tensor([j.request.key for j in jobs], dtype=torch.int64, device=device)
-        # what ends a row on the device (stop strings end rows on the host only)
-        self.max_tokens = torch.tensor([p.max_tokens for p in params], dtype=torch.int64, device=device)
-        self.eos_ends = torch.tensor([not p.ignore_eos for p in params], dtype=torch.bool, device=device)
-        self.all_greedy = all(p.temperature == 0 for p in params)
-        self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
-
-    def padded(self, rows: int) -> "_Params":
-        """A copy for ``rows`` rows (these first), the rest greedy, to be filled by :meth:`load`."""
-        out = object.__new__(_Params)
-        out.split, out.all_greedy, out.filter_needed = self.split, self.all_greedy, self.filter_needed
-        for name, fill in _Params._PADDING.items():
-            mine = getattr(self, name)
-            setattr(out, name, torch.full((rows,), fill, dtype=mine.dtype, device=mine.device))
-        return out
-
-    def load(self, params: "_Params") -> None:
-        """Copy ``params`` (as many rows or fewer, the same flags) into this :meth:`padded` copy, in place."""
-        n = params.keys.numel()
-        for name, fill in _Params._PADDING.items():
-            mine = getattr(self, name)
-            mine[:n].copy_(getattr(params, name))
-            mine[n:].fill_(fill)
-
-    # padding rows: greedy, done at once
-    _PADDING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "keys": 0, "max_tokens": 0, "eos_ends": False}
-
-    def pick(self, logits, idx, steps, bitmask=None):
-        """(tokens, logprobs) of rows ``idx`` (see :func:`~treegen.runtime.sampler.pick`)."""
-        return pick(logits, temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
-                    keys=self.keys[idx], steps=steps, all_greedy=self.all_greedy, filter_needed=self.filter_needed,
-                    bitmask=bitmask, split=self.split)
-
-
-class _Column:
-    """One step's tokens (``[rows]`` int64 on the device) on their way to the host, like :class:`_Block`."""
-
-    def __init__(self, tokens: torch.Tensor, pipelined: bool) -> None:
-        self.tokens, self.event = tokens, None
-        if pipelined:
-            self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.tokens = tokens.clone()
-
-    def read(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.tokens.tolist()
-
-
-class _Block:
-    """Columns ``[begin, end)`` of a phase's sampled tokens and log-probabilities, on their way to the
-    host. ``pipelined``: copied asynchronously into pinned memory (ordered after the steps that wrote
-    them), so the host can read them while later steps already run; else read at once."""
-
-    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, begin: int, end: int, pipelined: bool) -> None:
-        self.end = end
-        self.tokens, self.logprobs = tokens[:, begin:end], logprobs[:, begin:end]
-        self.event = None
-        if pipelined:  # into pinned host memory, so the copies are truly asynchronous
-            self.tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True).copy_(
-                self.tokens, non_blocking=True)
-            self.logprobs = torch.empty(self.logprobs.shape, dtype=self.logprobs.dtype, pin_memory=True).copy_(
-                self.logprobs, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def read(self) -> tuple[list[list[int]], list[list[float]]]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.tokens.tolist(), self.logprobs.tolist()
 
 
 def expected_left(width: int, steps: int, first_end: int | None) -> int:

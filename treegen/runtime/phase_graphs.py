@@ -111,7 +111,7 @@ class PhaseBuffers:
     buf: torch.Tensor  # [R, W] int64: drawn tokens
     lp_buf: torch.Tensor  # [R, W] fp32: their log-probabilities
     plan: object  # the padded PassPlan
-    params: object  # the padded sampling parameters (decode._Params)
+    params: object  # the padded sampling parameters (phase_io.RowSampling)
     bitmask: torch.Tensor | None  # [R, words] int32: a constrained phase's token masks
     done: torch.Tensor | None = None  # [R] bool: rows that drew EOS or reached max_tokens (padding: at once)
     alive: torch.Tensor | None = None  # [1] int64: rows not done

@@ -1,0 +1,97 @@
+"""What a decode phase's steps read and what they hand the host: the branches' sampling parameters as
+device tensors, row by row (:class:`RowSampling`), and the tokens they draw on their way to the host — one
+step's (:class:`TokenColumn`) or a block of steps' with their log-probabilities (:class:`TokenBlock`),
+copied asynchronously into pinned memory on CUDA so the host reads them while later steps run (see
+:mod:`~treegen.runtime.decode`)."""
+
+from __future__ import annotations
+
+import torch
+
+from treegen.runtime.requests import Job
+from treegen.runtime.sampler import SamplingParams, pick
+
+
+class RowSampling:
+    """The sampling parameters of some branches as device tensors, row by row; ``split``: the model's
+    ``vocab_split`` (the logits :meth:`pick` gets are this rank's slice) or None."""
+
+    def __init__(self, jobs: list[Job], device, split=None) -> None:
+        self.split = split
+        params: list[SamplingParams] = [j.request.params for j in jobs]
+        self.temperature = torch.tensor([float(p.temperature) for p in params], device=device)
+        self.top_p = torch.tensor([float(p.top_p) for p in params], device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        self.keys = torch.tensor([j.request.key for j in jobs], dtype=torch.int64, device=device)
+        # what ends a row on the device (stop strings end rows on the host only)
+        self.max_tokens = torch.tensor([p.max_tokens for p in params], dtype=torch.int64, device=device)
+        self.eos_ends = torch.tensor([not p.ignore_eos for p in params], dtype=torch.bool, device=device)
+        self.all_greedy = all(p.temperature == 0 for p in params)
+        self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
+
+    def padded(self, rows: int) -> "RowSampling":
+        """A copy for ``rows`` rows (these first), the rest greedy, to be filled by :meth:`load`."""
+        out = object.__new__(RowSampling)
+        out.split, out.all_greedy, out.filter_needed = self.split, self.all_greedy, self.filter_needed
+        for name, fill in RowSampling._PADDING.items():
+            mine = getattr(self, name)
+            setattr(out, name, torch.full((rows,), fill, dtype=mine.dtype, device=mine.device))
+        return out
+
+    def load(self, params: "RowSampling") -> None:
+        """Copy ``params`` (as many rows or fewer, the same flags) into this :meth:`padded` copy, in place."""
+        n = params.keys.numel()
+        for name, fill in RowSampling._PADDING.items():
+            mine = getattr(self, name)
+            mine[:n].copy_(getattr(params, name))
+            mine[n:].fill_(fill)
+
+    # padding rows: greedy, done at once
+    _PADDING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "keys": 0, "max_tokens": 0, "eos_ends": False}
+
+    def pick(self, logits, idx, steps, bitmask=None):
+        """(tokens, logprobs) of rows ``idx`` (see :func:`~treegen.runtime.sampler.pick`)."""
+        return pick(logits, temperature=self.temperature[idx], top_p=self.top_p[idx], top_k=self.top_k[idx],
+                    keys=self.keys[idx], steps=steps, all_greedy=self.all_greedy, filter_needed=self.filter_needed,
+                    bitmask=bitmask, split=self.split)
+
+
+class TokenColumn:
+    """One step's tokens (``[rows]`` int64 on the device) on their way to the host, like :class:`TokenBlock`."""
+
+    def __init__(self, tokens: torch.Tensor, pipelined: bool) -> None:
+        self.tokens, self.event = tokens, None
+        if pipelined:
+            self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tokens = tokens.clone()
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.tolist()
+
+
+class TokenBlock:
+    """Columns ``[begin, end)`` of a phase's sampled tokens and log-probabilities, on their way to the
+    host. ``pipelined``: copied asynchronously into pinned memory (ordered after the steps that wrote
+    them), so the host can read them while later steps already run; else read at once."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, begin: int, end: int, pipelined: bool) -> None:
+        self.end = end
+        self.tokens, self.logprobs = tokens[:, begin:end], logprobs[:, begin:end]
+        self.event = None
+        if pipelined:  # into pinned host memory, so the copies are truly asynchronous
+            self.tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True).copy_(
+                self.tokens, non_blocking=True)
+            self.logprobs = torch.empty(self.logprobs.shape, dtype=self.logprobs.dtype, pin_memory=True).copy_(
+                self.logprobs, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self) -> tuple[list[list[int]], list[list[float]]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.tolist(), self.logprobs.tolist()
