@@ -120,9 +120,9 @@ class Decoder:
             self.logprobs.append([])
             constraint = job.request.params.constraint
             automaton = self.run.engine.automaton(constraint)
-            # only EOS and max_tokens can end it (no stop string; no constraint, or one that a token automaton
-            # serves, whose state the host walks): settled on the fast path
-            self.plain.append((constraint is None or automaton is not None) and not job.request.params.stop)
+            # only EOS and max_tokens can end it (no stop string; a constraint's matcher takes the tokens before
+            # they are settled, a token automaton's state is walked there): settled on the fast path
+            self.plain.append(not job.request.params.stop)
             if automaton is not None:
                 self.state[len(self.jobs) - 1] = automaton.initial
             elif constraint is not None:
