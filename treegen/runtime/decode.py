@@ -393,12 +393,11 @@ class Decoder:
             if pipelined:  # look at the previous block while this one's steps run: the GPU never waits
                 block, pending = pending, block
             if block is not None:
-                block_end = block.end
                 before = len(self.live)
                 self._settle(live, block)
                 completed = len(self.live) < before
                 if completed and first_end is None:
-                    first_end = block_end
+                    first_end = block.end
                 resume_first = completed and self.overlap_programs and bool(self.live)
                 if resume_first:
                     # jobs completed: their programs may resume (and queue work, which the decision below

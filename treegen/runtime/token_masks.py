@@ -36,9 +36,9 @@ class TokenMasks:
         # xgrammar's "auto" is half of std::thread::hardware_concurrency(): in a container that is the
         # host's count (often 100+ threads), not the CPUs this process may use
         self.threads = fill_threads()
-        self._batch = xgr.BatchGrammarMatcher(1)  # (one thread: see FILL_CHUNK)
         self._pool = None  # threads for a step's accepts and fills of many rows (made when first needed)
-        self._fillers = [self._batch] + [xgr.BatchGrammarMatcher(1) for _ in range(self.threads - 1)]
+        # one one-thread batch matcher per thread that fills (see FILL_CHUNK)
+        self._fillers = [xgr.BatchGrammarMatcher(1) for _ in range(self.threads)]
 
     def __contains__(self, branch: int) -> bool:
         return branch in self.matchers
@@ -78,10 +78,13 @@ class TokenMasks:
 
         def part(k: int, lo: int, hi: int):
             taken = accept(handles[lo:hi], tokens[lo:hi], False) if tokens is not None else ()
-            chosen = range(lo, hi) if fill is None else [i for i in range(lo, hi) if fill[i]]
-            if chosen:
-                self._fillers[k]._handle.batch_fill_next_token_bitmask(
-                    [handles[i] for i in chosen], bitmask, [rows[i] for i in chosen], False)
+            if fill is None:
+                mine, where = handles[lo:hi], rows[lo:hi]
+            else:
+                chosen = [i for i in range(lo, hi) if fill[i]]
+                mine, where = [handles[i] for i in chosen], [rows[i] for i in chosen]
+            if mine:
+                self._fillers[k]._handle.batch_fill_next_token_bitmask(mine, bitmask, where, False)
             return taken
 
         chunks = max(1, min(self.threads, len(handles) // FILL_CHUNK))
@@ -131,8 +134,7 @@ class TokenMasks:
             (rows if m is not None and not m.is_terminated() else free).append(j)
         if free:
             bitmask[free] = -1
-        if rows:
-            self._batch.batch_fill_next_token_bitmask([self.matchers[branches[j]] for j in rows], bitmask, rows)
+        self.fill_rows(bitmask, self.handles([self.matchers[branches[j]] for j in rows]), rows)
         return bool(rows)
 
 
