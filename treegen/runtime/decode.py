@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from treegen.runtime import phase_graphs, swa
+from treegen.runtime import phase_graphs, stop_strings, swa
 from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.phase_graphs import PhaseBuffers, PhaseGraphs
 from treegen.runtime.phase_io import RowSampling, TokenBlock, TokenColumn
@@ -143,11 +143,12 @@ class Decoder:
         if states is not None:
             bitmask = self.run.engine.automata.tables.bitmask(states, also=bitmask)
         nxt, lp = params.pick(logits, torch.arange(len(rows), device=device), steps, bitmask)
-        tokens = nxt.tolist()
-        self._advance_matchers(rows, [[t] for t in tokens])
-        for b, t, p in zip(rows, tokens, lp.tolist()):
+        tokens = [[t] for t in nxt.tolist()]
+        self._advance_matchers(rows, tokens)
+        may_stop = self._may_stop(rows, tokens)
+        for j, (b, new, p) in enumerate(zip(rows, tokens, lp.tolist())):
             # (a job may be done already: cancelled by an earlier callback, its program having failed)
-            if not self.jobs[b].done and self._accept(b, [t], [p]) and self.jobs[b].request.final:
+            if not self.jobs[b].done and self._accept(b, new, [p], j not in may_stop) and self.jobs[b].request.final:
                 self.kv.free(self.jobs[b].request.node)
         self.live = [b for b in rows if not self.jobs[b].done]
         self._report()
@@ -560,12 +561,13 @@ class Decoder:
             self._advance_matchers(live, tokens)
         jobs, outs, logprobs, plain, eos, extend = self.jobs, self.out, self.logprobs, self.plain, self.eos, self.tree.extend
         state, walk = self.state, self.run.engine.automata.walk if self.state else None
+        may_stop = self._may_stop(live, tokens)
         for j, b in enumerate(live):
             job = jobs[b]
             if job.done:  # (finished, or cancelled by a callback of an earlier branch)
                 continue
             # the usual case, inline: a branch that goes on (the part of _accept's first branch that ends nothing)
-            if plain[b] and job.on_tokens is None:
+            if (plain[b] or j not in may_stop) and job.on_tokens is None:
                 new, out, params = tokens[j], outs[b], job.request.params
                 if len(out) + len(new) < params.max_tokens and (params.ignore_eos or eos.isdisjoint(new)):
                     out.extend(new)
@@ -575,7 +577,7 @@ class Decoder:
                     if b in state:  # (a token automaton's branch: its mask allowed every token)
                         state[b] = walk(state[b], new)
                     continue
-            self._accept(b, tokens[j], lps[j])
+            self._accept(b, tokens[j], lps[j], j not in may_stop)
         self.live = [b for b in self.live if not self.jobs[b].done]
         self._report()
         self.run.host_seconds["accept"] += time.perf_counter() - started
@@ -591,9 +593,23 @@ class Decoder:
             raise RuntimeError("a constrained branch was given several tokens at once")
         self.masks.accept([b for b, _ in taking], [new[0] for _, new in taking])
 
-    def _accept(self, b: int, new: list[int], logprobs: list[float]) -> bool:
+    def _may_stop(self, branches: list[int], tokens: list[list[int]]) -> set[int]:
+        """The indices ``j`` of ``branches`` whose stop strings may end within their new ``tokens[j]``
+        (:func:`~treegen.runtime.stop_strings.may_stop`, one batched decode of their texts' tails); the
+        others take their tokens without a stop string check after each."""
+        jobs, outs = self.jobs, self.out
+        asked = [j for j, b in enumerate(branches) if not self.plain[b] and not jobs[b].done]  # (plain: no stop strings)
+        if not asked:
+            return set()
+        maybe = stop_strings.may_stop(self.tokenizer, [outs[branches[j]] for j in asked], [tokens[j] for j in asked],
+                                      [jobs[branches[j]].request.params.stop for j in asked])
+        return {j for j, m in zip(asked, maybe) if m}
+
+    def _accept(self, b: int, new: list[int], logprobs: list[float], stop_free: bool = False) -> bool:
         """Append branch ``b``'s new tokens up to where it finishes; True when it finished (its job
-        is then complete). A constrained branch's matcher has taken them already (``_advance_matchers``)."""
+        is then complete). A constrained branch's matcher has taken them already (``_advance_matchers``).
+        ``stop_free``: no stop string of the branch can end within ``new`` (``_may_stop``), so only EOS and
+        ``max_tokens`` decide where it ends."""
         job = self.jobs[b]
         out = self.out[b]
         before = len(out)
@@ -602,7 +618,7 @@ class Decoder:
         state = self.state.get(b)
         automata = self.run.engine.automata if state is not None else None
         params = job.request.params
-        if masks is None and automata is None and not params.stop:
+        if masks is None and automata is None and (stop_free or not params.stop):
             # only EOS and max_tokens can end it: cut where the first does, take the tokens at once
             cut = max(0, min(len(new), params.max_tokens - before))
             ends = before + cut >= params.max_tokens

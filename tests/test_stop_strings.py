@@ -1,0 +1,108 @@
+"""Stop strings: the cheap test on a block's tail text never misses a stop string that the exact check
+(the whole text decoded after each token) finds, and a run takes the same tokens either way."""
+
+import random
+
+import pytest
+
+import treegen
+from treegen.runtime import stop_strings
+from treegen.runtime.engine import Engine
+
+
+def exact_stop(tokenizer, out, new, stops) -> bool:
+    """The reference: after some token of ``new``, the whole text holds a stop string."""
+    return any(any(s in tokenizer.decode(out + new[:k]) for s in stops) for k in range(1, len(new) + 1))
+
+
+def texts_with_many_kinds_of_tokens(tokenizer) -> list[int]:
+    text = ("Question: what is 12 × 7?\n\nAnswer: 84.  Réponse — «quatre-vingt-quatre» 🙂 ok\n"
+            "def f(x):\n    return x ** 2  # ünïcödé, 中文, 日本語のテキスト\n\n</answer> The end.") * 3
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_tail_test_never_misses_a_stop_string(tokenizer):
+    """Random cuts of a text with multi-byte characters and random token soup, stop strings taken from the
+    text (so they do occur), blocks of 1-8 new tokens: wherever the exact check stops, the test says maybe;
+    and it says no for most blocks (it is a filter, not a constant)."""
+    rng = random.Random(0)
+    ids = texts_with_many_kinds_of_tokens(tokenizer)
+    text = tokenizer.decode(ids)
+    said_no = hits = 0
+    for trial in range(400):
+        seq = ids if trial % 2 else [rng.randrange(tokenizer.vocab_size) for _ in range(len(ids))]
+        cut, width = rng.randrange(0, len(seq) - 8), rng.randrange(1, 9)
+        out, new = seq[:cut], seq[cut : cut + width]
+        if trial % 3:  # a stop string that ends in the new tokens' text (if they add any)
+            whole, before = tokenizer.decode(out + new), len(tokenizer.decode(out))
+            end = rng.randrange(min(before + 1, len(whole)), len(whole) + 1)
+            stops = (whole[max(0, end - rng.randrange(1, 12)) : end] or "x",)
+        else:  # one from anywhere in the text
+            start = rng.randrange(0, len(text) - 12)
+            stops = tuple(text[start : start + rng.randrange(1, 12)] for _ in range(rng.randrange(1, 3)))
+        if any(s in tokenizer.decode(out) for s in stops):  # (the branch would have ended before)
+            continue
+        maybe = stop_strings.may_stop(tokenizer, [out], [new], [stops])[0]
+        exact = exact_stop(tokenizer, out, new, stops)
+        assert maybe or not exact, (out[-20:], new, stops)
+        hits += exact
+        said_no += not maybe
+    assert hits > 50 and said_no > 40
+
+
+def test_stop_strings_that_may_vanish_take_the_exact_check(tokenizer):
+    """A replacement character, or a space where the tokenizer cleans spaces up, may be in the text after
+    one token and gone after the next: such stop strings always take the exact check."""
+    ids = tokenizer("plain words", add_special_tokens=False)["input_ids"]
+    assert stop_strings.may_stop(tokenizer, [ids], [ids], [("\ufffd",)]) == [True]
+    assert stop_strings.may_stop(tokenizer, [ids], [ids], [("zz",)]) == [False]
+
+
+@treegen.program
+def stopping(s, stop):
+    s += "Once upon a time"
+    b = s.fork(24)
+    b += treegen.gen("x", max_tokens=40, temperature=1.0, stop=stop)
+    s.join(b)
+
+
+@pytest.mark.parametrize("every", [1, 8])
+def test_a_run_stops_where_the_exact_check_stops(tiny_llama, tokenizer, monkeypatch, every):
+    """Sampled branches of a random model with stop strings that its token soup hits at many places:
+    the same tokens, texts and finish reasons with the tail test as with the exact check after every token
+    (the test's "maybe" everywhere), whether the host takes tokens one at a time or in blocks of 8."""
+    from treegen.runtime.decode import Decoder
+
+    _, model = tiny_llama
+    init = Decoder.__init__
+
+    def with_blocks(self, run):
+        init(self, run)
+        self.sync_every = every
+
+    monkeypatch.setattr(Decoder, "__init__", with_blocks)
+    stops = ("ing", "ation", "\n")
+
+    def results():
+        root = stopping.run(Engine(model, tokenizer), stops)
+
+        def ids(node):
+            return [t for n in root.tree.path(node) for t in root.tree.tokens(n)]
+        return [(ids(st.node)[st.info["x"]["start"]:][: st.info["x"]["tokens"]], st["x"], st.info["x"]["finish_reason"])
+                for st in root._run.states[1:]]
+
+    verdicts = []
+    real = stop_strings.may_stop
+
+    def counted(*args):
+        verdicts.extend(out := real(*args))
+        return out
+
+    monkeypatch.setattr(stop_strings, "may_stop", counted)
+    fast = results()
+    monkeypatch.setattr(stop_strings, "may_stop", lambda tokenizer, outs, news, stops: [True] * len(outs))
+    exact = results()
+    assert fast == exact
+    reasons = [r for _, _, r in fast]
+    assert reasons.count("stop") >= 4 and reasons.count("length") >= 1
+    assert verdicts.count(False) > verdicts.count(True) > 0
