@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from treegen.runtime import stop_strings
+from treegen.runtime.stop_strings import StopStrings
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
@@ -56,15 +56,15 @@ def timed(engine: Engine, prompt: list[int], batch: int, new: int, stop: tuple[s
 
 def measure(engine, prompt, batch: int, new: int, variant: str, repeats: int) -> dict:
     stop = () if variant == "none" else STOPS
-    real = stop_strings.may_stop
+    real = StopStrings.may_stop
     if variant == "exact":  # every block "may stop": the whole text decoded after each token, as before
-        stop_strings.may_stop = lambda tokenizer, outs, news, stops: [True] * len(outs)
+        StopStrings.may_stop = lambda self, outs, news, stops: [True] * len(outs)
     try:
         timed(engine, prompt, batch, 8, stop)  # warm-up: kernels, graphs
         t1 = statistics.median(timed(engine, prompt, batch, 1, stop) for _ in range(repeats))
         runs = [timed(engine, prompt, batch, new, stop) for _ in range(repeats)]
     finally:
-        stop_strings.may_stop = real
+        StopStrings.may_stop = real
     tn = statistics.median(runs)
     return {"variant": variant, "batch": batch, "new": new, "stop": list(stop), "total_s": tn, "prefill_s": t1,
             "runs_s": runs, "decode_tok_s": batch * (new - 1) / (tn - t1)}

@@ -6,7 +6,7 @@ import random
 import pytest
 
 import treegen
-from treegen.runtime import stop_strings
+from treegen.runtime.stop_strings import StopStrings
 from treegen.runtime.engine import Engine
 
 
@@ -21,16 +21,39 @@ def texts_with_many_kinds_of_tokens(tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def test_the_tail_test_never_misses_a_stop_string(tokenizer):
+def sentencepiece_style():
+    """A small tokenizer decoded as Llama 2's SentencePiece ones are: "▁" for spaces, bytes as <0xNN>
+    tokens, the text's leading space stripped."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", *string.ascii_letters, *string.digits, *".,:;!?'\"()[]{}<>/-_=+*#\n", "▁the", "▁quick",
+                  "▁answer", "▁is", "Question", "▁Question", "swer", "an", "er", "on", "ing", "▁a", ":\n", "\n\n"]:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_the_tail_test_never_misses_a_stop_string(tokenizer, kind):
     """Random cuts of a text with multi-byte characters and random token soup, stop strings taken from the
-    text (so they do occur), blocks of 1-8 new tokens: wherever the exact check stops, the test says maybe;
-    and it says no for most blocks (it is a filter, not a constant)."""
+    text (so they do occur), blocks of 1-8 new tokens, a byte-level BPE tokenizer (SmolLM2's) and a
+    SentencePiece-style one with byte fallback: wherever the exact check stops, the test says maybe; and it
+    says no for many blocks (it is a filter, not a constant)."""
+    tokenizer = tokenizer if kind == "byte-level" else sentencepiece_style()
     rng = random.Random(0)
+    scan = StopStrings(tokenizer)
     ids = texts_with_many_kinds_of_tokens(tokenizer)
     text = tokenizer.decode(ids)
     said_no = hits = 0
-    for trial in range(400):
-        seq = ids if trial % 2 else [rng.randrange(tokenizer.vocab_size) for _ in range(len(ids))]
+    for trial in range(600):
+        seq = ids if trial % 2 else [rng.randrange(len(tokenizer)) for _ in range(len(ids))]
         cut, width = rng.randrange(0, len(seq) - 8), rng.randrange(1, 9)
         out, new = seq[:cut], seq[cut : cut + width]
         if trial % 3:  # a stop string that ends in the new tokens' text (if they add any)
@@ -42,7 +65,7 @@ def test_the_tail_test_never_misses_a_stop_string(tokenizer):
             stops = tuple(text[start : start + rng.randrange(1, 12)] for _ in range(rng.randrange(1, 3)))
         if any(s in tokenizer.decode(out) for s in stops):  # (the branch would have ended before)
             continue
-        maybe = stop_strings.may_stop(tokenizer, [out], [new], [stops])[0]
+        maybe = scan.may_stop([out], [new], [stops])[0]
         exact = exact_stop(tokenizer, out, new, stops)
         assert maybe or not exact, (out[-20:], new, stops)
         hits += exact
@@ -50,12 +73,23 @@ def test_the_tail_test_never_misses_a_stop_string(tokenizer):
     assert hits > 50 and said_no > 40
 
 
+def test_the_tail_is_a_few_tokens_of_ordinary_text(tokenizer):
+    """Before a block's new tokens the test decodes enough tokens for the longest stop string's characters
+    and one more, also with a tokenizer without a vocabulary size (token ids as text, "90" counted as one
+    character: a SentencePiece start or a clean-up may take one), whose tokens it learns as they come."""
+    from treegen.runtime.loader import IdTokenizer
+
+    out = tokenizer("The quick brown fox jumps over the lazy dog, and then some.", add_special_tokens=False)["input_ids"]
+    assert 3 <= StopStrings(tokenizer).tail(out, ("Question:",)) <= 6
+    assert StopStrings(IdTokenizer()).tail(list(range(100)), ("Question:",)) == 9 + 1
+
+
 def test_stop_strings_that_may_vanish_take_the_exact_check(tokenizer):
     """A replacement character, or a space where the tokenizer cleans spaces up, may be in the text after
     one token and gone after the next: such stop strings always take the exact check."""
     ids = tokenizer("plain words", add_special_tokens=False)["input_ids"]
-    assert stop_strings.may_stop(tokenizer, [ids], [ids], [("\ufffd",)]) == [True]
-    assert stop_strings.may_stop(tokenizer, [ids], [ids], [("zz",)]) == [False]
+    assert StopStrings(tokenizer).may_stop([ids], [ids], [("\ufffd",)]) == [True]
+    assert StopStrings(tokenizer).may_stop([ids], [ids], [("zz",)]) == [False]
 
 
 @treegen.program
@@ -92,15 +126,15 @@ def test_a_run_stops_where_the_exact_check_stops(tiny_llama, tokenizer, monkeypa
                 for st in root._run.states[1:]]
 
     verdicts = []
-    real = stop_strings.may_stop
+    real = StopStrings.may_stop
 
-    def counted(*args):
-        verdicts.extend(out := real(*args))
+    def counted(self, *args):
+        verdicts.extend(out := real(self, *args))
         return out
 
-    monkeypatch.setattr(stop_strings, "may_stop", counted)
+    monkeypatch.setattr(StopStrings, "may_stop", counted)
     fast = results()
-    monkeypatch.setattr(stop_strings, "may_stop", lambda tokenizer, outs, news, stops: [True] * len(outs))
+    monkeypatch.setattr(StopStrings, "may_stop", lambda self, outs, news, stops: [True] * len(outs))
     exact = results()
     assert fast == exact
     reasons = [r for _, _, r in fast]

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from treegen.runtime import phase_graphs, stop_strings, swa
+from treegen.runtime import phase_graphs, swa
 from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.phase_graphs import PhaseBuffers, PhaseGraphs
 from treegen.runtime.phase_io import RowSampling, TokenBlock, TokenColumn
@@ -595,14 +595,14 @@ class Decoder:
 
     def _may_stop(self, branches: list[int], tokens: list[list[int]]) -> set[int]:
         """The indices ``j`` of ``branches`` whose stop strings may end within their new ``tokens[j]``
-        (:func:`~treegen.runtime.stop_strings.may_stop`, one batched decode of their texts' tails); the
-        others take their tokens without a stop string check after each."""
+        (:meth:`~treegen.runtime.stop_strings.StopStrings.may_stop`, one batched decode of their texts'
+        tails); the others take their tokens without a stop string check after each."""
         jobs, outs = self.jobs, self.out
         asked = [j for j, b in enumerate(branches) if not self.plain[b] and not jobs[b].done]  # (plain: no stop strings)
         if not asked:
             return set()
-        maybe = stop_strings.may_stop(self.tokenizer, [outs[branches[j]] for j in asked], [tokens[j] for j in asked],
-                                      [jobs[branches[j]].request.params.stop for j in asked])
+        maybe = self.run.engine.stop_strings.may_stop([outs[branches[j]] for j in asked], [tokens[j] for j in asked],
+                                                      [jobs[branches[j]].request.params.stop for j in asked])
         return {j for j, m in zip(asked, maybe) if m}
 
     def _accept(self, b: int, new: list[int], logprobs: list[float], stop_free: bool = False) -> bool:

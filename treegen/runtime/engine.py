@@ -17,6 +17,7 @@ from treegen.kernels.kv_quant import kv_format
 from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 from treegen.runtime import swa
 from treegen.runtime.constraint import Constraint, Grammars
+from treegen.runtime.stop_strings import StopStrings
 from treegen.runtime.token_automata import Automata, Automaton
 from treegen.runtime.distributed import finish_launch
 from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
@@ -139,6 +140,7 @@ class Engine:
             raise ValueError(f"token_automata must be True or False, got {token_automata!r}")
         self.token_automata = token_automata
         self._automata: Automata | None = None
+        self._stop_strings: StopStrings | None = None
 
     def check_swa(self, where: str) -> None:
         """Raise ValueError when this engine cannot run sparse window attention (``where`` asked for it)."""
@@ -187,6 +189,15 @@ class Engine:
         if self._automata is None:
             self._automata = Automata(self.grammars, self.model.device)
         return self._automata.get(constraint)
+
+    @property
+    def stop_strings(self) -> StopStrings:
+        """The test that rules stop strings out of a block of new tokens for this tokenizer (its table of
+        the characters each token writes is made at the first gen with stop strings; see
+        :mod:`~treegen.runtime.stop_strings`)."""
+        if self._stop_strings is None:
+            self._stop_strings = StopStrings(self.tokenizer)
+        return self._stop_strings
 
     @property
     def automata(self) -> Automata | None:

@@ -3,53 +3,135 @@
 A ``gen`` with stop strings ends at the first token after which its text — ``tokenizer.decode`` of
 every token it made — contains one of them (:func:`~treegen.runtime.decode.finished`). Checking that
 by decoding the whole text after each token costs time in the text's length per token: a 256-token
-answer decodes ~33K tokens' worth, and 1,024 such branches spend far longer on the host than the GPU
-spends on their steps.
+answer decodes ~33K tokens' worth, and 1,024 such branches spent 3-4x longer on the host than the GPU
+spent on their steps (``benchmarks/bench_stop_strings.py``).
 
-:func:`may_stop` is the cheap test in front of that check. For a block of new tokens it decodes only
-the tail of each branch's tokens — the new ones and ``window(stops)`` before them — in one batched
+:meth:`StopStrings.may_stop` is the cheap test in front of that check. For a block of new tokens it
+decodes only the tail of each branch's tokens — the new ones and a few before them — in one batched
 call; the branches whose tail text contains none of their stop strings go on without the exact,
 token-by-token check. The test may say "maybe" where the exact check then finds nothing (it costs a
 few decodes), never "no" where a stop string ends in the new tokens' text:
 
 - decoding is local: the text of ``tokens[s:]`` equals the tail of the text of ``tokens`` except for
-  its first few characters (a byte-level tokenizer's partial UTF-8 character at the cut renders as
-  replacement characters; SentencePiece drops the first token's leading space; the clean-up of
-  spaces before punctuation looks at a character's neighbour);
-- a stop string that ends within the new tokens' text starts at most ``len(stop) - 1`` characters
-  before it, and the tail keeps ``4 x len(stop) + 8`` tokens before the new ones: at least one
-  character each four tokens (a character is at most four bytes), so ``len(stop) + 2`` characters
-  and more cover the stop string and the few that may differ at the cut.
+  the first token's few characters (SentencePiece drops the first token's leading space; the clean-up
+  of spaces before punctuation looks at a character's neighbour), provided the cut is not inside a
+  character: the first token must not be *partial* — a token whose text alone holds a replacement
+  character, a piece of a multi-byte character (a byte-level tokenizer renders a cut character as
+  U+FFFD; SentencePiece's byte fallback renders a whole run of byte tokens as U+FFFD once any of them
+  does not decode);
+- a stop string of ``L`` characters that ends within the new tokens' text starts at most ``L - 1``
+  characters before it. The tail takes tokens before the new ones until they write at least ``L``
+  characters, counting each as the fewest it can write in any text (its text alone, less the one space
+  a SentencePiece start or a clean-up may take; none for a partial token), then one more token, the
+  first, which is not counted and not partial (the tail goes back further while it is).
 
-The exact check runs after every token, the test once on the whole block: a stop string that is in
-the text after some of the new tokens but gone after the last would escape it. Text changes behind
-its end only where a token completes a UTF-8 character (the partial one rendered as U+FFFD before)
-or where the tokenizer cleans up spaces (``clean_up_tokenization_spaces``: ``" ."`` becomes ``"."``,
-``" 's"`` ``"'s"``): a stop string with U+FFFD in it, or with a space in it under such a tokenizer,
-always takes the exact check.
+The exact check runs after every token, the test on the block's text: a stop string that is in the
+text after some of the new tokens but gone after the last would escape it. Text changes behind its
+end only where a partial token follows (it may complete a character rendered as U+FFFD before; under
+byte fallback, a byte token that does not decode turns its whole run of byte tokens into U+FFFD, also
+the characters before it) or where the tokenizer cleans up spaces (``clean_up_tokenization_spaces``:
+``" ."`` becomes ``"."``, ``" 's"`` ``"'s"``). So the test also decodes the tail up to each new partial
+token, and a stop string with U+FFFD in it, or with a space in it under such a tokenizer, always
+takes the exact check.
 """
 
 from __future__ import annotations
 
-# tokens the tail keeps before the new ones: per character of the longest stop string, and beyond it
-TOKENS_PER_CHAR, SPARE_TOKENS = 4, 8
+class StopStrings:
+    """The tail test of one tokenizer (see the module doc); the engine holds one (``Engine.stop_strings``)."""
 
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cleans_spaces = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        # per token id: the fewest characters it writes in any text, and whether it is partial (see the module
+        # doc); a vocabulary's all at once at the first test, else (no vocabulary size) each id when first seen
+        self._least: list[int] | dict[int, int] | None = None
+        self._partial: list[bool] | dict[int, bool] | None = None
+        self._batch = None  # the batched decode (see _decode), chosen at the first
 
-def window(stops: tuple[str, ...]) -> int:
-    """How many tokens before a block's new ones :func:`may_stop` decodes with them."""
-    return TOKENS_PER_CHAR * max(map(len, stops)) + SPARE_TOKENS
+    def _decode(self, sequences: list[list[int]]) -> list[str]:
+        """``tokenizer.decode`` of each sequence, in one call: a fast tokenizer's Rust batch where it writes
+        the same texts (checked on a few sequences once), else the tokenizer's ``batch_decode`` (a Python
+        loop over ``decode`` in transformers) or ``decode`` itself."""
+        if self._batch is None:
+            self._batch = self._rust_batch() or getattr(self.tokenizer, "batch_decode", None) or (
+                lambda seqs: [self.tokenizer.decode(q) for q in seqs])
+        return self._batch(sequences)
 
+    def _rust_batch(self):
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if self.cleans_spaces or not hasattr(backend, "decode_batch") or not hasattr(self.tokenizer, "__len__"):
+            return None
+        size = len(self.tokenizer)
+        samples = [list(range(a, min(size, a + 64))) for a in range(0, size, max(1, size // 8))]
+        batch = lambda seqs: backend.decode_batch(seqs, skip_special_tokens=False)  # noqa: E731
+        try:
+            same = batch(samples) == [self.tokenizer.decode(q) for q in samples]
+        except Exception:  # (a backend that differs: the tokenizer's own decode serves)
+            return None
+        return batch if same else None
 
-def may_stop(tokenizer, outs: list[list[int]], news: list[list[int]], stops: list[tuple[str, ...]]) -> list[bool]:
-    """For each branch — its tokens so far ``outs[i]``, a block of new ones ``news[i]``, its stop strings
-    ``stops[i]`` (none of them in the text of ``outs[i]``) — whether one of them may be in the text once
-    some of the new tokens are appended: False only where none can be (see the module doc)."""
-    cleans_spaces = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
-    exact = [any("\ufffd" in s or (cleans_spaces and " " in s) for s in stop) for stop in stops]
-    asked = [i for i, e in enumerate(exact) if not e]
-    tails = [outs[i][max(0, len(outs[i]) - window(stops[i])):] + news[i] for i in asked]
-    batch = getattr(tokenizer, "batch_decode", None)
-    texts = batch(tails) if batch is not None else [tokenizer.decode(t) for t in tails]
-    for i, text in zip(asked, texts):
-        exact[i] = any(s in text for s in stops[i])
-    return exact
+    def _learn(self, ids) -> None:
+        for t, text in zip(ids, self._decode([[t] for t in ids])):
+            self._partial[t] = "\ufffd" in text
+            self._least[t] = 0 if self._partial[t] else max(0, len(text) - 1)
+
+    def _tables(self, ids: list[int]):
+        """The per-token tables, knowing ``ids``; and the vocabulary's size (None: tables are dicts)."""
+        if self._least is None:
+            if hasattr(self.tokenizer, "__len__"):
+                size = len(self.tokenizer)
+                self._least, self._partial = [0] * size, [False] * size
+                self._learn(range(size))
+            else:
+                self._least, self._partial = {}, {}
+        if isinstance(self._least, list):
+            return self._least, self._partial, len(self._least)
+        unknown = {t for t in ids if t not in self._least}
+        if unknown:
+            self._learn(sorted(unknown))
+        return self._least, self._partial, None
+
+    def tail(self, out: list[int], stops: tuple[str, ...]) -> int:
+        """How many of ``out``'s last tokens the test decodes before a block's new ones."""
+        longest = max(map(len, stops))
+        return self._tail(out, longest, *self._tables(out[-4 * longest - 4:]))
+
+    def _tail(self, out: list[int], longest: int, least, partial, size: int | None) -> int:
+        chars = taken = 0
+        while taken < len(out):
+            t = out[-taken - 1]
+            taken += 1
+            if size is not None and not 0 <= t < size:  # (beyond the tokenizer's vocabulary: no text)
+                continue
+            if size is None and t not in least:
+                least, partial, _ = self._tables([t])
+            if chars >= longest and not partial[t]:  # the first token: its text may differ at the cut
+                break
+            chars += least[t]
+        return taken
+
+    def may_stop(self, outs: list[list[int]], news: list[list[int]], stops: list[tuple[str, ...]]) -> list[bool]:
+        """For each branch — its tokens so far ``outs[i]``, a block of new ones ``news[i]``, its stop strings
+        ``stops[i]`` (none of them in the text of ``outs[i]``) — whether one of them may be in the text once
+        some of the new tokens are appended: False only where none can be (see the module doc)."""
+        maybe = [any("\ufffd" in s or (self.cleans_spaces and " " in s) for s in stop) for stop in stops]
+        longest = [max(map(len, stop)) for stop in stops]
+        seen = [] if isinstance(self._least, list) else [
+            t for out, new, n in zip(outs, news, longest) for t in (*out[-4 * n - 4:], *new)]
+        least, partial, size = self._tables(seen)
+        texts, owner = [], []  # the tails to decode, and whose each is
+        for i, (out, new) in enumerate(zip(outs, news)):
+            if maybe[i]:
+                continue
+            before = out[len(out) - self._tail(out, longest[i], least, partial, size):]
+            for k in range(1, len(new)):  # the text just before each partial new token
+                t = new[k]
+                if (size is None or 0 <= t < size) and partial[t]:
+                    texts.append(before + new[:k])
+                    owner.append(i)
+            texts.append(before + new)
+            owner.append(i)
+        for i, text in zip(owner, self._decode(texts)):
+            maybe[i] = maybe[i] or any(s in text for s in stops[i])
+        return maybe
