@@ -9,8 +9,9 @@ model's real tokenizer (SmolLM2's, 49,152 byte-level BPE tokens: the decode cost
 tokenizer's), bf16, CUDA graphs, one shared prompt of ``--prefix`` random tokens below ``batch``
 branches sampling at temperature 1 with EOS ignored; the stop strings (``"\\n\\nQuestion:"``,
 ``"</answer>"``) never occur in random text, so every branch makes exactly ``--new`` tokens in every
-variant (checked). Decode tok/s = batch x (new - 1) / (t(new) - t(1)), the median of ``--repeats`` runs
-after a warm-up; ``ratio_to_no_stop`` is against ``none`` at the same batch in the same process.
+variant (checked). Decode tok/s = batch x (new - 1) / (t(new) - t(1)), medians of ``--repeats`` runs
+after a warm-up, the variants interleaved; ``ratio_to_no_stop`` is against ``none`` at the same batch in
+the same process.
 
     python benchmarks/bench_stop_strings.py --batches 256 1024
 """
@@ -54,20 +55,40 @@ def timed(engine: Engine, prompt: list[int], batch: int, new: int, stop: tuple[s
     return elapsed
 
 
-def measure(engine, prompt, batch: int, new: int, variant: str, repeats: int) -> dict:
-    stop = () if variant == "none" else STOPS
-    real = StopStrings.may_stop
-    if variant == "exact":  # every block "may stop": the whole text decoded after each token, as before
-        StopStrings.may_stop = lambda self, outs, news, stops: [True] * len(outs)
-    try:
-        timed(engine, prompt, batch, 8, stop)  # warm-up: kernels, graphs
-        t1 = statistics.median(timed(engine, prompt, batch, 1, stop) for _ in range(repeats))
-        runs = [timed(engine, prompt, batch, new, stop) for _ in range(repeats)]
-    finally:
-        StopStrings.may_stop = real
-    tn = statistics.median(runs)
-    return {"variant": variant, "batch": batch, "new": new, "stop": list(stop), "total_s": tn, "prefill_s": t1,
-            "runs_s": runs, "decode_tok_s": batch * (new - 1) / (tn - t1)}
+class Variant:
+    """How one variant runs: its stop strings, and (``exact``) the tail test replaced by "maybe" everywhere."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.stop = name, () if name == "none" else STOPS
+
+    def __enter__(self):
+        self.real = StopStrings.may_stop
+        if self.name == "exact":  # every block "may stop": the whole text decoded after each token, as before
+            StopStrings.may_stop = lambda self, outs, news, stops: [True] * len(outs)
+        return self
+
+    def __exit__(self, *exc):
+        StopStrings.may_stop = self.real
+
+
+def measure(engine, prompt, batch: int, new: int, variants: list[str], repeats: int) -> list[dict]:
+    """Each variant's decode tok/s at ``batch``: warm-ups first, then ``repeats`` rounds that run every
+    variant once (interleaved, so drift of the machine falls on all alike); medians."""
+    for name in variants:
+        with Variant(name) as v:
+            timed(engine, prompt, batch, 8, v.stop)  # warm-up: kernels, graphs, the stop test's table
+    first, full = {n: [] for n in variants}, {n: [] for n in variants}
+    for _ in range(repeats):
+        for name in variants:
+            with Variant(name) as v:
+                first[name].append(timed(engine, prompt, batch, 1, v.stop))
+                full[name].append(timed(engine, prompt, batch, new, v.stop))
+    rows = []
+    for name in variants:
+        t1, tn = statistics.median(first[name]), statistics.median(full[name])
+        rows.append({"variant": name, "batch": batch, "new": new, "stop": list(Variant(name).stop), "total_s": tn,
+                     "prefill_s": t1, "runs_s": full[name], "decode_tok_s": batch * (new - 1) / (tn - t1)})
+    return rows
 
 
 def main() -> None:
@@ -94,10 +115,9 @@ def main() -> None:
     prompt = torch.randint(0, config.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
     for batch in args.batches:
-        base = None
-        for variant in args.variants:
-            row = measure(engine, prompt, batch, args.new, variant, args.repeats)
-            base = base or (row["decode_tok_s"] if variant == "none" else None)
+        measured = measure(engine, prompt, batch, args.new, args.variants, args.repeats)
+        base = next((r["decode_tok_s"] for r in measured if r["variant"] == "none"), None)
+        for row in measured:
             row["ratio_to_no_stop"] = row["decode_tok_s"] / base if base else None
             rows.append(row)
             print({k: v for k, v in row.items() if k != "runs_s"}, flush=True)

@@ -627,7 +627,7 @@ class Decoder:
                 ends = True
             out.extend(new[:cut])
             self.logprobs[b].extend(logprobs[:cut])
-            result = finished(out, params, self.eos, self.tokenizer) if cut > 0 and ends else None
+            result = finished(out, params, self.eos, self.tokenizer, stop_free) if cut > 0 and ends else None
         else:  # token by token: a stop string, a matcher or an automaton decides after each one
             for t, lp in zip(new, logprobs):
                 out.append(t)
@@ -742,10 +742,12 @@ def expected_left(width: int, steps: int, first_end: int | None) -> int:
     return left if first_end is None else min(left, steps - first_end)
 
 
-def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer) -> GenResult | None:
+def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer,
+             stop_free: bool = False) -> GenResult | None:
     """The :class:`~treegen.runtime.requests.GenResult` of a branch whose generated ``tokens`` end
-    it (stop string, EOS, ``max_tokens``), else None."""
-    if params.stop:
+    it (stop string, EOS, ``max_tokens``), else None. ``stop_free``: the caller knows that no stop
+    string is in their text (``Decoder._may_stop``), which is then not decoded to look."""
+    if params.stop and not stop_free:
         text = tokenizer.decode(tokens)
         hits = [text.find(s) for s in params.stop if s in text]
         if hits:
