@@ -1,7 +1,8 @@
 """End-to-end throughput on one GPU: N completions of one shared prompt (the Hydragen paper's setup).
 
 Modes, all on treegen's own runtime with random weights of a real model shape (speed does not depend
-on the weights), bf16, greedy, EOS ignored so every sequence makes exactly `new` tokens:
+on the weights), bf16, greedy (or ``--temperature`` / ``--top-p``), EOS ignored so every sequence makes
+exactly `new` tokens:
 
 * tree — hierarchical attention over the sharing tree (the prompt stored and read once);
 * flat — no sharing: every sequence holds and prefills its own copy of the prompt (FlashAttention /
@@ -78,6 +79,10 @@ def config_of(shape: str):
     return getattr(transformers, kw.pop("config_class", "LlamaConfig"))(**kw)
 
 
+# how the treegen modes sample (--temperature, --top-p)
+SAMPLING = {"temperature": 0.0, "top_p": 1.0}
+
+
 def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: bool) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -88,7 +93,7 @@ def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: 
     else:
         root = tree.add_node(None, prompt)
         leaves = [tree.add_node(root) for _ in range(batch)]
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new, ignore_eos=True, **SAMPLING)
     results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -109,7 +114,7 @@ def measure_treegen(model, mode: str, batch: int, prefix: int, new: int, kv_dtyp
     tn, waits = timed_run(engine, batch=batch, prompt=prompt, new=new, flat=flat)
     gc.collect()
     torch.cuda.empty_cache()
-    return {"mode": mode, "kv_dtype": engine.kv_format.name, "batch": batch, "prefix": prefix, "new": new,
+    return {"mode": mode, "kv_dtype": engine.kv_format.name, **SAMPLING, "batch": batch, "prefix": prefix, "new": new,
             "total_s": tn, "prefill_s": t1, "decode_tok_s": batch * (new - 1) / (tn - t1), "memory_waits": waits}
 
 
@@ -200,8 +205,11 @@ def main() -> None:
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[], help="batches for HF generate")
     parser.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "int8", "fp8"],
                         help="KV formats the tree mode runs with (auto: the model's dtype); flat and none run once")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the treegen modes' sampling (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the treegen modes' nucleus (1: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
 
     config = config_of(args.shape)
     rows = []
@@ -273,7 +281,8 @@ def write_json(args, rows: list[dict], fits: list[dict]) -> Path:
               "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                            "cuda": torch.version.cuda, "python": platform.python_version()},
-              "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); greedy, EOS ignored; one warm-up run per point",
+              "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); "
+                        f"temperature {args.temperature}, top-p {args.top_p} (treegen modes), EOS ignored; one warm-up run per point",
               # each row names the model and the path that ran it (treegen's fast forward; HF rows say hf)
               "rows": [{"model": args.shape, "path": r["mode"] if r["mode"].startswith("hf") else "fast", **r}
                        for r in rows]}

@@ -3,7 +3,9 @@ the sampler ran before (``sampler.sample`` + the log-probability gather; a mask 
 kernel first), each captured in a CUDA graph and replayed, in the same run on the same GPU.
 
 Rows ``--batches`` x vocabularies ``--vocabs`` (TinyLlama 32,000, Llama-3 128,256), temperature 1
-(``sampled``) or 0 (``greedy``), with a random token bitmask or none. The floor: the logits' bytes
+(``sampled``) or 0 (``greedy``), or temperature 1 with nucleus filtering (``top_p``: top-p 0.95 over the
+logits of a language model's shape — a few hundred likely tokens, see ``peaked_logits``; the kernel's
+side is ``sampler.pick``: the floor by one sort, then the one pass), with a random token bitmask or none. The floor: the logits' bytes
 (fp32, read once) at the GPU's HBM peak (``--hbm-tbps``, H100 SXM 3.35).
 
     python benchmarks/bench_sampling.py --out benchmarks/results/sampling_h100.json
@@ -22,8 +24,11 @@ import torch
 import triton
 
 from treegen.kernels.sampling import gumbel_argmax
-from treegen.runtime.sampler import sample
+from treegen.runtime.sampler import pick, sample
 from treegen.runtime.token_masks import apply_bitmask
+
+
+TOP_P = 0.95
 
 
 def torch_ops(logits, temperature, keys, steps, bitmask, all_greedy):
@@ -41,6 +46,33 @@ def torch_ops(logits, temperature, keys, steps, bitmask, all_greedy):
 def kernel(logits, temperature, keys, steps, bitmask, all_greedy):
     tokens, _, logit, lse = gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy)
     return tokens, logit - lse
+
+
+def filtered_args(rows: int, device) -> dict:
+    return dict(top_p=torch.full((rows,), TOP_P, device=device), top_k=torch.zeros(rows, dtype=torch.int64, device=device),
+                filter_needed=True)
+
+
+def torch_ops_filtered(logits, temperature, keys, steps, bitmask, all_greedy):
+    """Top-p rows by the sampler's PyTorch ops: mask (in place), the floor, the noise in int64 ops."""
+    lse = logits.logsumexp(-1)
+    if bitmask is not None:
+        apply_bitmask(logits, bitmask)
+    tokens = sample(logits, temperature=temperature, keys=keys, steps=steps, **filtered_args(logits.shape[0], logits.device))
+    return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+
+
+def kernel_filtered(logits, temperature, keys, steps, bitmask, all_greedy):
+    """Top-p rows as the decode step draws them (``sampler.pick``): the floor by a sort, then the one pass."""
+    return pick(logits, temperature=temperature, keys=keys, steps=steps, bitmask=bitmask,
+                **filtered_args(logits.shape[0], logits.device))
+
+
+def peaked_logits(rows: int, vocab: int, generator) -> torch.Tensor:
+    """Logits shaped like a language model's next-token distribution: a Zipf-like decay over a random order of
+    the vocabulary (the top few hundred tokens hold most of the mass) plus noise."""
+    rank = torch.argsort(torch.rand(rows, vocab, device="cuda", generator=generator), dim=-1).float()
+    return -1.1 * torch.log1p(rank) + 0.5 * torch.randn(rows, vocab, device="cuda", generator=generator) + 8.0
 
 
 def graphed_us(fn, reps: int = 50) -> float:
@@ -73,7 +105,7 @@ def plot(result: dict, out: Path) -> None:
     vocabs = sorted({r["vocab"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(vocabs), figsize=(5.5 * len(vocabs), 4), squeeze=False)
     for ax, vocab in zip(axes[0], vocabs):
-        for mode, style in (("sampled", "-"), ("greedy", "--")):
+        for mode, style in (("sampled", "-"), ("greedy", "--"), ("top_p", "-.")):
             rows = sorted((r for r in result["rows"] if r["vocab"] == vocab and r["mode"] == mode and not r["bitmask"]),
                           key=lambda r: r["batch"])
             batches = [r["batch"] for r in rows]
@@ -96,6 +128,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
+    parser.add_argument("--modes", nargs="+", default=["sampled", "greedy", "top_p"],
+                        choices=["sampled", "greedy", "top_p"])
     parser.add_argument("--hbm-tbps", type=float, default=3.35)
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None, metavar="JSON", help="only draw the plot of an earlier run's JSON")
@@ -113,16 +147,18 @@ def main() -> None:
             words = -(-vocab // 32)
             mask = torch.randint(-2 ** 31, 2 ** 31, (batch, words), device="cuda", generator=g, dtype=torch.int64
                                  ).to(torch.int32)
-            for mode in ("sampled", "greedy"):
-                temperature = torch.full((batch,), 1.0 if mode == "sampled" else 0.0, device="cuda")
+            for mode in args.modes:
+                temperature = torch.full((batch,), 0.0 if mode == "greedy" else 1.0, device="cuda")
+                ops, one_pass = (torch_ops_filtered, kernel_filtered) if mode == "top_p" else (torch_ops, kernel)
+                source = peaked_logits(batch, vocab, g) if mode == "top_p" else logits0
                 for masked in (False, True):
                     bitmask = mask if masked else None
-                    logits = logits0.clone()
-                    want = torch_ops(logits.clone(), temperature, keys, steps, bitmask, mode == "greedy")
-                    got = kernel(logits, temperature, keys, steps, bitmask, mode == "greedy")
+                    logits = source.clone()
+                    want = ops(logits.clone(), temperature, keys, steps, bitmask, mode == "greedy")
+                    got = one_pass(logits, temperature, keys, steps, bitmask, mode == "greedy")
                     same = bool(torch.equal(want[0], got[0]))
-                    t_torch = graphed_us(lambda: torch_ops(logits, temperature, keys, steps, bitmask, mode == "greedy"))
-                    t_kernel = graphed_us(lambda: kernel(logits0, temperature, keys, steps, bitmask, mode == "greedy"))
+                    t_torch = graphed_us(lambda: ops(logits, temperature, keys, steps, bitmask, mode == "greedy"))
+                    t_kernel = graphed_us(lambda: one_pass(source, temperature, keys, steps, bitmask, mode == "greedy"))
                     floor = batch * vocab * 4 / (args.hbm_tbps * 1e12) * 1e6
                     row = {"vocab": vocab, "batch": batch, "mode": mode, "bitmask": masked, "torch_us": t_torch,
                            "kernel_us": t_kernel, "speedup": t_torch / t_kernel, "floor_us": floor,

@@ -96,18 +96,85 @@ def test_ties_go_to_the_lowest_token_and_bad_input_is_named():
                       torch.zeros(2, 3, dtype=torch.int32))
 
 
+def _sorted_filter(scaled, top_p, top_k):
+    """The top-p / top-k filter as a mask over sorted positions (the sampler's definition before the floor)."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    rank = torch.arange(scaled.shape[1]).unsqueeze(0)
+    drop = (mass_before >= top_p.unsqueeze(1)) | ((top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1)))
+    drop[:, 0] = False
+    return torch.zeros_like(drop).scatter(1, order, ~drop)
+
+
+def test_the_filter_floor_keeps_what_sorted_filtering_keeps_and_every_tie():
+    """Rows without ties: the tokens at or above the floor are those the sorted positions' mask keeps (top-p
+    alone, top-k alone, both, neither); a tie at the last kept value keeps every tied token."""
+    from treegen.runtime.sampler import filter_floor
+
+    g = torch.Generator().manual_seed(4)
+    scaled = torch.randn(8, 500, generator=g) * 2
+    top_p = torch.tensor([0.9, 0.5, 1.0, 1.0, 0.95, 0.01, 0.7, 1.0])
+    top_k = torch.tensor([0, 0, 10, 0, 40, 0, 3, 1])
+    kept = scaled >= filter_floor(scaled, top_p, top_k).unsqueeze(1)
+    assert torch.equal(kept, _sorted_filter(scaled, top_p, top_k))
+    assert kept[3].all() and kept[7].sum() == 1 and kept[2].sum() == 10
+    tied = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0]])
+    assert (tied >= filter_floor(tied, torch.ones(1), torch.tensor([2])).unsqueeze(1)).tolist() == [
+        [True, True, True, True, False]]
+
+
+@interpreted
+def test_filtered_rows_draw_in_one_pass_past_the_floor():
+    """Top-p / top-k rows through the kernel (their floor from filter_floor): the tokens of the sampler's
+    PyTorch ops, masked and not, greedy rows among them; log-probabilities of the unfiltered distribution."""
+    from treegen.runtime import sampler
+
+    rows, vocab = 6, 3000
+    logits, temperature, keys, steps = _inputs(rows, vocab, seed=9)
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.8, 0.95, 0.3])
+    top_k = torch.tensor([0, 20, 5, 0, 100, 0])
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=torch.Generator().manual_seed(5),
+                            dtype=torch.int64).to(torch.int32)
+    args = dict(temperature=temperature, top_p=top_p, top_k=top_k, keys=keys, steps=steps, filter_needed=True)
+    for mask in (None, bitmask):
+        want = sampler.pick(logits.clone(), bitmask=None if mask is None else mask.clone(), **args)
+        sampling_available = sampling.available
+        try:
+            sampling.available = lambda x: True  # the kernel's path, in the interpreter
+            got = sampler.pick(logits.clone(), bitmask=None if mask is None else mask.clone(), **args)
+        finally:
+            sampling.available = sampling_available
+        assert got[0].tolist() == want[0].tolist()
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    floor = sampler.filter_floor(logits / temperature.clamp_min(1e-6).unsqueeze(1), top_p, top_k)
+    got = gumbel_argmax(logits, temperature, keys, steps, floor=floor)
+    want = gumbel_argmax_reference(logits, temperature, keys, steps, floor=floor)
+    assert got[0].tolist() == want[0].tolist() and torch.equal(got[2], want[2])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [32000, 128256])
 def test_compiled_kernel_draws_the_sampler_ops_tokens_on_the_gpu(vocab):
     """Compiled (libdevice's logf, rounded division): the tokens of the sampler's PyTorch ops on the GPU,
-    for every row of a large batch, masked and not; inside a CUDA graph too."""
+    for every row of a large batch, masked and not, with a top-p / top-k floor and without; inside a CUDA
+    graph too."""
     rows = 512
     logits, temperature, keys, steps = (t.cuda() for t in _inputs(rows, vocab, seed=vocab))
     g = torch.Generator().manual_seed(3)
     bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=g, dtype=torch.int64).to(torch.int32)
-    for mask in (None, bitmask.cuda()):
-        want = gumbel_argmax_reference(logits, temperature, keys, steps, mask)
-        got = gumbel_argmax(logits, temperature, keys, steps, mask)
+    from treegen.runtime.sampler import filter_floor
+
+    def floor_of(mask):  # top-p 0.9 and top-k 50 of the distribution the rows draw from (masked)
+        scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+        if mask is not None:
+            scaled = scaled.masked_fill(~sampling.allowed_tokens(mask, vocab), float("-inf"))
+        return filter_floor(scaled, torch.full((rows,), 0.9, device="cuda"), torch.full((rows,), 50, device="cuda"))
+
+    for mask, filtered in ((None, False), (bitmask.cuda(), False), (None, True), (bitmask.cuda(), True)):
+        low = floor_of(mask) if filtered else None
+        want = gumbel_argmax_reference(logits, temperature, keys, steps, mask, floor=low)
+        got = gumbel_argmax(logits, temperature, keys, steps, mask, floor=low)
         assert got[0].tolist() == want[0].tolist()
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
         torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-5)

@@ -152,19 +152,24 @@ def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
 
 
 def gumbel_argmax_reference(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tensor,
-                            bitmask: Tensor | None = None, start: int = 0, all_greedy: bool = False
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                            bitmask: Tensor | None = None, start: int = 0, all_greedy: bool = False,
+                            floor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per row of ``logits [B, V]`` fp32 (token ids ``start ..``): the token (an index into the row,
     int64) whose score is largest — the logit where the row's ``temperature`` is 0, else ``logit /
     temperature + gumbel(key, step, start + j)`` — among the tokens ``bitmask [B, ceil(V / 32)]`` allows
-    (None: all); its score, its logit, and the log-sum-exp of the row's logits before the mask:
-    ``(token [B] int64, score [B], logit [B], lse [B])`` fp32. ``all_greedy``: every temperature is 0."""
+    (None: all) and, in rows that sample, whose scaled logit ``logit / temperature`` is at least the
+    row's ``floor [B]`` fp32 (None: no floor; top-p / top-k filtering, see
+    :func:`~treegen.runtime.sampler.filter_floor`); its score, its logit, and the log-sum-exp of the
+    row's logits before the mask: ``(token [B] int64, score [B], logit [B], lse [B])`` fp32.
+    ``all_greedy``: every temperature is 0."""
     lse = logits.logsumexp(-1)
     masked = logits if bitmask is None else logits.masked_fill(~allowed_tokens(bitmask, logits.shape[1]),
                                                                float("-inf"))
     score = masked
     if not all_greedy:
         scaled = masked / temperature.clamp_min(1e-6).unsqueeze(1)
+        if floor is not None:
+            scaled = scaled.masked_fill(scaled < floor.unsqueeze(1), float("-inf"))
         score = torch.where((temperature == 0).unsqueeze(1), masked,
                             scaled + gumbel_noise(keys, steps, logits.shape[1], start))
     best = score.argmax(-1, keepdim=True)
@@ -192,10 +197,10 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
-    def _gumbel_partial_kernel(L, stride_l, TEMP, KEYS, STEPS, MASK, stride_m, V, start, CHUNK,
+    def _gumbel_partial_kernel(L, stride_l, TEMP, KEYS, STEPS, MASK, stride_m, FLOOR, V, start, CHUNK,
                                P_SCORE, P_TOKEN, P_LOGIT, P_MAX, P_SUM, parts,
-                               GREEDY: tl.constexpr, HAS_MASK: tl.constexpr, PRECISE: tl.constexpr,
-                               BLOCK: tl.constexpr):
+                               GREEDY: tl.constexpr, HAS_MASK: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                               PRECISE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         lo = part * CHUNK
@@ -205,6 +210,8 @@ if triton is not None:
         divisor = tl.maximum(temp, 1e-6)
         base = (tl.load(KEYS + row).to(tl.int64) * 0x9E3779B1 + tl.load(STEPS + row).to(tl.int64)) & 0xFFFFFFFF
         base = _hash32(base)
+        if HAS_FLOOR:
+            floor = tl.load(FLOOR + row)
         best_score = -float("inf")
         best_token = lo.to(tl.int64)
         best_logit = -float("inf")
@@ -231,7 +238,10 @@ if triton is not None:
                 h = _hash32((h + 0x632BE5AB) & 0xFFFFFFFF)
                 u = tl.minimum(((h >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08, 1.0 - 5.960464477539063e-08)  # / 2^24
                 noise = -_log(-_log(u, PRECISE), PRECISE)
-                score = tl.where(greedy_row, x, tl.math.div_rn(x, divisor) + noise)
+                scaled = tl.math.div_rn(x, divisor)
+                if HAS_FLOOR:
+                    scaled = tl.where(scaled < floor, -float("inf"), scaled)
+                score = tl.where(greedy_row, x, scaled + noise)
             score = tl.where(ok, score, -float("inf"))
             tile_best = tl.max(score, axis=0)
             at = tl.argmax(score, axis=0)  # the first of equal scores
@@ -289,13 +299,14 @@ def _chunk(vocab: int) -> int:
 
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tensor,
-                  bitmask: Tensor | None = None, start: int = 0, all_greedy: bool = False
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  bitmask: Tensor | None = None, start: int = 0, all_greedy: bool = False,
+                  floor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`gumbel_argmax_reference` in one pass over the logits (see the module doc). ``logits``
     ``[B, V]`` fp32, or fp16/bf16 (the model's own: converted to fp32 as they are loaded, exactly, so
     the result is that of their fp32 copy, without writing and reading one: at a 128K vocabulary and
     1,024 rows 0.5 GB a step); ``temperature`` ``[B]`` fp32; ``keys``, ``steps``
-    ``[B]`` int64; ``bitmask`` ``[B, ceil(V / 32)]`` int32 or None. No host sync (CUDA graphs capture it)."""
+    ``[B]`` int64; ``bitmask`` ``[B, ceil(V / 32)]`` int32 or None; ``floor`` ``[B]`` fp32 or None. No host
+    sync (CUDA graphs capture it)."""
     rows, vocab = logits.shape
     if logits.dtype not in LOGIT_DTYPES:
         raise ValueError(f"gumbel_argmax needs fp32, fp16 or bf16 logits, got {logits.dtype}")
@@ -317,8 +328,9 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tens
     mask = bitmask if bitmask is not None else token  # (unused)
     _LAUNCH["_gumbel_partial_kernel"][(rows, parts)](
         logits, logits.stride(0), temperature, keys, steps, mask, bitmask.stride(0) if bitmask is not None else 0,
-        vocab, start, chunk, p_score, p_token, p_logit, p_max, p_sum, parts,
-        GREEDY=all_greedy, HAS_MASK=bitmask is not None, PRECISE=not _INTERPRET, BLOCK=BLOCK, num_warps=4)
+        floor if floor is not None else temperature, vocab, start, chunk, p_score, p_token, p_logit, p_max, p_sum,
+        parts, GREEDY=all_greedy, HAS_MASK=bitmask is not None, HAS_FLOOR=floor is not None and not all_greedy,
+        PRECISE=not _INTERPRET, BLOCK=BLOCK, num_warps=4)
     _LAUNCH["_gumbel_combine_kernel"][(rows,)](
         p_score, p_token, p_logit, p_max, p_sum, parts, token, score, logit, lse, PRECISE=not _INTERPRET,
         BLOCK_P=max(2, triton.next_power_of_2(parts)), num_warps=1)

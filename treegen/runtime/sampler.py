@@ -100,6 +100,21 @@ def branch_key(seed: int, path: tuple) -> int:
     return int.from_bytes(digest, "little")
 
 
+def filter_floor(scaled: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """The smallest scaled logit that top-p / top-k filtering keeps in each row: ``[B]`` fp32. Sorted
+    from the most likely down, a token is kept while the probability of those before it is below the row's
+    ``top_p`` and (``top_k > 0``) it is among the first ``top_k``; the most likely is always kept. The rows
+    keep every token whose scaled logit is at least this (so tokens tied with the last one kept are kept
+    too, whatever order the sort gave them). scaled: ``[B, V]`` fp32 (``-inf`` where a mask forbids)."""
+    sorted_logits = scaled.sort(dim=-1, descending=True).values
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
+    keep = (mass_before < top_p.unsqueeze(1)) & ((top_k.unsqueeze(1) <= 0) | (rank < top_k.unsqueeze(1)))
+    kept = keep.sum(-1).clamp_min(1)  # (a prefix of the sorted order: both conditions only grow with the rank)
+    return sorted_logits.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+
+
 def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, steps: Tensor,
            all_greedy: bool = False, filter_needed: bool = True) -> Tensor:
     """Sample one token per row.
@@ -114,13 +129,7 @@ def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor,
         return greedy
     scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
     if filter_needed:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-        drop = (mass_before >= top_p.unsqueeze(1)) | ((top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1)))
-        drop[:, 0] = False
-        scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        scaled = scaled.masked_fill(scaled < filter_floor(scaled, top_p, top_k).unsqueeze(1), float("-inf"))
     if logits.device.type == "cpu":  # noise only for the tokens that can win (the same draw)
         sampled = sampling.gumbel_argmax_sparse(scaled, keys, steps)
     else:
@@ -144,15 +153,23 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     are :func:`sample`'s. No host sync (a CUDA graph captures it, collectives included)."""
     args = dict(temperature=temperature, top_p=top_p, top_k=top_k, keys=keys, steps=steps, all_greedy=all_greedy,
                 filter_needed=filter_needed)
-    one_pass = (all_greedy or not filter_needed) and sampling.available(logits)  # the kernel, no filtering
+    filtered = filter_needed and not all_greedy
+    one_pass = sampling.available(logits)  # the kernel (top-p / top-k: past the floor that filter_floor sorts for)
     if logits.dtype != torch.float32 and not one_pass:
         logits = logits.float()  # (only the one-pass kernel reads 16-bit logits)
-    if split is not None and filter_needed and not all_greedy:  # top-p / top-k sort the whole distribution
+    if split is not None and filtered:  # top-p / top-k sort the whole distribution
         logits, split = split.gather(logits), None
     if split is not None:
         return _pick_split(logits, split, bitmask, **args)
     if one_pass:  # one pass, the noise in registers
-        tokens, _, logit, lse = sampling.gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy)
+        floor = None
+        if filtered:  # the floor of the distribution the row draws from: scaled, masked
+            scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)
+            if bitmask is not None:
+                apply_bitmask(scaled, bitmask)
+            floor = filter_floor(scaled, top_p, top_k)
+        tokens, _, logit, lse = sampling.gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy,
+                                                       floor=floor)
         return tokens, logit - lse
     if bitmask is None:
         tokens = sample(logits, **args)
