@@ -5,7 +5,8 @@ kernel first), each captured in a CUDA graph and replayed, in the same run on th
 Rows ``--batches`` x vocabularies ``--vocabs`` (TinyLlama 32,000, Llama-3 128,256), temperature 1
 (``sampled``) or 0 (``greedy``), or temperature 1 with nucleus filtering (``top_p``: top-p 0.95 over the
 logits of a language model's shape — a few hundred likely tokens, see ``peaked_logits``; the kernel's
-side is ``sampler.pick``: the floor by one sort, then the one pass), with a random token bitmask or none. The floor: the logits' bytes
+side is ``sampler.pick``: the floor by ``sampling.filter_floor``'s search kernel, then the one pass), with a
+random token bitmask or none. The floor: the logits' bytes
 (fp32, read once) at the GPU's HBM peak (``--hbm-tbps``, H100 SXM 3.35).
 
     python benchmarks/bench_sampling.py --out benchmarks/results/sampling_h100.json
@@ -54,7 +55,7 @@ def filtered_args(rows: int, device) -> dict:
 
 
 def torch_ops_filtered(logits, temperature, keys, steps, bitmask, all_greedy):
-    """Top-p rows by the sampler's PyTorch ops: mask (in place), the floor, the noise in int64 ops."""
+    """Top-p rows by the sampler's PyTorch ops: mask (in place), the floor by a sort, the noise in int64 ops."""
     lse = logits.logsumexp(-1)
     if bitmask is not None:
         apply_bitmask(logits, bitmask)
@@ -63,7 +64,7 @@ def torch_ops_filtered(logits, temperature, keys, steps, bitmask, all_greedy):
 
 
 def kernel_filtered(logits, temperature, keys, steps, bitmask, all_greedy):
-    """Top-p rows as the decode step draws them (``sampler.pick``): the floor by a sort, then the one pass."""
+    """Top-p rows as the decode step draws them (``sampler.pick``): the floor by the search kernel, then the one pass."""
     return pick(logits, temperature=temperature, keys=keys, steps=steps, bitmask=bitmask,
                 **filtered_args(logits.shape[0], logits.device))
 

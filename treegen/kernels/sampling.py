@@ -151,6 +151,23 @@ def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
     return ((bitmask[:, ids // 32] >> (ids % 32)) & 1).bool()
 
 
+def filter_floor_reference(scaled: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """The smallest scaled logit that top-p / top-k filtering keeps in each row: ``[B]`` fp32. Sorted
+    from the most likely down, a token is kept while the probability of those before it is below the row's
+    ``top_p`` (``top_p >= 1``: no such limit) and (``top_k > 0``) it is among the first ``top_k``; the most
+    likely is always kept. The rows keep every token whose scaled logit is at least this (so tokens tied
+    with the last one kept are kept too, whatever order the sort gave them). scaled: ``[B, V]`` fp32
+    (``-inf`` where a mask forbids)."""
+    sorted_logits = scaled.sort(dim=-1, descending=True).values
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
+    keep = (((top_p >= 1).unsqueeze(1) | (mass_before < top_p.unsqueeze(1)))
+            & ((top_k.unsqueeze(1) <= 0) | (rank < top_k.unsqueeze(1))))
+    kept = keep.sum(-1).clamp_min(1)  # (a prefix of the sorted order: both conditions only grow with the rank)
+    return sorted_logits.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+
+
 def gumbel_argmax_reference(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tensor,
                             bitmask: Tensor | None = None, start: int = 0, all_greedy: bool = False,
                             floor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -158,8 +175,8 @@ def gumbel_argmax_reference(logits: Tensor, temperature: Tensor, keys: Tensor, s
     int64) whose score is largest — the logit where the row's ``temperature`` is 0, else ``logit /
     temperature + gumbel(key, step, start + j)`` — among the tokens ``bitmask [B, ceil(V / 32)]`` allows
     (None: all) and, in rows that sample, whose scaled logit ``logit / temperature`` is at least the
-    row's ``floor [B]`` fp32 (None: no floor; top-p / top-k filtering, see
-    :func:`~treegen.runtime.sampler.filter_floor`); its score, its logit, and the log-sum-exp of the
+    row's ``floor [B]`` fp32 (None: no floor; top-p / top-k filtering, see :func:`filter_floor_reference`);
+    its score, its logit, and the log-sum-exp of the
     row's logits before the mask: ``(token [B] int64, score [B], logit [B], lse [B])`` fp32.
     ``all_greedy``: every temperature is 0."""
     lse = logits.logsumexp(-1)
@@ -277,7 +294,75 @@ if triton is not None:
         tl.store(LSE + row, safe + _log(total, PRECISE))
 
 
-_LAUNCH = {k.fn.__name__: Launcher(k) for k in (_gumbel_partial_kernel, _gumbel_combine_kernel)} \
+    @triton.jit
+    def _key(v):
+        """Float32 values → int64 keys in the same order (-0.0 just below +0.0)."""
+        b = v.to(tl.int32, bitcast=True)
+        return tl.where(b >= 0, b.to(tl.int64) + 2147483648, (~b).to(tl.int64))
+
+    @triton.jit
+    def _floor_kernel(L, stride_l, TEMP, MASK, stride_m, TOP_P, TOP_K, FLOOR, V,
+                      HAS_MASK: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: its top-p / top-k floor, by a search over the values' keys that splits the range in
+        ``WAYS`` each pass over the row (see :func:`filter_floor`)."""
+        row = tl.program_id(0).to(tl.int64)
+        divisor = tl.maximum(tl.load(TEMP + row), 1e-6)
+        top_p = tl.load(TOP_P + row)
+        top_k = tl.load(TOP_K + row)
+        no_p = (top_p >= 1.0).to(tl.int32)  # (no mass limit)
+        no_k = (top_k <= 0).to(tl.int32)  # (no count limit)
+        offs = tl.arange(0, BLOCK)
+        # pass 1: the largest and smallest value, and the sum of exp(value - largest), in tile order
+        big = -float("inf")
+        for off in range(0, V, BLOCK):
+            x = _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK)
+            big = tl.maximum(big, tl.max(x, axis=0))
+        big_key = _key(big)
+        big = tl.where(big == -float("inf"), 0.0, big)  # (a row with every token masked: its floor is -inf)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        small = float("inf")
+        for off in range(0, V, BLOCK):
+            x = _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK)
+            total += tl.exp(x - big)
+            small = tl.minimum(small, tl.min(tl.where(off + offs < V, x, float("inf")), axis=0))
+        z = tl.sum(total, axis=0)
+        # the floor is the smallest key t at which the row keeps (mass above t below top_p, fewer than top_k
+        # values above t): hi keeps, lo does not (one below the smallest value: all the mass is above it)
+        lo = _key(small) - 1
+        hi = big_key
+        hi = tl.where(no_p * no_k == 1, lo + 1, hi)  # (no filter: keep everything)
+        ways = tl.arange(0, WAYS).to(tl.int64)
+        while hi - lo > 1:
+            step = (hi - lo + WAYS - 1) // WAYS
+            thr = tl.minimum(lo + (ways + 1) * step, hi)  # [WAYS], the last is hi
+            mass = tl.zeros([WAYS, BLOCK], dtype=tl.float32)
+            count = tl.zeros([WAYS, BLOCK], dtype=tl.int32)
+            for off in range(0, V, BLOCK):
+                x = _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK)
+                above = _key(x)[None, :] > thr[:, None]
+                mass += tl.where(above, tl.exp(x - big)[None, :], 0.0)
+                count += above.to(tl.int32)
+            mass_ok = tl.maximum((tl.sum(mass, axis=1) / z < top_p).to(tl.int32), no_p)
+            count_ok = tl.maximum((tl.sum(count, axis=1).to(tl.int64) < top_k).to(tl.int32), no_k)
+            keeps = mass_ok * count_ok == 1
+            first = tl.min(tl.where(keeps, ways, WAYS), axis=0)  # the first threshold that keeps (hi always does)
+            new_hi = tl.sum(tl.where(ways == first, thr, 0), axis=0)
+            new_lo = tl.where(first == 0, lo, tl.sum(tl.where(ways == first - 1, thr, 0), axis=0))
+            hi, lo = new_hi, new_lo
+        bits = tl.where(hi >= 2147483648, hi - 2147483648, ~hi).to(tl.int32)
+        tl.store(FLOOR + row, bits.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK: tl.constexpr):
+        j = off + offs
+        ok = j < V
+        x = tl.load(L + row * stride_l + j, mask=ok, other=-float("inf")).to(tl.float32)
+        if HAS_MASK:
+            word = tl.load(MASK + row * stride_m + j // 32, mask=ok, other=0)
+            x = tl.where(((word >> (j % 32)) & 1) != 0, x, -float("inf"))
+        return tl.where(ok, tl.math.div_rn(x, divisor), -float("inf"))
+
+_LAUNCH = {k.fn.__name__: Launcher(k) for k in (_gumbel_partial_kernel, _gumbel_combine_kernel, _floor_kernel)} \
     if triton is not None else {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -296,6 +381,32 @@ def _chunk(vocab: int) -> int:
     """Logits per program: ``CHUNK_TILES`` tiles — by the vocabulary alone, so a row's log-sum-exp is
     summed in the same order whatever the batch (its log-probabilities do not depend on what runs beside it)."""
     return min(CHUNK_TILES, -(-vocab // BLOCK)) * BLOCK
+
+
+FLOOR_WAYS, FLOOR_BLOCK = 16, 256  # the floor search splits the keys' range 16 ways a pass over a row
+
+
+def filter_floor(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+                 bitmask: Tensor | None = None) -> Tensor:
+    """:func:`filter_floor_reference` of the scaled logits ``logits / temperature`` (masked by ``bitmask``)
+    without sorting them: one program a row finds the smallest value at which the row keeps (the mass of
+    the values above it below ``top_p``, fewer than ``top_k`` of them) by a search over the values' order-
+    preserving integer keys, each pass over the row testing ``FLOOR_WAYS`` thresholds (eight passes for
+    32-bit keys, two more for the largest value and the normaliser). The mass is summed in tiles, the
+    reference's in sorted order: where a row's kept mass is within float rounding of its ``top_p`` the two
+    may differ by the one token at the boundary. ``logits`` ``[B, V]`` fp32, fp16 or bf16; ``temperature``,
+    ``top_p`` ``[B]`` fp32; ``top_k`` ``[B]`` int64; ``bitmask`` as :func:`gumbel_argmax`'s."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    floor = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return floor
+    mask = bitmask if bitmask is not None else floor  # (unused)
+    _LAUNCH["_floor_kernel"][(rows,)](
+        logits, logits.stride(0), temperature, mask, bitmask.stride(0) if bitmask is not None else 0,
+        top_p, top_k, floor, vocab, HAS_MASK=bitmask is not None, WAYS=FLOOR_WAYS, BLOCK=FLOOR_BLOCK, num_warps=4)
+    return floor
 
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tensor,
@@ -337,6 +448,7 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tens
     return token, score, logit, lse
 
 
-__all__ = ["LOGIT_DTYPES", "allowed_tokens", "available", "gumbel_argmax", "gumbel_argmax_reference", "gumbel_argmax_sparse",
+__all__ = ["LOGIT_DTYPES", "allowed_tokens", "available", "filter_floor", "filter_floor_reference", "gumbel_argmax",
+           "gumbel_argmax_reference", "gumbel_argmax_sparse",
            "gumbel_noise", "hash32",
            "uniform_noise", "uniform_noise_reference", "unit_interval"]

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from treegen.kernels import sampling
-from treegen.kernels.sampling import gumbel_noise
+from treegen.kernels.sampling import filter_floor_reference, gumbel_noise
 from treegen.runtime.constraint import Constraint
 from treegen.runtime.swa import check_kv_keep
 from treegen.runtime.token_masks import apply_bitmask
@@ -100,21 +100,6 @@ def branch_key(seed: int, path: tuple) -> int:
     return int.from_bytes(digest, "little")
 
 
-def filter_floor(scaled: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
-    """The smallest scaled logit that top-p / top-k filtering keeps in each row: ``[B]`` fp32. Sorted
-    from the most likely down, a token is kept while the probability of those before it is below the row's
-    ``top_p`` and (``top_k > 0``) it is among the first ``top_k``; the most likely is always kept. The rows
-    keep every token whose scaled logit is at least this (so tokens tied with the last one kept are kept
-    too, whatever order the sort gave them). scaled: ``[B, V]`` fp32 (``-inf`` where a mask forbids)."""
-    sorted_logits = scaled.sort(dim=-1, descending=True).values
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
-    keep = (mass_before < top_p.unsqueeze(1)) & ((top_k.unsqueeze(1) <= 0) | (rank < top_k.unsqueeze(1)))
-    kept = keep.sum(-1).clamp_min(1)  # (a prefix of the sorted order: both conditions only grow with the rank)
-    return sorted_logits.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
-
-
 def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, steps: Tensor,
            all_greedy: bool = False, filter_needed: bool = True) -> Tensor:
     """Sample one token per row.
@@ -129,7 +114,7 @@ def sample(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor,
         return greedy
     scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
     if filter_needed:
-        scaled = scaled.masked_fill(scaled < filter_floor(scaled, top_p, top_k).unsqueeze(1), float("-inf"))
+        scaled = scaled.masked_fill(scaled < filter_floor_reference(scaled, top_p, top_k).unsqueeze(1), float("-inf"))
     if logits.device.type == "cpu":  # noise only for the tokens that can win (the same draw)
         sampled = sampling.gumbel_argmax_sparse(scaled, keys, steps)
     else:
@@ -154,7 +139,7 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     args = dict(temperature=temperature, top_p=top_p, top_k=top_k, keys=keys, steps=steps, all_greedy=all_greedy,
                 filter_needed=filter_needed)
     filtered = filter_needed and not all_greedy
-    one_pass = sampling.available(logits)  # the kernel (top-p / top-k: past the floor that filter_floor sorts for)
+    one_pass = sampling.available(logits)  # the kernel (top-p / top-k: past the floor that filter_floor finds)
     if logits.dtype != torch.float32 and not one_pass:
         logits = logits.float()  # (only the one-pass kernel reads 16-bit logits)
     if split is not None and filtered:  # top-p / top-k sort the whole distribution
@@ -162,12 +147,8 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     if split is not None:
         return _pick_split(logits, split, bitmask, **args)
     if one_pass:  # one pass, the noise in registers
-        floor = None
-        if filtered:  # the floor of the distribution the row draws from: scaled, masked
-            scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)
-            if bitmask is not None:
-                apply_bitmask(scaled, bitmask)
-            floor = filter_floor(scaled, top_p, top_k)
+        # (top-p / top-k: the floor of the distribution the row draws from, scaled and masked)
+        floor = sampling.filter_floor(logits, temperature, top_p, top_k, bitmask) if filtered else None
         tokens, _, logit, lse = sampling.gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy,
                                                        floor=floor)
         return tokens, logit - lse
