@@ -147,6 +147,11 @@ def test_the_floor_kernel_finds_the_sorted_floor(vocab):
             assert torch.equal(got, want), (got - want)
             kept = ((scaled >= got.unsqueeze(1)) & (scaled > float("-inf"))).sum(-1)
             assert kept[3] == (scaled[3] > float("-inf")).sum() and kept[7] == 1
+    zeros = torch.full((4, vocab), -0.1)
+    zeros[:, 0], zeros[:, 1] = -0.0, 0.0  # a float max may give either zero: the floor is still 0, not NaN
+    ones = torch.ones(4)
+    got = sampling.filter_floor(zeros, ones, ones, torch.ones(4, dtype=torch.int64))
+    assert torch.equal(got, sampling.filter_floor_reference(zeros, ones, torch.ones(4, dtype=torch.int64)))
 
 
 @interpreted

@@ -92,6 +92,25 @@ def test_stop_strings_that_may_vanish_take_the_exact_check(tokenizer):
     assert StopStrings(tokenizer).may_stop([ids], [ids], [("zz",)]) == [False]
 
 
+def test_decoders_that_are_not_local_take_the_exact_check(tokenizer):
+    """WordPiece's "##" pieces write fewer characters inside a word than alone, so the tail's count would
+    be wrong: a tokenizer with such a decoder (or one that cleans up spaces) sends every block to the exact
+    check; the embedded byte-level one and SentencePiece's do not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from treegen.runtime.stop_strings import local_decoding
+
+    t = Tokenizer(models.WordPiece(vocab={"[UNK]": 0, "x": 1, "##a": 2, "##bc": 3}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]")
+    out, new, stop = [1, 2, 3, 3, 3, 3], [3], ("xabcbcbcbcbc",)
+    assert exact_stop(wordpiece, out, new, stop)
+    assert StopStrings(wordpiece).may_stop([out], [new], [stop]) == [True]
+    assert local_decoding(tokenizer) and local_decoding(sentencepiece_style()) and not local_decoding(wordpiece)
+
+
 @treegen.program
 def stopping(s, stop):
     s += "Once upon a time"

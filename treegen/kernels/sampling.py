@@ -312,23 +312,25 @@ if triton is not None:
         no_p = (top_p >= 1.0).to(tl.int32)  # (no mass limit)
         no_k = (top_k <= 0).to(tl.int32)  # (no count limit)
         offs = tl.arange(0, BLOCK)
-        # pass 1: the largest and smallest value, and the sum of exp(value - largest), in tile order
+        # pass 1: the largest and smallest value (by key: -0.0 below +0.0, whatever sign a float max
+        # gives a zero), and the sum of exp(value - largest), in tile order
         big = -float("inf")
+        big_key = tl.zeros([], dtype=tl.int64)  # (below every key)
+        small_key = tl.full([], 1 << 33, tl.int64)  # (above every key)
         for off in range(0, V, BLOCK):
             x = _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK)
             big = tl.maximum(big, tl.max(x, axis=0))
-        big_key = _key(big)
+            big_key = tl.maximum(big_key, tl.max(_key(x), axis=0))
+            small_key = tl.minimum(small_key, tl.min(tl.where(off + offs < V, _key(x), small_key), axis=0))
         big = tl.where(big == -float("inf"), 0.0, big)  # (a row with every token masked: its floor is -inf)
         total = tl.zeros([BLOCK], dtype=tl.float32)
-        small = float("inf")
         for off in range(0, V, BLOCK):
             x = _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK)
             total += tl.exp(x - big)
-            small = tl.minimum(small, tl.min(tl.where(off + offs < V, x, float("inf")), axis=0))
         z = tl.sum(total, axis=0)
         # the floor is the smallest key t at which the row keeps (mass above t below top_p, fewer than top_k
         # values above t): hi keeps, lo does not (one below the smallest value: all the mass is above it)
-        lo = _key(small) - 1
+        lo = small_key - 1
         hi = big_key
         hi = tl.where(no_p * no_k == 1, lo + 1, hi)  # (no filter: keep everything)
         ways = tl.arange(0, WAYS).to(tl.int64)
@@ -345,9 +347,11 @@ if triton is not None:
             mass_ok = tl.maximum((tl.sum(mass, axis=1) / z < top_p).to(tl.int32), no_p)
             count_ok = tl.maximum((tl.sum(count, axis=1).to(tl.int64) < top_k).to(tl.int32), no_k)
             keeps = mass_ok * count_ok == 1
-            first = tl.min(tl.where(keeps, ways, WAYS), axis=0)  # the first threshold that keeps (hi always does)
-            new_hi = tl.sum(tl.where(ways == first, thr, 0), axis=0)
-            new_lo = tl.where(first == 0, lo, tl.sum(tl.where(ways == first - 1, thr, 0), axis=0))
+            first = tl.min(tl.where(keeps, ways, WAYS), axis=0)  # the first threshold that keeps (hi does...
+            found = first < WAYS  # ...but where the sums are not numbers: NaN or +inf logits; then the top value)
+            new_hi = tl.where(found, tl.sum(tl.where(ways == first, thr, 0), axis=0), hi)
+            new_lo = tl.where(found, tl.where(first == 0, lo, tl.sum(tl.where(ways == first - 1, thr, 0), axis=0)),
+                              hi - 1)
             hi, lo = new_hi, new_lo
         bits = tl.where(hi >= 2147483648, hi - 2147483648, ~hi).to(tl.int32)
         tl.store(FLOOR + row, bits.to(tl.float32, bitcast=True))

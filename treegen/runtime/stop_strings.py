@@ -31,18 +31,53 @@ end only where a partial token follows (it may complete a character rendered as 
 byte fallback, a byte token that does not decode turns its whole run of byte tokens into U+FFFD, also
 the characters before it) or where the tokenizer cleans up spaces (``clean_up_tokenization_spaces``:
 ``" ."`` becomes ``"."``, ``" 's"`` ``"'s"``). So the test also decodes the tail up to each new partial
-token, and a stop string with U+FFFD in it, or with a space in it under such a tokenizer, always
-takes the exact check.
+token, and a stop string with U+FFFD in it always takes the exact check.
+
+The argument holds for the decoders of the tokenizers language models ship: byte-level BPE (GPT-2,
+Llama 3, Qwen, SmolLM) and SentencePiece's ("▁" for spaces, byte fallback, the leading space stripped),
+and for treegen's stand-ins (:class:`~treegen.runtime.loader.IdTokenizer`,
+:class:`~treegen.runtime.piece_tokenizer.PieceTokenizer`). Not for others (WordPiece's ``##`` pieces
+write fewer characters in a word than alone; CTC merges repeats; a clean-up of spaces may take a
+token's leading and trailing space): under those every block takes the exact check
+(:attr:`StopStrings.local` is False).
 """
 
 from __future__ import annotations
+
+import json
+
+# the decoder steps (tokenizers' JSON "type") whose output is a concatenation of per-token text, save the
+# first token's leading space and U+FFFD for a cut character (see the module doc)
+LOCAL_DECODERS = frozenset({"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip", "Sequence"})
+
+
+def local_decoding(tokenizer) -> bool:
+    """Whether ``tokenizer.decode`` is local in the sense of the module doc: a fast tokenizer whose decoder
+    is made of :data:`LOCAL_DECODERS` steps and that cleans up no spaces, or one of treegen's stand-ins."""
+    if type(tokenizer).__module__.startswith("treegen."):
+        return True
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str") or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder")
+    except (ValueError, TypeError):
+        return False
+    steps, types = [decoder], set()
+    while steps:
+        step = steps.pop()
+        if step is None:
+            continue
+        types.add(step.get("type"))
+        steps.extend(step.get("decoders") or [])
+    return decoder is not None and types <= LOCAL_DECODERS
 
 class StopStrings:
     """The tail test of one tokenizer (see the module doc); the engine holds one (``Engine.stop_strings``)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.cleans_spaces = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.local = local_decoding(tokenizer)  # (False: every block takes the exact check)
         # per token id: the fewest characters it writes in any text, and whether it is partial (see the module
         # doc); a vocabulary's all at once at the first test, else (no vocabulary size) each id when first seen
         self._least: list[int] | dict[int, int] | None = None
@@ -60,7 +95,7 @@ class StopStrings:
 
     def _rust_batch(self):
         backend = getattr(self.tokenizer, "_tokenizer", None)
-        if self.cleans_spaces or not hasattr(backend, "decode_batch") or not hasattr(self.tokenizer, "__len__"):
+        if not hasattr(backend, "decode_batch") or not hasattr(self.tokenizer, "__len__"):
             return None
         size = len(self.tokenizer)
         samples = [list(range(a, min(size, a + 64))) for a in range(0, size, max(1, size // 8))]
@@ -115,7 +150,9 @@ class StopStrings:
         """For each branch — its tokens so far ``outs[i]``, a block of new ones ``news[i]``, its stop strings
         ``stops[i]`` (none of them in the text of ``outs[i]``) — whether one of them may be in the text once
         some of the new tokens are appended: False only where none can be (see the module doc)."""
-        maybe = [any("\ufffd" in s or (self.cleans_spaces and " " in s) for s in stop) for stop in stops]
+        if not self.local:
+            return [True] * len(outs)
+        maybe = [any("\ufffd" in s for s in stop) for stop in stops]
         longest = [max(map(len, stop)) for stop in stops]
         seen = [] if isinstance(self._least, list) else [
             t for out, new, n in zip(outs, news, longest) for t in (*out[-4 * n - 4:], *new)]
