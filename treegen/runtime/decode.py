@@ -12,7 +12,8 @@ counter — and the same attention plan serves every step and layer. On CUDA the
 per phase as a CUDA graph and replayed.
 
 The host looks at the generated tokens every ``sync_every`` steps (every step on the CPU): branches
-that hit EOS, a stop string or ``max_tokens`` are finished there, their extra tokens dropped, and
+that hit EOS, a stop string (looked for only where :mod:`~treegen.runtime.stop_strings`' test on the
+block's text tails says one may be) or ``max_tokens`` are finished there, their extra tokens dropped, and
 their jobs complete at once (the phase *yields*, so the caller can resume the programs waiting for
 them while the GPU keeps going). On CUDA this is pipelined: a block's tokens are copied to the host
 asynchronously and read while the next block's steps already run, so the decode loop never drains
