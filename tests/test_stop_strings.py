@@ -159,3 +159,21 @@ def test_a_run_stops_where_the_exact_check_stops(tiny_llama, tokenizer, monkeypa
     reasons = [r for _, _, r in fast]
     assert reasons.count("stop") >= 4 and reasons.count("length") >= 1
     assert verdicts.count(False) > verdicts.count(True) > 0
+
+
+def test_the_batched_decode_writes_what_decode_writes(tokenizer):
+    """``Engine.batch_decode`` (the stop test's tails, the texts of the branches a block finishes): the texts
+    of ``tokenizer.decode`` for each sequence, special tokens skipped or not — through the Rust batch for the
+    embedded fast tokenizer, the tokenizer's own decode for treegen's stand-in."""
+    from treegen.runtime.loader import IdTokenizer
+    from treegen.runtime.text_decode import BatchDecoder
+
+    ids = texts_with_many_kinds_of_tokens(tokenizer)
+    specials = tokenizer.all_special_ids
+    sequences = [ids[:40], ids[40:41] + specials + ids[41:90], [], specials, ids[3:7]]
+    for tok, rust in ((tokenizer, True), (sentencepiece_style(), True), (IdTokenizer(), False)):
+        decode = BatchDecoder(tok)
+        for skip in (False, True):
+            want = [tok.decode(q, skip_special_tokens=skip) for q in sequences]
+            assert decode(sequences, skip_special_tokens=skip) == want
+            assert (decode._rust(skip) is not None) == rust

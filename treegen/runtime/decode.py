@@ -563,6 +563,7 @@ class Decoder:
         jobs, outs, logprobs, plain, eos, extend = self.jobs, self.out, self.logprobs, self.plain, self.eos, self.tree.extend
         state, walk = self.state, self.run.engine.automata.walk if self.state else None
         may_stop = self._may_stop(live, tokens)
+        ending: list = []  # (branch, result) of the branches this block ends, in row order (see _accept)
         for j, b in enumerate(live):
             job = jobs[b]
             if job.done:  # (finished, or cancelled by a callback of an earlier branch)
@@ -578,7 +579,16 @@ class Decoder:
                     if b in state:  # (a token automaton's branch: its mask allowed every token)
                         state[b] = walk(state[b], new)
                     continue
-            self._accept(b, tokens[j], lps[j], j not in may_stop)
+            self._accept(b, tokens[j], lps[j], j not in may_stop, ending)
+        if ending:  # the texts still to decode in one batched call, then the jobs complete in row order
+            untold = [r for _, r in ending if r.text is None]
+            texts = iter(self.run.engine.batch_decode([r.tokens[:-1] if r.finish_reason == "eos" else r.tokens
+                                                       for r in untold], skip_special_tokens=True))
+            for b, result in ending:
+                if result.text is None:
+                    result = dataclasses.replace(result, text=next(texts))
+                if not jobs[b].done:  # (cancelled by a callback of a job completed before it)
+                    self._complete(b, result)
         self.live = [b for b in self.live if not self.jobs[b].done]
         self._report()
         self.run.host_seconds["accept"] += time.perf_counter() - started
@@ -606,11 +616,14 @@ class Decoder:
                                                       [jobs[branches[j]].request.params.stop for j in asked])
         return {j for j, m in zip(asked, maybe) if m}
 
-    def _accept(self, b: int, new: list[int], logprobs: list[float], stop_free: bool = False) -> bool:
+    def _accept(self, b: int, new: list[int], logprobs: list[float], stop_free: bool = False,
+                ending: list | None = None) -> bool:
         """Append branch ``b``'s new tokens up to where it finishes; True when it finished (its job
         is then complete). A constrained branch's matcher has taken them already (``_advance_matchers``).
         ``stop_free``: no stop string of the branch can end within ``new`` (``_may_stop``), so only EOS and
-        ``max_tokens`` decide where it ends."""
+        ``max_tokens`` decide where it ends. ``ending``: where a finished branch goes, ``(b, result)``, for
+        the caller to complete — an EOS or ``max_tokens`` result with its text still to decode (None: it
+        completes here)."""
         job = self.jobs[b]
         out = self.out[b]
         before = len(out)
@@ -628,7 +641,9 @@ class Decoder:
                 ends = True
             out.extend(new[:cut])
             self.logprobs[b].extend(logprobs[:cut])
-            result = finished(out, params, self.eos, self.tokenizer, stop_free) if cut > 0 and ends else None
+            result = None
+            if cut > 0 and ends:
+                result = finished(out, params, self.eos, self.tokenizer, stop_free, text=ending is None)
         else:  # token by token: a stop string, a matcher or an automaton decides after each one
             for t, lp in zip(new, logprobs):
                 out.append(t)
@@ -652,12 +667,20 @@ class Decoder:
         self.tokens_done += len(out) - before
         if job.on_tokens is not None:
             job.on_tokens(tuple(out))
-        if result is not None:
-            self.run.complete(job, dataclasses.replace(result, logprobs=tuple(self.logprobs[b]),
-                                                       kv_keep=job.request.params.kv_keep,
-                                                       kv_dropped=self.kv.dropped(job.request.node)))
-            return True
-        return False
+        if result is None:
+            return False
+        if ending is not None:
+            ending.append((b, result))
+        else:
+            self._complete(b, result)
+        return True
+
+    def _complete(self, b: int, result: GenResult) -> None:
+        """Branch ``b``'s job is complete with ``result`` (its log-probabilities and KV facts added)."""
+        job = self.jobs[b]
+        self.run.complete(job, dataclasses.replace(result, logprobs=tuple(self.logprobs[b]),
+                                                   kv_keep=job.request.params.kv_keep,
+                                                   kv_dropped=self.kv.dropped(job.request.node)))
 
     def _report(self) -> None:
         hook = self.run.engine.on_step
@@ -744,17 +767,19 @@ def expected_left(width: int, steps: int, first_end: int | None) -> int:
 
 
 def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer,
-             stop_free: bool = False) -> GenResult | None:
+             stop_free: bool = False, text: bool = True) -> GenResult | None:
     """The :class:`~treegen.runtime.requests.GenResult` of a branch whose generated ``tokens`` end
     it (stop string, EOS, ``max_tokens``), else None. ``stop_free``: the caller knows that no stop
-    string is in their text (``Decoder._may_stop``), which is then not decoded to look."""
+    string is in their text (``Decoder._may_stop``), which is then not decoded to look. ``text``
+    False: a result of EOS or ``max_tokens`` has ``text=None`` — the caller decodes it (``tokens``
+    without the EOS, special tokens skipped), with others' at once."""
     if params.stop and not stop_free:
         text = tokenizer.decode(tokens)
         hits = [text.find(s) for s in params.stop if s in text]
         if hits:
             return GenResult(tuple(tokens), text[: min(hits)], "stop")
     if tokens[-1] in eos and not params.ignore_eos:
-        return GenResult(tuple(tokens), tokenizer.decode(tokens[:-1], skip_special_tokens=True), "eos")
+        return GenResult(tuple(tokens), tokenizer.decode(tokens[:-1], skip_special_tokens=True) if text else None, "eos")
     if len(tokens) >= params.max_tokens:
-        return GenResult(tuple(tokens), tokenizer.decode(tokens, skip_special_tokens=True), "length")
+        return GenResult(tuple(tokens), tokenizer.decode(tokens, skip_special_tokens=True) if text else None, "length")
     return None

@@ -18,6 +18,7 @@ from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 from treegen.runtime import swa
 from treegen.runtime.constraint import Constraint, Grammars
 from treegen.runtime.stop_strings import StopStrings
+from treegen.runtime.text_decode import BatchDecoder
 from treegen.runtime.token_automata import Automata, Automaton
 from treegen.runtime.distributed import finish_launch
 from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
@@ -141,6 +142,8 @@ class Engine:
         self.token_automata = token_automata
         self._automata: Automata | None = None
         self._stop_strings: StopStrings | None = None
+        # many texts decoded at once (stop strings' tails, the texts of the branches a block finishes)
+        self.batch_decode = BatchDecoder(tokenizer)
 
     def check_swa(self, where: str) -> None:
         """Raise ValueError when this engine cannot run sparse window attention (``where`` asked for it)."""
@@ -196,7 +199,7 @@ class Engine:
         the characters each token writes is made at the first gen with stop strings; see
         :mod:`~treegen.runtime.stop_strings`)."""
         if self._stop_strings is None:
-            self._stop_strings = StopStrings(self.tokenizer)
+            self._stop_strings = StopStrings(self.tokenizer, self.batch_decode)
         return self._stop_strings
 
     @property

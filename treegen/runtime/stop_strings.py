@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import json
 
+from treegen.runtime.text_decode import BatchDecoder
+
 # the decoder steps (tokenizers' JSON "type") whose output is a concatenation of per-token text, save the
 # first token's leading space and U+FFFD for a cut character (see the module doc)
 LOCAL_DECODERS = frozenset({"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip", "Sequence"})
@@ -72,39 +74,19 @@ def local_decoding(tokenizer) -> bool:
         steps.extend(step.get("decoders") or [])
     return decoder is not None and types <= LOCAL_DECODERS
 
+
 class StopStrings:
     """The tail test of one tokenizer (see the module doc); the engine holds one (``Engine.stop_strings``)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, decode: BatchDecoder | None = None) -> None:
+        """``decode``: the engine's batched decode of this tokenizer (None: one of the test's own)."""
         self.tokenizer = tokenizer
+        self._decode = decode or BatchDecoder(tokenizer)
         self.local = local_decoding(tokenizer)  # (False: every block takes the exact check)
         # per token id: the fewest characters it writes in any text, and whether it is partial (see the module
         # doc); a vocabulary's all at once at the first test, else (no vocabulary size) each id when first seen
         self._least: list[int] | dict[int, int] | None = None
         self._partial: list[bool] | dict[int, bool] | None = None
-        self._batch = None  # the batched decode (see _decode), chosen at the first
-
-    def _decode(self, sequences: list[list[int]]) -> list[str]:
-        """``tokenizer.decode`` of each sequence, in one call: a fast tokenizer's Rust batch where it writes
-        the same texts (checked on a few sequences once), else the tokenizer's ``batch_decode`` (a Python
-        loop over ``decode`` in transformers) or ``decode`` itself."""
-        if self._batch is None:
-            self._batch = self._rust_batch() or getattr(self.tokenizer, "batch_decode", None) or (
-                lambda seqs: [self.tokenizer.decode(q) for q in seqs])
-        return self._batch(sequences)
-
-    def _rust_batch(self):
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        if not hasattr(backend, "decode_batch") or not hasattr(self.tokenizer, "__len__"):
-            return None
-        size = len(self.tokenizer)
-        samples = [list(range(a, min(size, a + 64))) for a in range(0, size, max(1, size // 8))]
-        batch = lambda seqs: backend.decode_batch(seqs, skip_special_tokens=False)  # noqa: E731
-        try:
-            same = batch(samples) == [self.tokenizer.decode(q) for q in samples]
-        except Exception:  # (a backend that differs: the tokenizer's own decode serves)
-            return None
-        return batch if same else None
 
     def _learn(self, ids) -> None:
         for t, text in zip(ids, self._decode([[t] for t in ids])):
