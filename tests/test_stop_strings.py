@@ -177,3 +177,17 @@ def test_the_batched_decode_writes_what_decode_writes(tokenizer):
             want = [tok.decode(q, skip_special_tokens=skip) for q in sequences]
             assert decode(sequences, skip_special_tokens=skip) == want
             assert (decode._rust(skip) is not None) == rust
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_own_decode(tokenizer):
+    """transformers cleans up spaces (" ," → ",") after the backend's decode, where a tokenizer asks: the Rust
+    batch would skip that, so such a tokenizer's texts come from its own decode."""
+    import copy
+
+    from treegen.runtime.text_decode import BatchDecoder
+
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    decode = BatchDecoder(cleaning)
+    ids = tokenizer("Hello , world . It 's fine", add_special_tokens=False)["input_ids"]
+    assert decode._rust(True) is None and decode([ids], skip_special_tokens=True) == [cleaning.decode(ids, skip_special_tokens=True)]

@@ -563,7 +563,10 @@ class Decoder:
         jobs, outs, logprobs, plain, eos, extend = self.jobs, self.out, self.logprobs, self.plain, self.eos, self.tree.extend
         state, walk = self.state, self.run.engine.automata.walk if self.state else None
         may_stop = self._may_stop(live, tokens)
-        ending: list = []  # (branch, result) of the branches this block ends, in row order (see _accept)
+        # (branch, result) of the branches this block ends, in row order (see _accept): they complete after the
+        # loop, their texts decoded at once. (So a completion that cancels another job — a program over its
+        # max_program_tokens — comes after that job's tokens of this block are taken and streamed.)
+        ending: list = []
         for j, b in enumerate(live):
             job = jobs[b]
             if job.done:  # (finished, or cancelled by a callback of an earlier branch)

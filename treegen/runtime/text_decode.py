@@ -7,8 +7,9 @@ once, while the GPU has nothing queued). A fast tokenizer's Rust backend decodes
 on several threads; ``transformers``' ``batch_decode`` is a Python loop over ``decode`` (~28 us for a
 128-token text on one core of the development machine, ~4x the Rust batch there). The Rust batch serves
 where it writes the same texts as ``tokenizer.decode`` — checked once per ``skip_special_tokens`` on
-slices of the vocabulary and the special tokens (a tokenizer that cleans up spaces after decoding does
-not pass); otherwise the tokenizer's own ``batch_decode``, or ``decode`` one by one.
+slices of the vocabulary and the special tokens, and never for a tokenizer that cleans up spaces after
+decoding (``clean_up_tokenization_spaces``: transformers 4 does it for BPE too); otherwise the
+tokenizer's own ``batch_decode``, or ``decode`` one by one.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class BatchDecoder:
     def _rust(self, skip: bool):
         tokenizer = self.tokenizer
         backend = getattr(tokenizer, "_tokenizer", None)
-        if not hasattr(backend, "decode_batch") or not hasattr(tokenizer, "__len__"):
-            return None
+        if (not hasattr(backend, "decode_batch") or not hasattr(tokenizer, "__len__")
+                or getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+            return None  # (the clean-up runs in Python after the backend's decode; samples seldom show it)
         size = len(tokenizer)
         specials = [t for t in getattr(tokenizer, "all_special_ids", []) if 0 <= t < size]
         samples = [list(range(a, min(size, a + 64))) for a in range(0, size, max(1, size // 8))]
