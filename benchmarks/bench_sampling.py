@@ -16,6 +16,7 @@ random token bitmask or none. The floor: the logits' bytes
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import json
 import platform
@@ -32,15 +33,14 @@ from treegen.runtime.token_masks import apply_bitmask
 TOP_P = 0.95
 
 
-def torch_ops(logits, temperature, keys, steps, bitmask, all_greedy):
-    """What ``sampler.pick`` ran before the kernel: mask (in place), sample, the log-probability."""
-    rows = logits.shape[0]
+def torch_ops(logits, temperature, keys, steps, bitmask, all_greedy, filtered: bool = False):
+    """What ``sampler.pick`` ran before the kernel: mask (in place), sample (``filtered``: top-p ``TOP_P``,
+    the floor by a sort), the noise in int64 ops, the log-probability."""
     lse = logits.logsumexp(-1)
     if bitmask is not None:
         apply_bitmask(logits, bitmask)
-    tokens = sample(logits, temperature=temperature, top_p=torch.ones(rows, device=logits.device),
-                    top_k=torch.zeros(rows, dtype=torch.int64, device=logits.device), keys=keys, steps=steps,
-                    all_greedy=all_greedy, filter_needed=False)
+    tokens = sample(logits, temperature=temperature, keys=keys, steps=steps, all_greedy=all_greedy,
+                    **filtered_args(logits.shape[0], logits.device, filtered))
     return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
 
 
@@ -49,18 +49,9 @@ def kernel(logits, temperature, keys, steps, bitmask, all_greedy):
     return tokens, logit - lse
 
 
-def filtered_args(rows: int, device) -> dict:
-    return dict(top_p=torch.full((rows,), TOP_P, device=device), top_k=torch.zeros(rows, dtype=torch.int64, device=device),
-                filter_needed=True)
-
-
-def torch_ops_filtered(logits, temperature, keys, steps, bitmask, all_greedy):
-    """Top-p rows by the sampler's PyTorch ops: mask (in place), the floor by a sort, the noise in int64 ops."""
-    lse = logits.logsumexp(-1)
-    if bitmask is not None:
-        apply_bitmask(logits, bitmask)
-    tokens = sample(logits, temperature=temperature, keys=keys, steps=steps, **filtered_args(logits.shape[0], logits.device))
-    return tokens, logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+def filtered_args(rows: int, device, filtered: bool = True) -> dict:
+    return dict(top_p=torch.full((rows,), TOP_P if filtered else 1.0, device=device),
+                top_k=torch.zeros(rows, dtype=torch.int64, device=device), filter_needed=filtered)
 
 
 def kernel_filtered(logits, temperature, keys, steps, bitmask, all_greedy):
@@ -150,7 +141,8 @@ def main() -> None:
                                  ).to(torch.int32)
             for mode in args.modes:
                 temperature = torch.full((batch,), 0.0 if mode == "greedy" else 1.0, device="cuda")
-                ops, one_pass = (torch_ops_filtered, kernel_filtered) if mode == "top_p" else (torch_ops, kernel)
+                ops = functools.partial(torch_ops, filtered=mode == "top_p")
+                one_pass = kernel_filtered if mode == "top_p" else kernel
                 source = peaked_logits(batch, vocab, g) if mode == "top_p" else logits0
                 for masked in (False, True):
                     bitmask = mask if masked else None

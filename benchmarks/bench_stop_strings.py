@@ -23,36 +23,26 @@ import datetime
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import transformers
 
 from treegen.runtime.stop_strings import StopStrings
-from treegen.runtime.engine import Engine, GenRequest
+from treegen.runtime.engine import Engine
 from treegen.runtime.model import LlamaFamilyModel
-from treegen.runtime.sampler import SamplingParams
-from bench_end_to_end import SHAPES, config_of  # benchmarks/
+import bench_end_to_end  # benchmarks/
+from bench_end_to_end import SHAPES, config_of
 
 STOPS = ("\n\nQuestion:", "</answer>")
 VARIANTS = ("none", "stop", "exact")  # no stop strings; stop strings (tail test); the check after every token
 
 
 def timed(engine: Engine, prompt: list[int], batch: int, new: int, stop: tuple[str, ...]) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    run = engine.start()
-    root = run.tree.add_node(None, prompt)
-    leaves = [run.tree.add_node(root) for _ in range(batch)]
-    params = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, stop=stop)
-    results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    made = [len(r.tokens) for r in results]
-    if made != [new] * batch:
-        raise AssertionError(f"branches ended early (a stop string in random text?): {sorted(set(made))}")
-    return elapsed
+    """bench_end_to_end's run of ``batch`` branches below ``prompt`` (every one must make ``new`` tokens: a
+    stop string met in random text would fail it), sampling at temperature 1 with ``stop``; its seconds."""
+    bench_end_to_end.SAMPLING.update(temperature=1.0, top_p=1.0, stop=stop)
+    return bench_end_to_end.timed_run(engine, batch=batch, prompt=prompt, new=new, flat=False)[0]
 
 
 class Variant:

@@ -3,8 +3,8 @@
 A ``gen`` with stop strings ends at the first token after which its text — ``tokenizer.decode`` of
 every token it made — contains one of them (:func:`~treegen.runtime.decode.finished`). Checking that
 by decoding the whole text after each token costs time in the text's length per token: a 256-token
-answer decodes ~33K tokens' worth, and 1,024 such branches spent 3-4x longer on the host than the GPU
-spent on their steps (``benchmarks/bench_stop_strings.py``).
+answer decodes ~33K tokens' worth, and 1,024 such branches decoded at 0.14 of the speed of branches
+without stop strings (``benchmarks/bench_stop_strings.py``).
 
 :meth:`StopStrings.may_stop` is the cheap test in front of that check. For a block of new tokens it
 decodes only the tail of each branch's tokens — the new ones and a few before them — in one batched
@@ -13,8 +13,8 @@ token-by-token check. The test may say "maybe" where the exact check then finds 
 few decodes), never "no" where a stop string ends in the new tokens' text:
 
 - decoding is local: the text of ``tokens[s:]`` equals the tail of the text of ``tokens`` except for
-  the first token's few characters (SentencePiece drops the first token's leading space; the clean-up
-  of spaces before punctuation looks at a character's neighbour), provided the cut is not inside a
+  the first token's few characters (SentencePiece drops the first token's leading space), provided the
+  cut is not inside a
   character: the first token must not be *partial* — a token whose text alone holds a replacement
   character, a piece of a multi-byte character (a byte-level tokenizer renders a cut character as
   U+FFFD; SentencePiece's byte fallback renders a whole run of byte tokens as U+FFFD once any of them
@@ -22,23 +22,23 @@ few decodes), never "no" where a stop string ends in the new tokens' text:
 - a stop string of ``L`` characters that ends within the new tokens' text starts at most ``L - 1``
   characters before it. The tail takes tokens before the new ones until they write at least ``L``
   characters, counting each as the fewest it can write in any text (its text alone, less the one space
-  a SentencePiece start or a clean-up may take; none for a partial token), then one more token, the
+  a SentencePiece start may take; none for a partial token), then one more token, the
   first, which is not counted and not partial (the tail goes back further while it is).
 
 The exact check runs after every token, the test on the block's text: a stop string that is in the
 text after some of the new tokens but gone after the last would escape it. Text changes behind its
 end only where a partial token follows (it may complete a character rendered as U+FFFD before; under
 byte fallback, a byte token that does not decode turns its whole run of byte tokens into U+FFFD, also
-the characters before it) or where the tokenizer cleans up spaces (``clean_up_tokenization_spaces``:
-``" ."`` becomes ``"."``, ``" 's"`` ``"'s"``). So the test also decodes the tail up to each new partial
-token, and a stop string with U+FFFD in it always takes the exact check.
+the characters before it). So the test also decodes the tail up to each new partial token, and a stop
+string with U+FFFD in it always takes the exact check.
 
 The argument holds for the decoders of the tokenizers language models ship: byte-level BPE (GPT-2,
 Llama 3, Qwen, SmolLM) and SentencePiece's ("▁" for spaces, byte fallback, the leading space stripped),
 and for treegen's stand-ins (:class:`~treegen.runtime.loader.IdTokenizer`,
 :class:`~treegen.runtime.piece_tokenizer.PieceTokenizer`). Not for others (WordPiece's ``##`` pieces
-write fewer characters in a word than alone; CTC merges repeats; a clean-up of spaces may take a
-token's leading and trailing space): under those every block takes the exact check
+write fewer characters in a word than alone; CTC merges repeats; a clean-up of spaces after decoding,
+``clean_up_tokenization_spaces`` — ``" ."`` becomes ``"."`` — may take a token's leading and trailing
+space, and change text behind its end): under those every block takes the exact check
 (:attr:`StopStrings.local` is False).
 """
 
@@ -136,7 +136,7 @@ class StopStrings:
             return [True] * len(outs)
         maybe = [any("\ufffd" in s for s in stop) for stop in stops]
         longest = [max(map(len, stop)) for stop in stops]
-        seen = [] if isinstance(self._least, list) else [
+        seen = [] if isinstance(self._least, list) else [  # (learnt per block; _tail learns any beyond)
             t for out, new, n in zip(outs, news, longest) for t in (*out[-4 * n - 4:], *new)]
         least, partial, size = self._tables(seen)
         texts, owner = [], []  # the tails to decode, and whose each is
