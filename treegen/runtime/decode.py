@@ -180,30 +180,33 @@ class Decoder:
         kv.wait_restores()  # (a captured step cannot wait on copies made outside it)
         live = list(self.live)
         run.decode_phases.append(len(live))
-        nodes = [self.jobs[b].request.node for b in live]
-        remaining = [self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in live]
+        jobs = [self.jobs[b] for b in live]
+        nodes = [j.request.node for j in jobs]
+        made = [len(self.out[b]) for b in live]  # tokens each branch has drawn
+        remaining = [j.request.params.max_tokens - m for j, m in zip(jobs, made)]
         if self.state:  # a token automaton's branch can draw no more than its longest answer
             most = run.engine.automata.most
             remaining = [int(min(r, most(self.state[b]))) if b in self.state else r for b, r in zip(live, remaining)]
         # tokens each node holds before its generated ones: what a program appends after a finished
         # gen (while the phase still runs) has no KV yet, so it must not be counted as computed
-        prompt_len = [len(tree.tokens(n)) - len(self.out[b]) for b, n in zip(live, nodes)]
-        keep = [self.jobs[b].request.params.kv_keep for b in live]
+        node_len = [len(tree.tokens(n)) for n in nodes]
+        prompt_len = [t - m for t, m in zip(node_len, made)]
+        keep = [j.request.params.kv_keep for j in jobs]
         swa_rows = [j for j, r in enumerate(keep) if r is not None]
         width = max(remaining)
         if swa_rows:  # sparse window attention compacts its branches' KV when the phase ends (see swa)
             width = min(width, run.engine.kv_keep_every)
         grow = [min(r, width) for r in remaining]
-        rows = self.decode_rows()
+        rows = [(n, t - 1) for n, t in zip(nodes, node_len)]  # (decode_rows)
         # what sparse window attention's compaction needs of the phase's first step (nothing without it)
         positions = [tree.position(n) + i for n, i in rows] if swa_rows else []
-        out_before = [len(self.out[b]) for b in live] if swa_rows else []
+        out_before = made if swa_rows else []
         input_ids, slots, plan = run.plan_rows(rows, grow=dict(zip(nodes, grow)))
         # a branch done while the phase runs on keeps writing into its reservation's last slot, which
         # holds no KV (its last token's is never written): never into its written KV, never past it
         slot_limit = slots + torch.tensor(grow, device=device)
-        params = RowSampling([self.jobs[b] for b in live], device, model.vocab_split)
-        steps = torch.tensor([len(self.out[b]) for b in live], dtype=torch.int64, device=device)
+        params = RowSampling(jobs, device, model.vocab_split)
+        steps = torch.tensor(made, dtype=torch.int64, device=device)
         # the SWA rows whose queries a recorder keeps for the compaction (none: attention "none" has none)
         recorded = swa_rows if run.engine.attention != "none" else []
         constrained = self.masks is not None and any(b in self.masks for b in live)

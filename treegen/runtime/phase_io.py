@@ -19,13 +19,16 @@ class RowSampling:
     def __init__(self, jobs: list[Job], device, split=None) -> None:
         self.split = split
         params: list[SamplingParams] = [j.request.params for j in jobs]
-        self.temperature = torch.tensor([float(p.temperature) for p in params], device=device)
-        self.top_p = torch.tensor([float(p.top_p) for p in params], device=device)
-        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-        self.keys = torch.tensor([j.request.key for j in jobs], dtype=torch.int64, device=device)
-        # what ends a row on the device (stop strings end rows on the host only)
-        self.max_tokens = torch.tensor([p.max_tokens for p in params], dtype=torch.int64, device=device)
-        self.eos_ends = torch.tensor([not p.ignore_eos for p in params], dtype=torch.bool, device=device)
+        # two host-to-device copies (a thousand-row phase's set-up waits for them), not one a field
+        floats = torch.tensor([[float(p.temperature) for p in params], [float(p.top_p) for p in params]],
+                              dtype=torch.float32).reshape(2, len(jobs)).to(device)
+        ints = torch.tensor([[p.top_k for p in params], [j.request.key for j in jobs],
+                             # what ends a row on the device (stop strings end rows on the host only)
+                             [p.max_tokens for p in params], [not p.ignore_eos for p in params]],
+                            dtype=torch.int64).reshape(4, len(jobs)).to(device)
+        self.temperature, self.top_p = floats
+        self.top_k, self.keys, self.max_tokens = ints[:3]
+        self.eos_ends = ints[3].bool()
         self.all_greedy = all(p.temperature == 0 for p in params)
         self.filter_needed = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
 

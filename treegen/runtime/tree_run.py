@@ -303,7 +303,7 @@ class TreeRun:
         tree, kv, model = self.tree, self.kv, self.model
         held = kv.segments
         grow = grow or {}
-        new_len: dict[int, int] = {}  # tokens of each node accounted for after this pass
+        new_len: dict[int, int] = {}  # tokens of each row's node accounted for after this pass
         for n, i in rows:
             if n in new_len:
                 if i + 1 > new_len[n]:
@@ -311,35 +311,45 @@ class TreeRun:
             else:
                 seg = held.get(n)
                 new_len[n] = max(seg.tokens if seg else 0, i + 1)
+        compacted = {n: seg.dropped for n in new_len if (seg := held.get(n)) is not None and seg.dropped}
+        for n, i in rows if compacted else ():
+            if i < compacted.get(n, 0):
+                raise RuntimeError(f"token {i} of node {n} is among the {compacted[n]} whose KV sparse window "
+                                   "attention dropped; it cannot be run again")
         pos = tree.positions(new_len)  # every node on the rows' paths, and where it starts
         segments = sorted(pos)
-        drop = {s: seg.dropped if (seg := held.get(s)) else 0 for s in segments}
-        for n, i in rows:
-            if i < drop[n]:
-                raise RuntimeError(f"token {i} of node {n} is among the {drop[n]} whose KV sparse window "
-                                   "attention dropped; it cannot be run again")
+        offloaded, tokens = kv.offloaded, tree.tokens
+        # each segment's (KV length, dropped tokens): the rows' nodes as above, reserved for what they may
+        # gain; every other one (an ancestor: most of a decode phase's thousands) must hold all its tokens
+        length_of: dict[int, int] = {}
+        drop: dict[int, int] = {}
         for s in segments:
-            seg = held.get(s)
-            if s in kv.offloaded:
+            if s in offloaded:
                 raise RuntimeError(f"node {s} is read while its KV is on the host (a scheduling bug)")
+            seg = held.get(s)
+            d = drop[s] = seg.dropped if seg else 0
             if s in new_len:
                 length = new_len[s]
+                kv.reserve(s, max(length - d + grow.get(s, 0), 1))
             else:
-                length = new_len[s] = seg.tokens if seg else 0
-                if length != len(tree.tokens(s)):
-                    raise RuntimeError(f"node {s} is missing KV for {len(tree.tokens(s)) - length} tokens")
-            kv.reserve(s, max(length - drop[s] + grow.get(s, 0), 1))
+                length = seg.tokens if seg else 0
+                if length != len(tokens(s)):
+                    raise RuntimeError(f"node {s} is missing KV for {len(tokens(s)) - length} tokens")
+                if seg is None:  # (an empty node is given one slot)
+                    kv.reserve(s, 1)
+            length_of[s] = length - d
         index = {s: j for j, s in enumerate(segments)}
         device = model.device
-        input_ids = torch.tensor([tree.tokens(n)[i] for n, i in rows], dtype=torch.int64, device=device)
-        slots = torch.tensor([held[n].start + i - drop[n] for n, i in rows], dtype=torch.int64, device=device)
         query_pos = [pos[n] + i for n, i in rows]
-        query_pos_buffer = torch.tensor(query_pos, dtype=torch.int64, device=device)  # shared by every window's plan
+        # one host-to-device copy: the token ids, their slots and positions (the last shared by every window's plan)
+        input_ids, slots, query_pos_buffer = torch.tensor(
+            [[tokens(n)[i] for n, i in rows], [held[n].start + i - drop[n] for n, i in rows], query_pos],
+            dtype=torch.int64).reshape(3, len(rows)).to(device)
         layer_window = tuple(model.layer_window)
         plan = PassPlan({window: plan_tree_attention(
             segment_parent=[index.get(tree.parent(s), -1) for s in segments],
             segment_start=[held[s].start for s in segments],
-            segment_len=[new_len[s] - drop[s] + grow.get(s, 0) for s in segments],
+            segment_len=[length_of[s] + grow.get(s, 0) for s in segments],
             segment_pos=[pos[s] + drop[s] for s in segments],
             query_segment=[index[n] for n, _ in rows],
             query_pos=query_pos,
@@ -352,7 +362,7 @@ class TreeRun:
             window=window,
             softcap=model.attn_softcap,
         ) for window in dict.fromkeys(layer_window)}, layer_window)
-        for s in new_len:
+        for s in new_len:  # (an ancestor's KV is whole already)
             seg = held[s]
             seg.computed = max(seg.computed, new_len[s] - drop[s])
         return input_ids, slots, plan
