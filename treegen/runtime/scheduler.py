@@ -105,6 +105,18 @@ class Step:
         return bool(self.rows or self.ready)
 
 
+@dataclass
+class _IdleNodes:
+    """One admission pass's view of the KV that may leave the GPU: ``protected`` nodes (read by running or
+    admitted work; it grows as jobs are admitted) and the others' eviction ``order``, sorted once a pass —
+    the order of the nodes left does not change within it, so each eviction goes on from ``cursor``
+    instead of sorting every node again (a thousand-branch run short of memory: 35 ms a step otherwise)."""
+
+    protected: set[int]
+    order: list[int]
+    cursor: int = 0
+
+
 def conditioning_row(tree, node: int) -> tuple[int, int]:
     """(node, index) of the last token on ``node``'s path — the one whose logits come next."""
     for n in reversed(tree.path(node)):
@@ -270,7 +282,7 @@ class Scheduler:
         taken: list[tuple[Job, dict[int, int]]] = []
         busy = live > 0 or bool(self.admitted)
         generating = live + sum(1 for j in self.admitted if j.is_gen)
-        evictable = None  # (protected nodes, first waiting reader of each node), made at the first eviction
+        idle = None  # the idle nodes in eviction order (see _IdleNodes), made at the first eviction
         self.memory_blocked = False
         while self.waiting:
             job = self.waiting[0]
@@ -287,13 +299,12 @@ class Scheduler:
                                                         "while it runs)" if self.offload.on else ""))
                 else:
                     if self.offload.on:
-                        if evictable is None:
-                            evictable = self._evictable(taken)
-                        protected = evictable[0] | set(self.nodes(job))
-                        evicted = self._evict(reserved + slots - total, protected, evictable[1], step)
+                        if idle is None:
+                            idle = self._idle_nodes(taken)
+                        evicted = self._evict(reserved + slots - total, idle, set(self.nodes(job)), step)
                         if evicted is not None:
                             reserved -= evicted
-                            evictable[0].update(self.nodes(job))
+                            idle.protected.update(self.nodes(job))
                             self._take(job, need, taken, counted)
                             reserved += slots
                             generating += job.is_gen
@@ -308,8 +319,8 @@ class Scheduler:
                 step.refused.append(job)
                 continue
             self._take(job, need, taken, counted)
-            if evictable is not None:
-                evictable[0].update(self.nodes(job))
+            if idle is not None:
+                idle.protected.update(self.nodes(job))
             reserved += slots
             generating += job.is_gen
         if not taken:
@@ -347,35 +358,38 @@ class Scheduler:
         counted |= set(need)
 
     # offload / recompute --------------------------------------------------------------------------
-    def _evictable(self, taken) -> tuple[set[int], dict[int, int]]:
-        """The nodes that are not idle (read by live branches, admitted jobs, jobs taken this step),
-        and for each node a waiting job reads, the queue position of the first such job."""
+    def _idle_nodes(self, taken) -> "_IdleNodes":
+        """The nodes that are not idle (read by live branches, admitted jobs, jobs taken this step) and the
+        idle ones, those holding KV, in eviction order: nodes no waiting job reads, least recently used
+        first; then those read by waiting jobs, the one read last first."""
         protected = {n for leaf in self._reading for n in self.tree.path(leaf)}
         for job in [*self.admitted, *(j for j, _ in taken)]:
             protected.update(self.nodes(job))
-        first: dict[int, int] = {}
+        first: dict[int, int] = {}  # each node a waiting job reads: the queue position of the first such job
         for i, job in enumerate(self.waiting):
             for n in self.nodes(job):
                 first.setdefault(n, i)
-        return protected, first
+        order = [n for n in self.kv.segments if n not in protected]
+        order.sort(key=lambda n: (n in first, -first.get(n, 0), self.last_used.get(n, -1), n))
+        return _IdleNodes(protected, order)
 
-    def _evict(self, deficit: int, protected: set[int], first_reader: dict[int, int], step: Step) -> int | None:
+    def _evict(self, deficit: int, idle: "_IdleNodes", also: set[int], step: Step) -> int | None:
         """Free at least ``deficit`` slots by moving idle nodes' KV to the host or dropping it (the
-        policy decides per node); None, moving nothing, when the idle nodes cannot free that much.
-        Order: nodes no waiting job reads, least recently used first; then those read by waiting jobs,
-        the one read last first. Returns the slots freed."""
+        policy decides per node), in ``idle``'s order, none of ``also`` (the nodes of the job admitted);
+        None, moving nothing, when the idle nodes cannot free that much. Returns the slots freed."""
         kv, policy = self.kv, self.offload
         per = kv.bytes_per_token
-        idle = [n for n in kv.segments if n not in protected]
-        idle.sort(key=lambda n: (n in first_reader, -first_reader.get(n, 0), self.last_used.get(n, -1), n))
         if policy.mode == "auto" and self._rates is None:
             self._rates = policy.rates()
         host_free = policy.host_bytes - kv.host_bytes
         plan, freed = [], 0
-        for n in idle:
-            if freed >= deficit:
-                break
-            seg = kv.segments[n]
+        i = idle.cursor
+        while i < len(idle.order) and freed < deficit:
+            n = idle.order[i]
+            i += 1
+            seg = kv.segments.get(n)
+            if seg is None or n in idle.protected or n in also:
+                continue  # moved already, or read by work admitted since the order was made, or by this job
             to_host = policy.to_host(seg.computed, seg.computed * per, host_free, self._rates,
                                      recomputable=not seg.dropped)
             if to_host is None:
@@ -385,6 +399,9 @@ class Scheduler:
             host_free -= seg.computed * per if to_host else 0
         if freed < deficit:
             return None
+        # every node before ``i`` is moved now, or stays passed over for the rest of this admission pass
+        # (protection only grows, the host's room only shrinks, and this job's nodes are protected next)
+        idle.cursor = i
         for n, to_host in plan:
             if to_host:
                 kv.offload(n)
