@@ -235,6 +235,8 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
             "new_kernel_variants": kernel_variants() - variants,
             "phase_rows": tree_run.decode_phases, "phase_passes": tree_run.phase_passes,
             "phase_capture_ms": [round(1e3 * s, 1) for s in tree_run.phase_capture_seconds],
+            # KV that left the GPU for want of memory and came back, or was dropped and prefilled again
+            "offload": tree_run.offload_stats, "memory_waits": tree_run.scheduler.memory_waits,
             "gpu_busy": busy.fraction, **collections.as_dict()}
 
 
