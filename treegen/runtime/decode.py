@@ -187,17 +187,16 @@ class Decoder:
         if self.state:  # a token automaton's branch can draw no more than its longest answer
             most = run.engine.automata.most
             remaining = [int(min(r, most(self.state[b]))) if b in self.state else r for b, r in zip(live, remaining)]
+        rows = self.decode_rows()  # (node, index of its last token): the token each row runs next
         # tokens each node holds before its generated ones: what a program appends after a finished
         # gen (while the phase still runs) has no KV yet, so it must not be counted as computed
-        node_len = [len(tree.tokens(n)) for n in nodes]
-        prompt_len = [t - m for t, m in zip(node_len, made)]
+        prompt_len = [i + 1 - m for (_, i), m in zip(rows, made)]
         keep = [j.request.params.kv_keep for j in jobs]
         swa_rows = [j for j, r in enumerate(keep) if r is not None]
         width = max(remaining)
         if swa_rows:  # sparse window attention compacts its branches' KV when the phase ends (see swa)
             width = min(width, run.engine.kv_keep_every)
         grow = [min(r, width) for r in remaining]
-        rows = [(n, t - 1) for n, t in zip(nodes, node_len)]  # (decode_rows)
         # what sparse window attention's compaction needs of the phase's first step (nothing without it)
         positions = [tree.position(n) + i for n, i in rows] if swa_rows else []
         out_before = made if swa_rows else []

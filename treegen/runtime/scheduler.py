@@ -247,7 +247,7 @@ class Scheduler:
         ``counted``) at its length, and
         a generating node at its tokens plus ``max_tokens`` (all of it when it must grow: it may move,
         and the old range is held until it has)."""
-        tree, kv = self.tree, self.kv
+        kv = self.kv
         req = job.request
         # (a node extended past its range since it was reserved moves too: its new range is needed whole)
         need = {n: max(self.held(n), 1) for n in self.nodes(job)  # (an empty node is given one slot)
