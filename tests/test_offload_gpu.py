@@ -62,6 +62,38 @@ def test_offload_and_restore_round_trip_through_pinned_memory_on_a_side_stream(k
     assert stats["copy_seconds"] > 0
 
 
+def test_an_offload_right_after_a_restore_does_not_overwrite_the_span_still_being_read():
+    """The arena's span of a restored node comes back behind the restore's copies: an offload issued while
+    they still queue on the side stream must take other memory (or wait), never that span."""
+    from treegen.runtime.host_arena import HostArena
+
+    arena = HostArena(pinned=True, min_chunk=2**20, max_chunk=2**20)  # room for one node at a time
+    kv = KVStore(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, device="cuda", initial_slots=64,
+                 arena=arena)
+    n = 400  # 4 layers x 2 pools x 400 x 2 x 64 x 4 bytes = 1.6 MiB: over a chunk
+    want = {}
+    for node in (0, 1):
+        seg = kv.reserve(node, n)
+        for name in ("k", "v"):
+            data = torch.randn((4, n, 2, 64), device="cuda")
+            getattr(kv, name)[:, seg.start : seg.start + n] = data
+            want[node, name] = data
+        seg.computed = n
+    kv.offload(0)
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(30):  # the restore's copies queue behind this
+        big = big @ big / 64
+    kv.restore({0: n})
+    kv.offload(1)  # into node 0's span only after the copies reading it: the arena waits for them here
+    assert arena.chunk_bytes < 2 * 1.7 * 2**20
+    kv.wait_restores()
+    torch.cuda.synchronize()
+    seg = kv.segments[0]
+    for name in ("k", "v"):
+        assert torch.equal(getattr(kv, name)[:, seg.start : seg.start + n], want[0, name])
+        assert torch.equal(kv.offloaded[1].tensors[name].cuda(), want[1, name])
+
+
 def model_fp32():
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,

@@ -21,6 +21,7 @@ from treegen.runtime.stop_strings import StopStrings
 from treegen.runtime.text_decode import BatchDecoder
 from treegen.runtime.token_automata import Automata, Automaton
 from treegen.runtime.distributed import finish_launch
+from treegen.runtime.host_arena import HostArena
 from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.tree_run import PassPlan, TreeRun
@@ -112,6 +113,8 @@ class Engine:
         self.offload_bytes = default_host_bytes() if offload_bytes is None else offload_bytes
         OffloadPolicy(self.offload, self.offload_bytes, rates=lambda: None)  # checks both
         self._offload_rates: OffloadRates | None = None
+        # offloaded KV's host memory (pinned on CUDA), kept across runs: pinning is slow (see host_arena)
+        self.host_arena = HostArena(pinned=model.device.type == "cuda")
         self.kv_keep = swa.check_kv_keep(kv_keep, "Engine(kv_keep=...)")
         self.kv_keep_every = swa.check_period(kv_keep_every, "Engine(kv_keep_every=...)")
         self.kv_keep_history = swa.check_period(kv_keep_history, "Engine(kv_keep_history=...)")

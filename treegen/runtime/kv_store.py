@@ -7,8 +7,9 @@ attention reads a node's keys as one block for every branch below it. A node's r
 grow past its range it moves, once, to a larger one. Nothing is ever copied per branch.
 
 A node's KV can also leave the pool while no job reads it (see :mod:`treegen.runtime.offload`):
-:meth:`KVStore.offload` copies its written KV (every pool, the 8-bit formats' scales included) to the
-host — pinned memory on CUDA — and frees its slots; :meth:`KVStore.restore` gives it a segment again
+:meth:`KVStore.offload` copies its written KV (every pool, the 8-bit formats' scales included, one copy
+per pool) into a span of a :class:`~treegen.runtime.host_arena.HostArena` — pinned memory on CUDA, kept
+across runs by the engine — and frees its slots; :meth:`KVStore.restore` gives it a segment again
 and copies it back, on a side stream on CUDA, one event per layer, so a forward pass's layer ``l``
 waits only for layer ``l``'s copies (:meth:`KVStore.wait_layer`) and the rest overlaps its compute.
 :meth:`KVStore.drop` frees a node's slots keeping nothing: its tokens are prefilled again when read.
@@ -25,6 +26,7 @@ import torch
 
 from treegen.kernels.kv_quant import KVFormat, kv_format, quantize_reference
 from treegen.kernels.row_paths import expand
+from treegen.runtime.host_arena import ALIGN, HostArena, HostSpan
 
 
 @dataclass
@@ -51,10 +53,12 @@ class Segment:
 
 @dataclass
 class HostCopy:
-    """The written KV of an offloaded node: pool name → ``[num_layers, computed, ...]`` on the host."""
+    """The written KV of an offloaded node: pool name → ``[num_layers, computed, ...]`` on the host,
+    views of one ``span`` of the store's arena."""
 
     computed: int
     tensors: dict[str, torch.Tensor]
+    span: HostSpan
     dropped: int = 0  # tokens before them whose KV sparse window attention dropped (Segment.dropped)
 
 
@@ -75,6 +79,8 @@ class OffloadCounters:
     host_bytes_peak: int = 0
     host_seconds: float = 0.0
     copy_seconds: float = 0.0
+    pin_seconds: float = 0.0
+    arena_bytes: int = 0
     _events: list = field(default_factory=list, repr=False)  # (start, end) CUDA events of copies not yet summed
 
     def as_dict(self) -> dict:
@@ -89,8 +95,10 @@ class KVStore:
     """A growable slot pool with best-fit allocation of per-node segments."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, initial_slots: int = 1024, fmt: KVFormat | None = None) -> None:
-        """``dtype``: the model's dtype; ``fmt``: the KV format (None: the model's dtype, no scales)."""
+                 device: torch.device | str, initial_slots: int = 1024, fmt: KVFormat | None = None,
+                 arena: HostArena | None = None) -> None:
+        """``dtype``: the model's dtype; ``fmt``: the KV format (None: the model's dtype, no scales);
+        ``arena``: where offloaded KV goes (None: an arena of this store's own, pinned on CUDA)."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.format = fmt or kv_format(None, dtype)
         self.dtype, self.device = self.format.storage, torch.device(device)
@@ -108,6 +116,7 @@ class KVStore:
         self.offloaded: dict[int, HostCopy] = {}  # nodes whose KV is on the host
         self.to_recompute: dict[int, int] = {}  # nodes whose KV offload dropped → its tokens (prefilled again when read)
         self.host_bytes = 0  # KV bytes held on the host
+        self.arena = arena if arena is not None else HostArena(pinned=self.device.type == "cuda")
         self.counters = OffloadCounters()
         self._copy_stream = None  # CUDA: the side stream restores run on
         self._layer_ready: list | None = None  # CUDA: per layer, the event after the pending restores' copies
@@ -304,42 +313,50 @@ class KVStore:
         if seg is not None:
             self._release(seg.start, seg.capacity)
         host = self.offloaded.pop(node, None)
-        if host is not None:
+        if host is not None:  # (a pending copy into the span is on the current stream, before any later one)
             self.host_bytes -= host.computed * self.bytes_per_token
+            self.arena.give(host.span)
         self.to_recompute.pop(node, None)
 
     # offload / restore / drop ---------------------------------------------------------------------
     def offload(self, node: int) -> int:
-        """Copy ``node``'s written KV to the host (pinned memory on CUDA; ordered on the current stream
-        after the steps that wrote it) and free its slots. Returns the bytes moved."""
+        """Copy ``node``'s written KV into a span of the host arena (one copy per pool; on CUDA ordered on
+        the current stream after the steps that wrote it) and free its slots. Returns the bytes moved."""
         seg = self.segments[node]
         started = time.perf_counter()
         c = seg.computed
         nbytes = c * self.bytes_per_token
         cuda = self.device.type == "cuda"
-        tensors = {}
-        try:
-            for name in self._pools():
-                pool = getattr(self, name)
-                tensors[name] = torch.empty((pool.shape[0], c, *pool.shape[2:]), dtype=pool.dtype, pin_memory=cuda)
-        except RuntimeError as e:
-            raise RuntimeError(f"offloading node {node}'s KV ({nbytes / 2**20:.1f} MiB) needs pinned host memory, "
-                               f"which could not be allocated ({e}); run with Engine(offload='recompute') or "
-                               "offload='off', or lower offload_bytes") from e
-        events = self._events() if cuda else None
-        for name, host in tensors.items():
+        shapes, offsets, total = {}, {}, 0
+        for name in self._pools():
             pool = getattr(self, name)
-            for layer in range(pool.shape[0]):  # (one contiguous range per layer: no device-side staging copy)
-                host[layer].copy_(pool[layer, seg.start : seg.start + c], non_blocking=cuda)
+            shapes[name] = (pool.shape[0], c, *pool.shape[2:])
+            offsets[name] = total
+            total += -(-torch.Size(shapes[name]).numel() * pool.element_size() // ALIGN) * ALIGN
+        grown = self.arena.grow_seconds
+        try:
+            span = self.arena.take(max(total, 1))
+        except RuntimeError as e:
+            raise RuntimeError(f"offloading node {node}'s KV ({nbytes / 2**20:.1f} MiB) needs host memory: {e}; run "
+                               "with Engine(offload='recompute') or offload='off', or lower offload_bytes") from e
+        self.counters.pin_seconds += self.arena.grow_seconds - grown
+        events = self._events() if cuda else None
+        tensors = {}
+        for name in self._pools():
+            pool = getattr(self, name)
+            tensors[name] = self.arena.view(span, offsets[name], pool.dtype, shapes[name])
+            # one copy per pool: the node's range of every layer (strided on the device) lands contiguous
+            tensors[name].copy_(pool[:, seg.start : seg.start + c], non_blocking=cuda)
         self._end_copy(events, started)
         self.segments.pop(node)
         self._release(seg.start, seg.capacity)
-        self.offloaded[node] = HostCopy(c, tensors, seg.dropped)
+        self.offloaded[node] = HostCopy(c, tensors, span, seg.dropped)
         self.host_bytes += nbytes
         n = self.counters
         n.bytes_offloaded += nbytes
         n.nodes_offloaded += 1
         n.host_bytes_peak = max(n.host_bytes_peak, self.host_bytes)
+        n.arena_bytes = self.arena.chunk_bytes
         n.host_seconds += time.perf_counter() - started
         return nbytes
 
@@ -391,10 +408,13 @@ class KVStore:
                     ready[-1].record(side)
                 self._end_copy(events, started)
             self._layer_ready = ready
+            for _, host in placed:  # reused for another node once the copies reading it have run
+                self.arena.give(host.span, after=ready[-1])
         else:
             for seg, host in placed:
                 for name, t in host.tensors.items():
                     getattr(self, name)[:, seg.start : seg.start + host.computed] = t
+                self.arena.give(host.span)
             self._end_copy(None, started)
         nbytes = sum(host.computed for _, host in placed) * self.bytes_per_token
         self.host_bytes -= nbytes

@@ -114,7 +114,7 @@ class TreeRun:
         self.tree = SharingTree()
         m = self.model
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                          dtype=m.dtype, device=m.device, fmt=engine.kv_format)
+                          dtype=m.dtype, device=m.device, fmt=engine.kv_format, arena=engine.host_arena)
         self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens, engine.max_batch,
                                    offload=engine.offload_policy(), kv_keep_every=engine.kv_keep_every)
         self.decoder = Decoder(self)
