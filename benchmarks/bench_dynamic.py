@@ -294,7 +294,7 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("branches (max batch)")
     ax.set_ylabel("dynamic / static tokens/s")
-    ax.set_ylim(0, 1.2)
+    ax.set_ylim(0, max(1.2, 1.1 * max(r["ratio"] for r in rows)))
     ax.legend()
     fig.suptitle(title)
     save(fig, out)
