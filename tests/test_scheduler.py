@@ -215,7 +215,7 @@ def test_a_segment_grows_in_place_when_the_span_after_it_is_free():
     assert kv.slots_reserved() == 30 + 4
 
 
-@pytest.mark.parametrize("chunk", [3, 7, 16384])
+@pytest.mark.parametrize("chunk", [3, 7, 16384, None])
 def test_compaction_keeps_every_written_token_of_many_segments(chunk):
     """Many segments with holes between them (some written in part, some not at all) compacted in index
     batches of ``chunk`` slots, batches cutting through segments: every written slot reads back its own

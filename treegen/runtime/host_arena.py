@@ -83,7 +83,7 @@ class HostArena:
 
     def view(self, span: HostSpan, start: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A ``dtype`` tensor of ``shape`` over ``span``'s bytes from ``start`` (a multiple of the dtype's size)."""
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         if start < 0 or start + n > span.nbytes:
             raise ValueError(f"a view of {n} bytes at {start} does not fit a span of {span.nbytes}")
         base = span.offset + start

@@ -91,6 +91,9 @@ class OffloadCounters:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
+COMPACT_BYTES = 64 * 2**20  # the most a compaction's gather of one pool holds at once (see KVStore._compact)
+
+
 class KVStore:
     """A growable slot pool with best-fit allocation of per-node segments."""
 
@@ -459,16 +462,21 @@ class KVStore:
             self._grow(length)
         return self._allocate(length)
 
-    def _compact(self, chunk: int = 16384) -> None:
+    def _compact(self, chunk: int | None = None) -> None:
         """Move every segment down to close the free holes between them, in place. The written slots
         that move are gathered and scattered in index batches of at most ``chunk`` slots (one gather and
         one scatter per pool and batch, not per segment: a pool of thousands of small nodes compacted
-        segment by segment cost thousands of copy launches). Batches run front to back and every slot
-        moves down, so a batch's sources lie at or above its destinations and above every earlier
-        batch's: no batch overwrites a slot a later one reads. Segment starts change: only call this
+        segment by segment cost thousands of copy launches; default: as many as make a gather of
+        ``COMPACT_BYTES`` — a pool is compacted when memory is short, and a 16K-slot batch of Llama-3-8B's
+        keys was a 1 GiB temporary). The batches' indices reach the device without waiting for it.
+        Batches run front to back and every slot moves down, so a batch's sources lie at or above its
+        destinations and above every earlier batch's: no batch overwrites a slot a later one reads. Segment starts change: only call this
         while no attention plan built on the old starts is still in use (plans are made after reserving)."""
         self.wait_restores()
         self.compactions += 1
+        if chunk is None:
+            per_slot = max(getattr(self, n)[:, 0].numel() * getattr(self, n).element_size() for n in self._pools())
+            chunk = max(256, COMPACT_BYTES // per_slot)
         pos = 0
         src_starts, dst_starts, counts = [], [], []
         for seg in sorted(self.segments.values(), key=lambda seg: seg.start):
@@ -483,9 +491,11 @@ class KVStore:
             which, offsets = expand(counts)  # each moved slot's segment and its offset in it
             src = np.asarray(src_starts, dtype=np.int64)[which] + offsets
             dst = np.asarray(dst_starts, dtype=np.int64)[which] + offsets
+            cuda = self.device.type == "cuda"
             for begin in range(0, len(src), chunk):
-                s = torch.from_numpy(src[begin:begin + chunk]).to(self.device)
-                d = torch.from_numpy(dst[begin:begin + chunk]).to(self.device)
+                both = torch.from_numpy(np.stack([src[begin:begin + chunk], dst[begin:begin + chunk]]))
+                # (from pinned memory: a copy from pageable memory would wait for everything queued before it)
+                s, d = (both.pin_memory() if cuda else both).to(self.device, non_blocking=cuda)
                 for pool in (getattr(self, name) for name in self._pools()):
                     pool[:, d] = pool[:, s]  # (the gather copies first; works for float8 too)
         self._set_free([(pos, self.num_slots - pos)] if pos < self.num_slots else [])
