@@ -5,7 +5,8 @@ KV of *idle* nodes — nodes no admitted or decoding job reads (a branch that fi
 continue later, the nodes of a subtree whose jobs wait) — least recently used first, and those no
 waiting job reads before those that one does. An evicted node either
 
-* **moves to the host** (pinned memory on CUDA) and is copied back when a job that reads it is
+* **moves to the host** (a span of the engine's :class:`~treegen.runtime.host_arena.HostArena`, pinned
+  memory on CUDA) and is copied back when a job that reads it is
   admitted (the KV store's :meth:`~treegen.runtime.kv_store.KVStore.offload` / ``restore``), or
 * **is dropped**, and its tokens are prefilled again when a job reads it (recompute) —
 
