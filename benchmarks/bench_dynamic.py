@@ -231,6 +231,9 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
             "phases_captured": tree_run.decoder.captured_phases, "phases_replaying_kept": tree_run.decoder.kept_phases,
             "keep_phase_graphs": tree_run.decoder.kept is not None,
             "host_ms_per_step": {k: 1e3 * v / steps for k, v in tree_run.host_seconds.items()},
+            # scheduling runs only between decode phases: its time per call (the GPU may wait that long)
+            "schedule_calls": tree_run.schedule_calls,
+            "schedule_ms_per_call": 1e3 * tree_run.host_seconds["schedule"] / max(1, tree_run.schedule_calls),
             # kernel variants (Triton specializations) first launched, so compiled, inside the timed run
             "new_kernel_variants": kernel_variants() - variants,
             "phase_rows": tree_run.decode_phases, "phase_passes": tree_run.phase_passes,

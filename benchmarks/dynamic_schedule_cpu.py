@@ -64,6 +64,7 @@ def replay(kind: str, branches: int, width: int, oversubscribe: int, kv_budget_b
             "phases": phases, "cpu_seconds": elapsed,
             # the engine's host time by part (on this CPU; the model's own time is in none of them)
             "host_seconds": {k: round(v, 3) for k, v in run.host_seconds.items()},
+            "schedule_calls": run.schedule_calls,
             "offload": run.offload_stats, "memory_waits": run.scheduler.memory_waits}
 
 

@@ -95,6 +95,8 @@ def test_static_program_keeps_one_prefill_and_one_step_per_token(engine):
     root = static.run(engine, 4)
     run = root._run.tree_run
     assert run.mixed_steps == 1 and run.forward_passes == 1 + 5  # prefill + first tokens, then 5 decode steps
+    # scheduled only where a phase ends or a mixed step runs, never once per decode step
+    assert run.schedule_calls <= run.mixed_steps + len(run.decode_phases) < run.forward_passes
 
 
 def test_an_exception_in_one_program_leaves_the_others_results(engine):

@@ -125,6 +125,9 @@ class TreeRun:
         self.phase_passes: list[int] = []
         self.phase_capture_seconds: list[float] = []  # host seconds each of them spent capturing (0: replayed kept graphs)
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
+        # scheduling calls (between decode phases only: host_seconds["schedule"] is spent in these, not spread
+        # over every step)
+        self.schedule_calls = 0
         self._phase = None  # the running decode phase (a generator), if any
         self._mixed_in_row = 0  # steps in a row that prefilled new work (0: the last step did not; see advance)
         # host time by kind (seconds): scheduling, planning phases, capturing their CUDA graphs (which
@@ -197,6 +200,7 @@ class TreeRun:
             t0 = time.perf_counter()
             step = self.scheduler.next_step(live, [self.decoder.jobs[b].request.node for b in self.decoder.live])
             self.host_seconds["schedule"] += time.perf_counter() - t0
+            self.schedule_calls += 1
             for job in step.refused:
                 self.complete(job, None)
             self._mixed_in_row = self._mixed_in_row + 1 if step.runs_model else 0
