@@ -43,7 +43,7 @@ def test_given_back_spans_merge_with_free_neighbours_and_best_fit_reuses_them():
     arena.give(spans[1])
     arena.give(spans[3])
     arena.give(spans[2])  # joins both neighbours: one free span of 24 KiB
-    assert arena.free_bytes() == 24 * KiB and len(arena._by_size) == 1
+    assert arena.free_bytes() == 24 * KiB and len(arena._spans.by_start) == 1
     arena.give(spans[6])
     small = arena.take(8 * KiB)  # best fit: the 8 KiB hole, not the 24 KiB one
     assert (small.chunk, small.offset) == (0, spans[6].offset)
@@ -51,7 +51,7 @@ def test_given_back_spans_merge_with_free_neighbours_and_best_fit_reuses_them():
     assert big.offset == spans[1].offset and arena.free_bytes() == 4 * KiB and len(arena.chunks) == 1
     for s in (spans[0], spans[4], spans[5], spans[7], small, big):
         arena.give(s)
-    assert arena.free_bytes() == 64 * KiB and len(arena._by_size) == 1 and arena.span_bytes == 0
+    assert arena.free_bytes() == 64 * KiB and len(arena._spans.by_start) == 1 and arena.span_bytes == 0
 
 
 def test_a_span_behind_an_unfinished_copy_is_reused_only_once_its_event_passed():
@@ -142,3 +142,15 @@ def test_an_engine_keeps_one_arena_for_all_its_runs():
     first, second = engine.start(), engine.start()
     assert first.kv.arena is engine.host_arena and second.kv.arena is engine.host_arena
     assert not engine.host_arena.pinned  # (CPU: nothing to pin)
+
+
+def test_free_spans_of_two_chunks_never_merge_into_one_that_crosses_them():
+    arena = HostArena(pinned=False, min_chunk=16 * KiB, max_chunk=16 * KiB)
+    a, b = arena.take(16 * KiB), arena.take(16 * KiB)  # two whole chunks, end to end in the arena's range
+    assert (a.chunk, b.chunk) == (0, 1)
+    arena.give(a)
+    arena.give(b)
+    assert arena.free_bytes() == 32 * KiB and len(arena._spans.by_start) == 2
+    c = arena.take(24 * KiB)  # no chunk holds it: a new one, not a span across the first two
+    assert c.chunk == 2 and c.offset == 0 and len(arena.chunks) == 3
+    assert arena.view(c, 0, torch.uint8, (24 * KiB,)).numel() == 24 * KiB

@@ -137,7 +137,7 @@ def test_kv_pool_grows_only_by_the_shortfall_reusing_freed_spans():
     kv._grow = lambda length: (grown.append(length), real_grow(length))
     kv.ensure_free(60)  # 50 slots are free in holes and at the end: grow by the 10 missing, not by 60
     assert grown == [10]
-    assert sum(n for _, n in kv._free) >= 60
+    assert sum(n for _, n in kv.free_spans.by_start) >= 60
     for node in range(10, 16):
         kv.reserve(node, 10)
     assert len(kv.segments) == 11

@@ -186,12 +186,12 @@ def test_the_free_list_stays_sorted_merged_and_disjoint(seed):
         else:
             length = rng.randint(1, 8)
             kv.ensure_free(8)
-            fits = [(n, s) for s, n in kv._free if n >= length]
+            fits = [(n, s) for s, n in kv.free_spans.by_start if n >= length]
             seg = kv.reserve(step, length)
             if fits:
                 assert seg.start == min(fits)[1]
-        spans = kv._free
-        assert kv._by_length == sorted((n, s) for s, n in spans)
+        spans = kv.free_spans.by_start
+        assert kv.free_spans.by_length == sorted((n, s) for s, n in spans)
         assert kv.slots_free() == sum(n for _, n in spans)
         assert spans == sorted(spans)
         assert all(a[0] + a[1] < b[0] for a, b in zip(spans, spans[1:]))  # merged: never touching
@@ -244,7 +244,7 @@ def test_compaction_keeps_every_written_token_of_many_segments(chunk):
             want = torch.arange(seg.computed, dtype=torch.float32) + 100 * node
             assert torch.equal(kv.k[layer, seg.start : seg.start + seg.computed, 0, 0], want + layer), node
             assert torch.equal(kv.v[layer, seg.start : seg.start + seg.computed, 0, 1], -want), node
-    assert kv._free == [(pos, kv.num_slots - pos)]
+    assert kv.free_spans.by_start == [(pos, kv.num_slots - pos)]
 
 
 def test_a_job_left_out_of_a_full_step_does_not_count_its_nodes_as_taken():

@@ -9,7 +9,7 @@ tree-of-thought at 1,024 branches, short of KV memory, spent 35 s of its 90 s in
 
 :class:`HostArena` pins memory in large chunks (growing geometrically, ``MIN_CHUNK`` to ``MAX_CHUNK``
 bytes), never gives a chunk back while it lives, and hands out exact-size spans (best fit; neighbours
-merge when freed). A span a pending device copy still reads (a restore's host-to-device copies run on a
+merge when freed: :class:`~treegen.runtime.free_spans.FreeSpans`, as the KV pool's slots). A span a pending device copy still reads (a restore's host-to-device copies run on a
 side stream) comes back with the event after those copies and is reused only once it has passed. The
 engine keeps one arena across its runs, so only the memory its largest offload needs is ever pinned,
 once.
@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from treegen.runtime.free_spans import FreeSpans
 
 MIN_CHUNK = 64 * 2**20
 MAX_CHUNK = 2**30
@@ -49,11 +51,10 @@ class HostArena:
         self.pinned = pinned
         self.min_chunk, self.max_chunk = min_chunk, max_chunk
         self.chunks: list[torch.Tensor] = []  # uint8, one per chunk
-        # free spans: (chunk, offset) -> nbytes, the same sorted by (nbytes, chunk, offset) for best fit, and
-        # (chunk, end) -> offset to find the free span just before one given back
-        self._free: dict[tuple[int, int], int] = {}
-        self._by_size: list[tuple[int, int, int]] = []
-        self._ends: dict[tuple[int, int], int] = {}
+        # the chunks laid end to end in one address range, ALIGN bytes apart (so that free spans of two
+        # chunks never merge): chunk k's bytes are [bases[k], bases[k] + its size)
+        self._bases: list[int] = []
+        self._spans = FreeSpans()
         self._pending: list[tuple[object, HostSpan]] = []  # given back behind an event not yet passed
         self.chunk_bytes = 0
         self.grow_seconds = 0.0
@@ -67,19 +68,14 @@ class HostArena:
             raise ValueError(f"HostArena.take needs a positive size, got {nbytes}")
         size = -(-nbytes // ALIGN) * ALIGN
         self._collect_passed()
-        j = bisect.bisect_left(self._by_size, (size, -1, -1))
-        if j == len(self._by_size) and self._pending:
+        if self._spans.largest() < size and self._pending:
             self._wait_pending(size)  # a span behind an unfinished copy may hold it: wait rather than pin more
-            j = bisect.bisect_left(self._by_size, (size, -1, -1))
-        if j == len(self._by_size):
+        if self._spans.largest() < size:
             self._grow(size)
-            j = bisect.bisect_left(self._by_size, (size, -1, -1))
-        free_size, chunk, offset = self._by_size[j]
-        self._unlist(chunk, offset, free_size)
-        if free_size > size:
-            self._list(chunk, offset + size, free_size - size)
+        start = self._spans.best_fit(size)
+        chunk = bisect.bisect_right(self._bases, start) - 1
         self.span_bytes += size
-        return HostSpan(chunk, offset, size)
+        return HostSpan(chunk, start - self._bases[chunk], size)
 
     def view(self, span: HostSpan, start: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A ``dtype`` tensor of ``shape`` over ``span``'s bytes from ``start`` (a multiple of the dtype's size)."""
@@ -115,7 +111,7 @@ class HostArena:
             event, span = self._pending.pop(0)
             event.synchronize()
             self._release(span)
-            if self._by_size and self._by_size[-1][0] >= size:
+            if self._spans.largest() >= size:
                 return
 
     def _grow(self, size: int) -> None:
@@ -128,33 +124,15 @@ class HostArena:
                                f"host memory for offloaded KV ({self.chunk_bytes / 2**20:.0f} MiB held already): "
                                f"{e}") from e
         self.grow_seconds += time.perf_counter() - started
+        base = self._bases[-1] + self.chunks[-1].numel() + ALIGN if self.chunks else 0
         self.chunks.append(chunk)
+        self._bases.append(base)
         self.chunk_bytes += nbytes
-        self._list(len(self.chunks) - 1, 0, nbytes)
+        self._spans.release(base, nbytes)
 
     def _release(self, span: HostSpan) -> None:
-        chunk, offset, size = span.chunk, span.offset, span.nbytes
-        after = self._free.get((chunk, offset + size))
-        if after is not None:  # the free span right after it joins
-            self._unlist(chunk, offset + size, after)
-            size += after
-        before = self._ends.get((chunk, offset))
-        if before is not None:  # and the one right before it
-            before_size = offset - before
-            self._unlist(chunk, before, before_size)
-            offset, size = before, size + before_size
-        self._list(chunk, offset, size)
-
-    def _list(self, chunk: int, offset: int, size: int) -> None:
-        self._free[(chunk, offset)] = size
-        self._ends[(chunk, offset + size)] = offset
-        bisect.insort(self._by_size, (size, chunk, offset))
-
-    def _unlist(self, chunk: int, offset: int, size: int) -> None:
-        del self._free[(chunk, offset)]
-        del self._ends[(chunk, offset + size)]
-        del self._by_size[bisect.bisect_left(self._by_size, (size, chunk, offset))]
+        self._spans.release(self._bases[span.chunk] + span.offset, span.nbytes)
 
     def free_bytes(self) -> int:
         """Bytes in free spans (pending ones not counted)."""
-        return sum(self._free.values())
+        return self._spans.total

@@ -17,7 +17,6 @@ waits only for layer ``l``'s copies (:meth:`KVStore.wait_layer`) and the rest ov
 
 from __future__ import annotations
 
-import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ import torch
 
 from treegen.kernels.kv_quant import KVFormat, kv_format, quantize_reference
 from treegen.kernels.row_paths import expand
+from treegen.runtime.free_spans import FreeSpans
 from treegen.runtime.host_arena import ALIGN, HostArena, HostSpan
 
 
@@ -112,9 +112,7 @@ class KVStore:
         self.pool_generation = 0
         self._allocate_pool(initial_slots)
         self.segments: dict[int, Segment] = {}
-        # free spans (start, length) sorted by start (neighbours merge), the same as (length, start) sorted
-        # by length (best fit by bisection), and their total; changed only through _set_free/_take_span/_add_span
-        self._set_free([(0, initial_slots)])
+        self.free_spans = FreeSpans([(0, initial_slots)])  # the pool's free slots (best fit; neighbours merge)
         self.allocations = self.compactions = 0  # counters: segments placed, pool compactions
         self.offloaded: dict[int, HostCopy] = {}  # nodes whose KV is on the host
         self.to_recompute: dict[int, int] = {}  # nodes whose KV offload dropped → its tokens (prefilled again when read)
@@ -238,7 +236,7 @@ class KVStore:
         return any(s.computed for s in self.segments.values())
 
     def slots_free(self) -> int:
-        return self._free_total
+        return self.free_spans.total
 
     def bytes_held(self) -> int:
         """Bytes of KV actually written, summed over nodes (each shared node counted once)."""
@@ -264,10 +262,7 @@ class KVStore:
             self.counters.tokens_recomputed += self.to_recompute.pop(node)
         self.wait_restores()  # a move or compaction below must come after pending restore copies
         if seg is not None:  # the free span right after it, when long enough, lets it grow in place
-            end = seg.start + seg.capacity
-            i = bisect.bisect_left(self._free, (end, 0))
-            if i < len(self._free) and self._free[i][0] == end and self._free[i][1] >= length - seg.capacity:
-                self._take_span(i, length - seg.capacity)
+            if self.free_spans.extend(seg.start + seg.capacity, length - seg.capacity):
                 seg.capacity = length
                 return seg
         start = self._allocate(length)
@@ -278,7 +273,7 @@ class KVStore:
                 for pool in (getattr(self, name) for name in self._pools()):
                     pool[:, dst] = pool[:, src]
             new.computed, new.dropped = seg.computed, seg.dropped
-            self._release(seg.start, seg.capacity)
+            self.free_spans.release(seg.start, seg.capacity)
         self.segments[node] = new
         return new
 
@@ -314,7 +309,7 @@ class KVStore:
     def free(self, node: int) -> None:
         seg = self.segments.pop(node, None)
         if seg is not None:
-            self._release(seg.start, seg.capacity)
+            self.free_spans.release(seg.start, seg.capacity)
         host = self.offloaded.pop(node, None)
         if host is not None:  # (a pending copy into the span is on the current stream, before any later one)
             self.host_bytes -= host.computed * self.bytes_per_token
@@ -352,7 +347,7 @@ class KVStore:
             tensors[name].copy_(pool[:, seg.start : seg.start + c], non_blocking=cuda)
         self._end_copy(events, started)
         self.segments.pop(node)
-        self._release(seg.start, seg.capacity)
+        self.free_spans.release(seg.start, seg.capacity)
         self.offloaded[node] = HostCopy(c, tensors, span, seg.dropped)
         self.host_bytes += nbytes
         n = self.counters
@@ -371,7 +366,7 @@ class KVStore:
             raise RuntimeError(f"node {node}'s KV was compacted by sparse window attention; a prefill cannot make it "
                                "again (offload it to the host instead)")
         del self.segments[node]
-        self._release(seg.start, seg.capacity)
+        self.free_spans.release(seg.start, seg.capacity)
         self.to_recompute[node] = seg.computed
         self.counters.nodes_dropped += 1
         self.counters.tokens_dropped += seg.computed
@@ -450,13 +445,11 @@ class KVStore:
             self.counters._events.append(events)
 
     def _allocate(self, length: int) -> int:
-        j = bisect.bisect_left(self._by_length, (length, -1))
-        if j < len(self._by_length):  # best fit: the smallest span that holds it (the first such), so
-            start = self._by_length[j][1]  # large spans stay whole for large nodes
-            self._take_span(bisect.bisect_left(self._free, (start, 0)), length)
+        start = self.free_spans.best_fit(length)
+        if start is not None:
             self.allocations += 1
             return start
-        if self._free_total >= length:
+        if self.free_spans.total >= length:
             self._compact()  # enough room, but in pieces: close the holes rather than grow (no second pool)
         else:
             self._grow(length)
@@ -470,8 +463,9 @@ class KVStore:
         ``COMPACT_BYTES`` — a pool is compacted when memory is short, and a 16K-slot batch of Llama-3-8B's
         keys was a 1 GiB temporary). The batches' indices reach the device without waiting for it.
         Batches run front to back and every slot moves down, so a batch's sources lie at or above its
-        destinations and above every earlier batch's: no batch overwrites a slot a later one reads. Segment starts change: only call this
-        while no attention plan built on the old starts is still in use (plans are made after reserving)."""
+        destinations and above every earlier batch's: no batch overwrites a slot a later one reads.
+        Segment starts change: only call this while no attention plan built on the old starts is still in
+        use (plans are made after reserving)."""
         self.wait_restores()
         self.compactions += 1
         if chunk is None:
@@ -498,7 +492,7 @@ class KVStore:
                 s, d = (both.pin_memory() if cuda else both).to(self.device, non_blocking=cuda)
                 for pool in (getattr(self, name) for name in self._pools()):
                     pool[:, d] = pool[:, s]  # (the gather copies first; works for float8 too)
-        self._set_free([(pos, self.num_slots - pos)] if pos < self.num_slots else [])
+        self.free_spans.reset([(pos, self.num_slots - pos)] if pos < self.num_slots else [])
 
     def _grow(self, length: int) -> None:
         self.wait_restores()
@@ -510,7 +504,7 @@ class KVStore:
                 getattr(self, name).untyped_storage().resize_(0)  # (its memory, whoever holds it: see below)
             self.k = self.v = self.k_scale = self.v_scale = self._layer_views = None
             self._allocate_pool(new)
-            self._release(old, new - old)
+            self.free_spans.release(old, new - old)
             return
         self._layer_views = None
         self.pool_generation += 1
@@ -530,42 +524,4 @@ class KVStore:
             # second copy ran out of memory); all of that is stale now (kept graphs are keyed by pool_generation)
             pool.untyped_storage().resize_(0)
             del pool, grown
-        self._release(old, new - old)
-
-    def _release(self, start: int, length: int) -> None:
-        """Return a span to the free list (kept sorted, neighbours merged): O(log n) to find its place."""
-        free = self._free
-        i = bisect.bisect_left(free, (start, 0))
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == start:  # joins the span before it
-            i -= 1
-            start, before = free[i]
-            length += before
-            self._take_span(i, before)
-        if i < len(free) and start + length == free[i][0]:  # and the span after it
-            after = free[i][1]
-            length += after
-            self._take_span(i, after)
-        self._add_span(i, start, length)
-
-    def _set_free(self, spans: list[tuple[int, int]]) -> None:
-        """The free spans are these ``(start, length)``, sorted by start, none empty."""
-        self._free = list(spans)
-        self._by_length = sorted((n, s) for s, n in spans)
-        self._free_total = sum(n for _, n in spans)
-
-    def _take_span(self, i: int, length: int) -> None:
-        """Take ``length`` slots from the front of free span ``i`` (by start): what is left stays free."""
-        start, n = self._free[i]
-        del self._by_length[bisect.bisect_left(self._by_length, (n, start))]
-        self._free_total -= length
-        if n > length:
-            self._free[i] = (start + length, n - length)
-            bisect.insort(self._by_length, (n - length, start + length))
-        else:
-            del self._free[i]
-
-    def _add_span(self, i: int, start: int, length: int) -> None:
-        """A free span at index ``i`` (by start; its neighbours do not touch it)."""
-        self._free.insert(i, (start, length))
-        bisect.insort(self._by_length, (length, start))
-        self._free_total += length
+        self.free_spans.release(old, new - old)
