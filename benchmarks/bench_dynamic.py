@@ -227,6 +227,7 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
     return {"dynamic_s": elapsed, "dynamic_cold_s": cold, "dynamic_tok_s": total / elapsed, "tokens": total, "forward_passes": steps,
             "mixed_steps": tree_run.mixed_steps, "decode_phases": len(tree_run.decode_phases),
             "kv_compactions": tree_run.kv.compactions, "kv_allocations": tree_run.kv.allocations,
+            "kv_slots_moved": tree_run.kv.slots_moved,
             # phases captured as CUDA graphs, and phases that replayed graphs kept from an earlier one
             "phases_captured": tree_run.decoder.captured_phases, "phases_replaying_kept": tree_run.decoder.kept_phases,
             "keep_phase_graphs": tree_run.decoder.kept is not None,

@@ -154,3 +154,56 @@ def test_free_spans_of_two_chunks_never_merge_into_one_that_crosses_them():
     c = arena.take(24 * KiB)  # no chunk holds it: a new one, not a span across the first two
     assert c.chunk == 2 and c.offset == 0 and len(arena.chunks) == 3
     assert arena.view(c, 0, torch.uint8, (24 * KiB,)).numel() == 24 * KiB
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
+def test_offloading_many_nodes_at_once_batches_their_copies_and_keeps_every_value(kv_dtype, monkeypatch):
+    """One offload call for many nodes (gathered in batches cut by COMPACT_BYTES: here a few nodes each,
+    a node of no written KV among them) keeps every node's KV of every pool, 8-bit scales included; when
+    the host has no room for a node, the nodes before it are offloaded all the same and the rest stay."""
+    import treegen.runtime.kv_store as kv_store
+    from treegen.kernels.kv_quant import kv_format
+
+    fmt = kv_format(kv_dtype, torch.float32, "cpu")
+    kv = KVStore(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", initial_slots=256,
+                 fmt=fmt, arena=HostArena(pinned=False, min_chunk=64 * KiB))
+    monkeypatch.setattr(kv_store, "COMPACT_BYTES", 20 * 3 * 2 * 4 * 4)  # ~20 slots of keys a batch
+    names = [n for n in ("k", "v", "k_scale", "v_scale") if getattr(kv, n) is not None]
+    want, sizes = {}, [9, 0, 13, 1, 30, 6, 6, 17]
+    for node, n in enumerate(sizes):
+        seg = kv.reserve(node, n + 2)
+        for name in names:
+            pool = getattr(kv, name)
+            data = torch.randint(-100, 100, (pool.shape[0], n, *pool.shape[2:])).to(pool.dtype)
+            pool[:, seg.start : seg.start + n] = data
+            want[node, name] = data
+        seg.computed = n
+    moved = kv.offload(list(range(len(sizes))))
+    assert moved == sum(sizes) * kv.bytes_per_token and not kv.segments and kv.slots_free() == kv.num_slots
+    assert kv.counters.nodes_offloaded == len(sizes) and kv.host_bytes == moved
+    kv.restore({node: n + 1 for node, n in enumerate(sizes)})
+    for node, n in enumerate(sizes):
+        seg = kv.segments[node]
+        for name in names:
+            assert torch.equal(getattr(kv, name)[:, seg.start : seg.start + n], want[node, name]), (node, name)
+
+    takes = []
+    real_take = kv.arena.take
+
+    def take(nbytes):  # the host runs out at the third node
+        takes.append(nbytes)
+        if len(takes) == 3:
+            raise RuntimeError("no host memory left")
+        return real_take(nbytes)
+
+    monkeypatch.setattr(kv.arena, "take", take)
+    with pytest.raises(RuntimeError, match="offloading node 2's KV .* needs host memory"):
+        kv.offload([0, 1, 2, 3])
+    assert sorted(kv.offloaded) == [0, 1] and sorted(kv.segments) == [2, 3, 4, 5, 6, 7]
+    assert kv.host_bytes == (sizes[0] + sizes[1]) * kv.bytes_per_token
+    monkeypatch.setattr(kv.arena, "take", real_take)
+    kv.restore({0: 9, 1: 1})
+    for node in (0, 1):
+        seg = kv.segments[node]
+        for name in names:
+            assert torch.equal(getattr(kv, name)[:, seg.start : seg.start + sizes[node]], want[node, name])

@@ -382,3 +382,29 @@ def test_a_sparse_window_compacted_node_goes_to_the_host_and_back_with_its_dropp
     assert (seg.computed, seg.dropped, seg.capacity) == (4, 4, 6)
     for layer in range(2):
         assert torch.equal(kv.layer(layer)[0][seg.start:seg.start + 4], before[layer])
+
+
+def test_evictions_are_carried_out_together_at_the_end_of_the_admission_pass(monkeypatch):
+    """Jobs admitted one after another in one pass, each evicting idle nodes: one offload call moves every
+    node the pass evicts; while the pass runs, a node whose eviction it decided counts as gone (a job
+    reading it needs its slots again, and it is restored)."""
+    tree, kv, sched = setup(budget_slots=16)
+    idle = [tree.add_node(None, [1, 2, 3]) for _ in range(4)]
+    for n in idle:
+        kv.reserve(n, 3)
+        compute(kv, [(n, i) for i in range(3)])
+    calls = []
+    real = kv.offload
+    monkeypatch.setattr(kv, "offload", lambda nodes: calls.append(list(nodes)) or real(nodes))
+    jobs = [gen(tree.add_node(None, [7]), 4) for _ in range(3)]  # 5 slots each: 12 + 15 > 16
+    for j in jobs:
+        sched.submit(j)
+    step = sched.next_step(live=0)
+    assert step.admitted == jobs and len(calls) == 1 and calls[0] == step.offloaded and len(step.offloaded) >= 3
+    assert kv.slots_reserved() <= 16
+    z = jobs[0].request.node  # (white box: as if this pass had decided to evict it)
+    reader = gen(tree.add_node(z, [8]), 1)
+    assert z in kv.segments and z not in sched.need(reader)
+    sched._evicting = {z: True}
+    assert sched.need(reader)[z] == len(tree.tokens(z))
+    sched._evicting = {}

@@ -18,9 +18,16 @@ from treegen.runtime.sampler import SamplingParams
 pytestmark = pytest.mark.gpu  # skipped without CUDA and compiled kernels (tests/conftest.py)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_offload_and_restore_round_trip_through_pinned_memory_on_a_side_stream(kv_dtype):
+def test_offload_and_restore_round_trip_through_pinned_memory_on_a_side_stream(kv_dtype, grouped, monkeypatch):
+    """(``grouped``: the nodes offloaded in one call, gathered together, and restored with the layers in
+    groups of two — as when many nodes come back at once — each layer's wait covering its group.)"""
+    import treegen.runtime.kv_store as kv_store
     from treegen.kernels.kv_quant import kv_format
+
+    if grouped:
+        monkeypatch.setattr(kv_store, "RESTORE_COPIES", 2 * 2 * (4 if kv_dtype else 2))
 
     fmt = kv_format(kv_dtype, torch.float32, "cuda")
     kv = KVStore(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, device="cuda", initial_slots=64,
@@ -35,8 +42,11 @@ def test_offload_and_restore_round_trip_through_pinned_memory_on_a_side_stream(k
             pool[:, seg.start : seg.start + n] = data
             want[node, name] = data
         seg.computed = n
-    kv.offload(0)
-    kv.offload(2)
+    if grouped:
+        kv.offload([0, 2])
+    else:
+        kv.offload(0)
+        kv.offload(2)
     assert kv.offloaded[0].tensors["k"].is_pinned() and kv.host_bytes == 1300 * kv.bytes_per_token
     # the freed slots are written at once by new work on the current stream (ordered after the copy out)
     other = kv.reserve(3, 1300)

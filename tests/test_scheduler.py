@@ -234,7 +234,10 @@ def test_compaction_keeps_every_written_token_of_many_segments(chunk):
     for node in range(0, 40, 3):
         kv.free(node)
     order = sorted(kv.segments, key=lambda n: kv.segments[n].start)
+    moving = sum(kv.segments[n].computed for i, n in enumerate(order)
+                 if kv.segments[n].start != sum(kv.segments[m].capacity for m in order[:i]))
     kv._compact(chunk=chunk)
+    assert kv.slots_moved == moving
     pos = 0
     for node in order:
         seg = kv.segments[node]
@@ -265,3 +268,16 @@ def test_a_job_left_out_of_a_full_step_does_not_count_its_nodes_as_taken():
     step = sched.next_step(live=0)
     assert [j.request.node for j in step.ready] == [big]
     assert step.rows == [(big, i) for i in range(10)]
+
+
+def test_a_restore_copies_per_layer_when_few_nodes_come_back_and_in_fewer_groups_when_many_do():
+    from treegen.runtime.kv_store import RESTORE_COPIES, layer_groups
+
+    for layers in (1, 5, 32, 80):
+        for copies in (1, 2, 8, 64, 400, 10_000):
+            groups = layer_groups(layers, copies)
+            assert groups[0][0] == 0 and groups[-1][1] == layers  # every layer once, in order
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(groups, groups[1:] + [(layers, layers + 1)]))
+            assert len(groups) * copies <= max(RESTORE_COPIES, copies)
+    assert layer_groups(32, 2) == [(i, i + 1) for i in range(32)]
+    assert len(layer_groups(32, 64)) == RESTORE_COPIES // 64 and layer_groups(32, 400) == [(0, 32)]

@@ -7,11 +7,12 @@ attention reads a node's keys as one block for every branch below it. A node's r
 grow past its range it moves, once, to a larger one. Nothing is ever copied per branch.
 
 A node's KV can also leave the pool while no job reads it (see :mod:`treegen.runtime.offload`):
-:meth:`KVStore.offload` copies its written KV (every pool, the 8-bit formats' scales included, one copy
-per pool) into a span of a :class:`~treegen.runtime.host_arena.HostArena` — pinned memory on CUDA, kept
+:meth:`KVStore.offload` copies its written KV (every pool, the 8-bit formats' scales included; the nodes
+one admission evicts gathered together on the device, then one copy per node and pool) into a span of a :class:`~treegen.runtime.host_arena.HostArena` — pinned memory on CUDA, kept
 across runs by the engine — and frees its slots; :meth:`KVStore.restore` gives it a segment again
-and copies it back, on a side stream on CUDA, one event per layer, so a forward pass's layer ``l``
-waits only for layer ``l``'s copies (:meth:`KVStore.wait_layer`) and the rest overlaps its compute.
+and copies it back, on a side stream on CUDA, one event per group of layers (per layer when few nodes come
+back: :func:`layer_groups`), so a forward pass's layer ``l`` waits only for its group's copies
+(:meth:`KVStore.wait_layer`) and the rest overlaps its compute.
 :meth:`KVStore.drop` frees a node's slots keeping nothing: its tokens are prefilled again when read.
 """
 
@@ -91,7 +92,24 @@ class OffloadCounters:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
-COMPACT_BYTES = 64 * 2**20  # the most a compaction's gather of one pool holds at once (see KVStore._compact)
+# the most a compaction's or offload's gather of one pool holds at once (see KVStore._compact, offload): they run
+# between forward passes, within the activations' margin; on an H100, Llama-3-8B's compactions in batches of
+# 64 MiB were ~3,800 batches of ~0.5 ms host time each in a tree-of-thought run short of memory
+COMPACT_BYTES = 256 * 2**20
+# a restore's copies: about this many at most (layers are copied in groups, one event a group, fewer groups
+# the more nodes come back; see layer_groups)
+RESTORE_COPIES = 512
+
+
+def layer_groups(num_layers: int, copies_per_layer: int) -> list[tuple[int, int]]:
+    """The ``[first, last)`` layer ranges a restore copies, one event after each: a forward pass's layer
+    waits only for its group's copies. Per layer while the copies stay few (a few nodes back); as more
+    nodes come back, fewer groups, so that the copies issued stay about ``RESTORE_COPIES`` — on an H100
+    host, Llama-3-8B's restore of 200 nodes per layer was 12,800 copies, 0.3 s of host time while the GPU
+    waited. (A group of several layers is a strided copy on the device: a staging copy and a kernel.)"""
+    groups = max(1, min(num_layers, RESTORE_COPIES // max(1, copies_per_layer)))
+    bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
+    return list(zip(bounds, bounds[1:]))
 
 
 class KVStore:
@@ -113,7 +131,8 @@ class KVStore:
         self._allocate_pool(initial_slots)
         self.segments: dict[int, Segment] = {}
         self.free_spans = FreeSpans([(0, initial_slots)])  # the pool's free slots (best fit; neighbours merge)
-        self.allocations = self.compactions = 0  # counters: segments placed, pool compactions
+        # counters: segments placed, pool compactions, written slots those moved
+        self.allocations = self.compactions = self.slots_moved = 0
         self.offloaded: dict[int, HostCopy] = {}  # nodes whose KV is on the host
         self.to_recompute: dict[int, int] = {}  # nodes whose KV offload dropped → its tokens (prefilled again when read)
         self.host_bytes = 0  # KV bytes held on the host
@@ -317,14 +336,52 @@ class KVStore:
         self.to_recompute.pop(node, None)
 
     # offload / restore / drop ---------------------------------------------------------------------
-    def offload(self, node: int) -> int:
-        """Copy ``node``'s written KV into a span of the host arena (one copy per pool; on CUDA ordered on
-        the current stream after the steps that wrote it) and free its slots. Returns the bytes moved."""
-        seg = self.segments[node]
+    def offload(self, nodes: int | list[int]) -> int:
+        """Copy the written KV of ``nodes`` (one node or a list) into spans of the host arena and free
+        their slots; on CUDA ordered on the current stream after the steps that wrote it. Per pool, the
+        nodes' KV is gathered on the device into one buffer (in batches of at most ``COMPACT_BYTES``),
+        each node's range of every layer laid out as its host copy is, then copied to the host with one
+        copy per node — not a strided copy (a temporary, a kernel and a transfer) per node and pool.
+        Returns the bytes moved."""
+        nodes = [nodes] if isinstance(nodes, int) else list(nodes)
+        if not nodes:
+            return 0
         started = time.perf_counter()
-        c = seg.computed
-        nbytes = c * self.bytes_per_token
         cuda = self.device.type == "cuda"
+        events = self._events() if cuda else None
+        pools = {name: _as_rows(getattr(self, name)) for name in self._pools()}
+        slot_bytes = max(rows[:, 0].numel() * rows.element_size() for rows in pools.values())
+        batch, batch_slots, done = [], 0, []
+        try:
+            for node in nodes:
+                seg = self.segments[node]
+                batch.append((node, seg, self._host_copy(node, seg)))
+                batch_slots += seg.computed
+                if batch_slots * slot_bytes >= COMPACT_BYTES:
+                    self._copy_out(batch, pools, cuda)
+                    done += batch
+                    batch, batch_slots = [], 0
+        finally:  # (when the host has no room for a node, those before it are offloaded all the same)
+            self._copy_out(batch, pools, cuda)
+            done += batch
+            self._end_copy(events, started)
+            moved = 0
+            for node, seg, _ in done:
+                del self.segments[node]
+                self.free_spans.release(seg.start, seg.capacity)
+                moved += seg.computed * self.bytes_per_token
+            n = self.counters
+            self.host_bytes += moved
+            n.bytes_offloaded += moved
+            n.nodes_offloaded += len(done)
+            n.host_bytes_peak = max(n.host_bytes_peak, self.host_bytes)
+            n.arena_bytes = self.arena.chunk_bytes
+            n.host_seconds += time.perf_counter() - started
+        return moved
+
+    def _host_copy(self, node: int, seg: Segment) -> HostCopy:
+        """A span of the host arena for ``node``'s written KV, with every pool's view of it."""
+        c = seg.computed
         shapes, offsets, total = {}, {}, 0
         for name in self._pools():
             pool = getattr(self, name)
@@ -335,28 +392,36 @@ class KVStore:
         try:
             span = self.arena.take(max(total, 1))
         except RuntimeError as e:
-            raise RuntimeError(f"offloading node {node}'s KV ({nbytes / 2**20:.1f} MiB) needs host memory: {e}; run "
-                               "with Engine(offload='recompute') or offload='off', or lower offload_bytes") from e
+            raise RuntimeError(f"offloading node {node}'s KV ({c * self.bytes_per_token / 2**20:.1f} MiB) needs host "
+                               f"memory: {e}; run with Engine(offload='recompute') or offload='off', or lower "
+                               "offload_bytes") from e
         self.counters.pin_seconds += self.arena.grow_seconds - grown
-        events = self._events() if cuda else None
-        tensors = {}
-        for name in self._pools():
-            pool = getattr(self, name)
-            tensors[name] = self.arena.view(span, offsets[name], pool.dtype, shapes[name])
-            # one copy per pool: the node's range of every layer (strided on the device) lands contiguous
-            tensors[name].copy_(pool[:, seg.start : seg.start + c], non_blocking=cuda)
-        self._end_copy(events, started)
-        self.segments.pop(node)
-        self.free_spans.release(seg.start, seg.capacity)
-        self.offloaded[node] = HostCopy(c, tensors, span, seg.dropped)
-        self.host_bytes += nbytes
-        n = self.counters
-        n.bytes_offloaded += nbytes
-        n.nodes_offloaded += 1
-        n.host_bytes_peak = max(n.host_bytes_peak, self.host_bytes)
-        n.arena_bytes = self.arena.chunk_bytes
-        n.host_seconds += time.perf_counter() - started
-        return nbytes
+        tensors = {name: self.arena.view(span, offsets[name], getattr(self, name).dtype, shapes[name])
+                   for name in self._pools()}
+        host = HostCopy(c, tensors, span, seg.dropped)
+        self.offloaded[node] = host
+        return host
+
+    def _copy_out(self, batch: list, pools: dict[str, torch.Tensor], cuda: bool) -> None:
+        """One batch of :meth:`offload`: per pool, one gather of the nodes' written slots of every layer
+        (node by node, layer by layer: each node's part is its host copy's layout), then one copy per node."""
+        batch = [(node, seg, host) for node, seg, host in batch if seg.computed]
+        if not batch:
+            return
+        num_slots = self.num_slots
+        layer_base = np.arange(self.num_layers, dtype=np.int64)[:, None] * num_slots
+        index = np.concatenate([(layer_base + np.arange(seg.start, seg.start + seg.computed)).ravel()
+                                for _, seg, _ in batch])
+        index = torch.from_numpy(index)
+        # (from pinned memory: a copy from pageable memory would wait for everything queued before it)
+        index = (index.pin_memory() if cuda else index).to(self.device, non_blocking=cuda)
+        for name, rows in pools.items():
+            gathered = rows.view(-1, rows.shape[-1]).index_select(0, index)
+            at = 0
+            for _, seg, host in batch:
+                n = self.num_layers * seg.computed
+                host.tensors[name].view(n, -1).view(rows.dtype).copy_(gathered[at : at + n], non_blocking=cuda)
+                at += n
 
     def drop(self, node: int) -> int:
         """Free ``node``'s slots keeping nothing; its tokens are prefilled again when a job reads it.
@@ -375,7 +440,7 @@ class KVStore:
     def restore(self, lengths: dict[int, int]) -> int:
         """Give each offloaded node (``node → slots``, at least its written tokens) a segment again
         and copy its KV back. On CUDA the copies run on a side stream after everything already queued
-        on the current one, and a forward pass waits per layer (:meth:`wait_layer`); call this after
+        on the current one, and a forward pass waits per group of layers (:meth:`wait_layer`, :func:`layer_groups`); call this after
         the step's other reservations (a later move or compaction first waits for these copies).
         Returns the bytes copied."""
         started = time.perf_counter()
@@ -398,11 +463,12 @@ class KVStore:
             ready = []
             with torch.cuda.stream(side):
                 events = self._events()
-                for layer in range(self.num_layers):
+                for first, last in layer_groups(self.num_layers, len(placed) * len(self._pools())):
                     for seg, host in placed:
                         for name, t in host.tensors.items():
-                            getattr(self, name)[layer, seg.start : seg.start + host.computed].copy_(t[layer], non_blocking=True)
-                    ready.append(torch.cuda.Event())
+                            getattr(self, name)[first:last, seg.start : seg.start + host.computed].copy_(
+                                t[first:last], non_blocking=True)
+                    ready += [torch.cuda.Event()] * (last - first)
                     ready[-1].record(side)
                 self._end_copy(events, started)
             self._layer_ready = ready
@@ -460,17 +526,13 @@ class KVStore:
         that move are gathered and scattered in index batches of at most ``chunk`` slots (one gather and
         one scatter per pool and batch, not per segment: a pool of thousands of small nodes compacted
         segment by segment cost thousands of copy launches; default: as many as make a gather of
-        ``COMPACT_BYTES`` — a pool is compacted when memory is short, and a 16K-slot batch of Llama-3-8B's
-        keys was a 1 GiB temporary). The batches' indices reach the device without waiting for it.
+        ``COMPACT_BYTES``). The batches' indices reach the device without waiting for it.
         Batches run front to back and every slot moves down, so a batch's sources lie at or above its
         destinations and above every earlier batch's: no batch overwrites a slot a later one reads.
         Segment starts change: only call this while no attention plan built on the old starts is still in
-        use (plans are made after reserving)."""
+        use (plans are made after reserving). ``slots_moved`` counts the written slots moved."""
         self.wait_restores()
         self.compactions += 1
-        if chunk is None:
-            per_slot = max(getattr(self, n)[:, 0].numel() * getattr(self, n).element_size() for n in self._pools())
-            chunk = max(256, COMPACT_BYTES // per_slot)
         pos = 0
         src_starts, dst_starts, counts = [], [], []
         for seg in sorted(self.segments.values(), key=lambda seg: seg.start):
@@ -481,18 +543,30 @@ class KVStore:
                     counts.append(seg.computed)
                 seg.start = pos
             pos += seg.capacity
-        if counts:
-            which, offsets = expand(counts)  # each moved slot's segment and its offset in it
-            src = np.asarray(src_starts, dtype=np.int64)[which] + offsets
-            dst = np.asarray(dst_starts, dtype=np.int64)[which] + offsets
-            cuda = self.device.type == "cuda"
-            for begin in range(0, len(src), chunk):
-                both = torch.from_numpy(np.stack([src[begin:begin + chunk], dst[begin:begin + chunk]]))
-                # (from pinned memory: a copy from pageable memory would wait for everything queued before it)
-                s, d = (both.pin_memory() if cuda else both).to(self.device, non_blocking=cuda)
-                for pool in (getattr(self, name) for name in self._pools()):
-                    pool[:, d] = pool[:, s]  # (the gather copies first; works for float8 too)
+        self._move_slots(src_starts, dst_starts, counts, chunk)
         self.free_spans.reset([(pos, self.num_slots - pos)] if pos < self.num_slots else [])
+
+    def _move_slots(self, src_starts: list[int], dst_starts: list[int], counts: list[int], chunk: int | None) -> None:
+        """Copy ``counts[i]`` slots from ``src_starts[i]`` to ``dst_starts[i]`` in every pool, in index
+        batches of at most ``chunk`` slots, each batch gathered before it is scattered. Each pool is moved
+        as rows of the widest integer type its slot's bytes divide into (fewer elements to index)."""
+        if not counts:
+            return
+        if chunk is None:
+            per_slot = max(getattr(self, n)[:, 0].numel() * getattr(self, n).element_size() for n in self._pools())
+            chunk = max(256, COMPACT_BYTES // per_slot)
+        which, offsets = expand(counts)  # each moved slot's segment and its offset in it
+        src = np.asarray(src_starts, dtype=np.int64)[which] + offsets
+        dst = np.asarray(dst_starts, dtype=np.int64)[which] + offsets
+        self.slots_moved += len(src)
+        cuda = self.device.type == "cuda"
+        rows = [_as_rows(getattr(self, name)) for name in self._pools()]
+        for begin in range(0, len(src), chunk):
+            both = torch.from_numpy(np.stack([src[begin:begin + chunk], dst[begin:begin + chunk]]))
+            # (from pinned memory: a copy from pageable memory would wait for everything queued before it)
+            s, d = (both.pin_memory() if cuda else both).to(self.device, non_blocking=cuda)
+            for pool in rows:
+                pool[:, d] = pool[:, s]  # (the gather copies first)
 
     def _grow(self, length: int) -> None:
         self.wait_restores()
@@ -525,3 +599,11 @@ class KVStore:
             pool.untyped_storage().resize_(0)
             del pool, grown
         self.free_spans.release(old, new - old)
+
+
+def _as_rows(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` (``[layers, slots, ...]``, contiguous) as ``[layers, slots, words]`` of the widest integer
+    type that a slot's bytes divide into: the same memory, moved without regard to its dtype."""
+    nbytes = pool[0, 0].numel() * pool.element_size()
+    word = next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8) if nbytes % t.itemsize == 0)
+    return pool.view(pool.shape[0], pool.shape[1], -1).view(word)

@@ -116,6 +116,11 @@ class _IdleNodes:
     protected: set[int]
     order: list[int]
     cursor: int = 0
+    # the evictions decided in this pass, carried out together at its end (one batched offload: see
+    # Scheduler._evict): node → to the host (True) or dropped (False), and the slots and host bytes they free
+    evicting: dict[int, bool] = field(default_factory=dict)
+    freed: int = 0
+    host_bytes: int = 0
 
 
 def conditioning_row(tree, node: int) -> tuple[int, int]:
@@ -160,6 +165,7 @@ class Scheduler:
         self.peak_slots = 0  # the most KV slots reserved at once
         self.memory_blocked = False  # the last admission stopped at a job that did not fit the memory
         self._blocked_at = 0  # KV slots reserved then
+        self._evicting: dict[int, bool] = {}  # evictions decided in the admission pass under way (see _evict)
 
     # ------------------------------------------------------------------------------------------------
     def submit(self, job: Job, priority: tuple | None = None) -> None:
@@ -250,11 +256,13 @@ class Scheduler:
         kv = self.kv
         req = job.request
         # (a node extended past its range since it was reserved moves too: its new range is needed whole)
+        # (a node whose eviction this admission pass decided counts as gone: it is restored or prefilled)
+        segments, evicting = kv.segments, self._evicting
         need = {n: max(self.held(n), 1) for n in self.nodes(job)  # (an empty node is given one slot)
-                if n not in counted and (n not in kv.segments or kv.segments[n].capacity < self.held(n))}
+                if n not in counted and (n not in segments or n in evicting or segments[n].capacity < self.held(n))}
         if isinstance(req, GenRequest):
             want = self.gen_slots(req)
-            have = kv.segments[req.node].capacity if req.node in kv.segments else 0
+            have = segments[req.node].capacity if req.node in segments and req.node not in evicting else 0
             # a node that must grow may move: its new range is needed whole while the old one is held
             need[req.node] = 0 if have >= want else want
         return need
@@ -284,6 +292,7 @@ class Scheduler:
         busy = live > 0 or bool(self.admitted)
         generating = live + sum(1 for j in self.admitted if j.is_gen)
         idle = None  # the idle nodes in eviction order (see _IdleNodes), made at the first eviction
+        self._evicting = {}
         self.memory_blocked = False
         while self.waiting:
             job = self.waiting[0]
@@ -302,6 +311,7 @@ class Scheduler:
                     if self.offload.on:
                         if idle is None:
                             idle = self._idle_nodes(taken)
+                            self._evicting = idle.evicting  # (need() counts these as gone)
                         evicted = self._evict(reserved + slots - total, idle, set(self.nodes(job)), step)
                         if evicted is not None:
                             reserved -= evicted
@@ -313,7 +323,7 @@ class Scheduler:
                     if busy or taken:
                         self.memory_waits += 1
                         self.memory_blocked = True
-                        self._blocked_at = self.kv.slots_reserved()
+                        self._blocked_at = self.kv.slots_reserved() - (idle.freed if idle is not None else 0)
                         break
                     job.error = self._never_fits(job, slots, total, budget)
                 self._pop_waiting()
@@ -324,6 +334,8 @@ class Scheduler:
                 idle.protected.update(self.nodes(job))
             reserved += slots
             generating += job.is_gen
+        if idle is not None:
+            self._carry_out(idle, step)
         if not taken:
             return
         slots = sum(sum(need.values()) for _, need in taken)
@@ -382,14 +394,14 @@ class Scheduler:
         per = kv.bytes_per_token
         if policy.mode == "auto" and self._rates is None:
             self._rates = policy.rates()
-        host_free = policy.host_bytes - kv.host_bytes
+        host_free = policy.host_bytes - kv.host_bytes - idle.host_bytes
         plan, freed = [], 0
         i = idle.cursor
         while i < len(idle.order) and freed < deficit:
             n = idle.order[i]
             i += 1
             seg = kv.segments.get(n)
-            if seg is None or n in idle.protected or n in also:
+            if seg is None or n in idle.evicting or n in idle.protected or n in also:
                 continue  # moved already, or read by work admitted since the order was made, or by this job
             to_host = policy.to_host(seg.computed, seg.computed * per, host_free, self._rates,
                                      recomputable=not seg.dropped)
@@ -404,13 +416,25 @@ class Scheduler:
         # (protection only grows, the host's room only shrinks, and this job's nodes are protected next)
         idle.cursor = i
         for n, to_host in plan:
-            if to_host:
-                kv.offload(n)
-                step.offloaded.append(n)
-            else:
-                kv.drop(n)
-                step.dropped.append(n)
+            idle.evicting[n] = to_host
+            idle.host_bytes += kv.segments[n].computed * per if to_host else 0
+        idle.freed += freed
         return freed
+
+    def _carry_out(self, idle: "_IdleNodes", step: Step) -> None:
+        """The evictions this admission pass decided, together: one offload call for every node going to the
+        host (its copies batched: on an H100 host, Llama-3-8B short of memory made ~2,700 offload calls of a
+        node or two, 1.8 s of host time while the GPU waited), then the drops."""
+        to_host = [n for n, host in idle.evicting.items() if host]
+        try:
+            self.kv.offload(to_host)
+            step.offloaded += to_host
+            for n, host in idle.evicting.items():
+                if not host:
+                    self.kv.drop(n)
+                    step.dropped.append(n)
+        finally:
+            self._evicting = {}
 
     def _never_fits(self, job: Job, slots: int, total: int, budget: KVBudget) -> MemoryError:
         """Why ``job`` can never be admitted while nothing runs (the memory is held by idle nodes)."""
