@@ -250,6 +250,66 @@ def test_compaction_keeps_every_written_token_of_many_segments(chunk):
     assert kv.free_spans.by_start == [(pos, kv.num_slots - pos)]
 
 
+def _check_tiles(kv):
+    """The free spans and the segments tile the pool: sorted, none empty or touching, no overlap."""
+    spans = kv.free_spans.by_start
+    assert all(n > 0 for _, n in spans) and all(a[0] + a[1] < b[0] for a, b in zip(spans, spans[1:]))
+    assert sorted((n, s) for s, n in spans) == kv.free_spans.by_length
+    tiles = sorted([*spans, *((seg.start, seg.capacity) for seg in kv.segments.values())])
+    assert all(a[0] + a[1] == b[0] for a, b in zip(tiles, tiles[1:])) and tiles[0][0] == 0
+    assert tiles[-1][0] + tiles[-1][1] == kv.num_slots and kv.free_spans.total == sum(n for _, n in spans)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compaction_for_room_closes_the_cheapest_run_of_holes_only(seed):
+    """Compacting for ``room`` slots packs down only the segments between the free spans of the run that
+    holds ``room`` free slots with the fewest written slots inside (checked against every run), leaving one
+    span of at least ``room``; every written slot reads back its own values; the rest stays in place."""
+    import random
+
+    rng = random.Random(seed)
+    kv = KVStore(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=400)
+    for node in range(80):
+        seg = kv.reserve(node, rng.randint(1, 9))
+        seg.computed = rng.randint(0, seg.capacity)
+        for layer in range(2):
+            kv.k[layer, seg.start : seg.start + seg.computed] = torch.arange(seg.computed)[:, None, None] + 100 * node + layer
+            kv.v[layer, seg.start : seg.start + seg.computed] = -(torch.arange(seg.computed)[:, None, None] + 100 * node)
+    for node in rng.sample(range(80), 30):
+        kv.free(node)
+    spans = list(kv.free_spans.by_start)
+    room = rng.randint(1, kv.free_spans.total)
+    before = {node: seg.start for node, seg in kv.segments.items()}
+    cheapest = min(sum(seg.computed for seg in kv.segments.values() if spans[i][0] < seg.start < spans[j][0])
+                   for i in range(len(spans)) for j in range(i, len(spans))
+                   if sum(n for _, n in spans[i : j + 1]) >= room)
+    kv._compact(chunk=rng.choice([3, None]), room=room)
+    _check_tiles(kv)
+    assert kv.slots_moved == cheapest and kv.free_spans.largest() >= room
+    assert sum(kv.segments[node].computed for node in kv.segments if kv.segments[node].start != before[node]) == cheapest
+    for node, seg in kv.segments.items():
+        for layer in range(2):
+            want = torch.arange(seg.computed, dtype=torch.float32) + 100 * node
+            assert torch.equal(kv.k[layer, seg.start : seg.start + seg.computed, 0, 0], want + layer), node
+            assert torch.equal(kv.v[layer, seg.start : seg.start + seg.computed, 0, 1], -want), node
+
+
+def test_a_node_that_fits_no_hole_compacts_once_for_all_that_ensure_free_announced():
+    """ensure_free announces the slots an admission will place; the first node that fits no hole makes
+    room for the rest at once (one compaction), closing holes near the pool's start only as far as needed."""
+    kv = KVStore(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=400)
+    for node in range(40):
+        kv.reserve(node, 10).computed = 10
+    for node in range(1, 40, 2):  # holes of 10 slots: 200 free, none longer than 10
+        kv.free(node)
+    kv.ensure_free(4 * 30)
+    for node in range(100, 104):
+        kv.reserve(node, 30)
+    assert kv.compactions == 1 and kv.slots_moved < 20 * 10 and kv.upcoming == 0
+    assert kv.segments[38].start == 380  # the segments past the run closed stay
+    _check_tiles(kv)
+
+
 def test_a_job_left_out_of_a_full_step_does_not_count_its_nodes_as_taken():
     """A token budget that holds the first and third jobs' rows but not the second's long own node: the
     node the second shares with the third (``x``) is not taken for already in the step (the third job's

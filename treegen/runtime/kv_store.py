@@ -18,6 +18,7 @@ back: :func:`layer_groups`), so a forward pass's layer ``l`` waits only for its 
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -136,6 +137,9 @@ class KVStore:
         self.offloaded: dict[int, HostCopy] = {}  # nodes whose KV is on the host
         self.to_recompute: dict[int, int] = {}  # nodes whose KV offload dropped → its tokens (prefilled again when read)
         self.host_bytes = 0  # KV bytes held on the host
+        # slots ensure_free announced that reserve / restore have not placed yet: with the node that fits no
+        # hole, the room a compaction makes (see _allocate)
+        self.upcoming = 0
         self.arena = arena if arena is not None else HostArena(pinned=self.device.type == "cuda")
         self.counters = OffloadCounters()
         self._copy_stream = None  # CUDA: the side stream restores run on
@@ -305,6 +309,7 @@ class KVStore:
         admitting work little by little copies its pool a logarithmic number of times, not once per
         admission. Checks device memory first: raises MemoryError naming the bytes needed and
         available."""
+        self.upcoming = slots
         free_slots = self.slots_free()
         if free_slots >= slots:
             return
@@ -445,7 +450,7 @@ class KVStore:
         Returns the bytes copied."""
         started = time.perf_counter()
         placed = []
-        for node, length in lengths.items():
+        for node, length in sorted(lengths.items(), key=lambda x: -x[1]):  # longest first: the holes fit the most
             host = self.offloaded[node]
             start = self._allocate(max(length, host.computed, 1))  # (may compact: moves placed segments too)
             del self.offloaded[node]
@@ -514,37 +519,55 @@ class KVStore:
         start = self.free_spans.best_fit(length)
         if start is not None:
             self.allocations += 1
+            self.upcoming = max(0, self.upcoming - length)
             return start
         if self.free_spans.total >= length:
-            self._compact()  # enough room, but in pieces: close the holes rather than grow (no second pool)
+            # enough room, but in pieces: close holes rather than grow (no second pool), as many as give
+            # one span for this node and the rest of what ensure_free announced (one compaction a pass)
+            self._compact(room=max(length, min(self.upcoming, self.free_spans.total)))
         else:
             self._grow(length)
         return self._allocate(length)
 
-    def _compact(self, chunk: int | None = None) -> None:
-        """Move every segment down to close the free holes between them, in place. The written slots
-        that move are gathered and scattered in index batches of at most ``chunk`` slots (one gather and
-        one scatter per pool and batch, not per segment: a pool of thousands of small nodes compacted
-        segment by segment cost thousands of copy launches; default: as many as make a gather of
-        ``COMPACT_BYTES``). The batches' indices reach the device without waiting for it.
+    def _compact(self, chunk: int | None = None, room: int | None = None) -> None:
+        """Close free holes by moving segments down, in place: every hole (``room`` None), or those of the
+        cheapest run of the pool — from a free span to a free span, the fewest written slots between
+        them — whose free spans add up to ``room`` slots (short of memory, a pass needs a few nodes' room,
+        not every hole closed: the segments below and above that run stay). The moved segments keep their
+        order; the run's free slots end as one span at its end.
+
+        The written slots that move are gathered and scattered in index batches of at most ``chunk`` slots
+        (one gather and one scatter per pool and batch, not per segment: a pool of thousands of small
+        nodes compacted segment by segment cost thousands of copy launches; default: as many as make a
+        gather of ``COMPACT_BYTES``). The batches' indices reach the device without waiting for it.
         Batches run front to back and every slot moves down, so a batch's sources lie at or above its
         destinations and above every earlier batch's: no batch overwrites a slot a later one reads.
         Segment starts change: only call this while no attention plan built on the old starts is still in
         use (plans are made after reserving). ``slots_moved`` counts the written slots moved."""
         self.wait_restores()
         self.compactions += 1
-        pos = 0
+        segs = sorted(self.segments.values(), key=lambda seg: seg.start)
+        spans = self.free_spans.by_start
+        if room is None or room > self.free_spans.total:
+            first, last = 0, len(spans) - 1  # every hole, the free slots after the last segment included
+        else:
+            first, last = _cheapest_run(spans, segs, room)
+        if not spans:
+            return
+        begin, end = spans[first][0], spans[last][0] + spans[last][1]
+        pos = begin
         src_starts, dst_starts, counts = [], [], []
-        for seg in sorted(self.segments.values(), key=lambda seg: seg.start):
-            if seg.start != pos:
-                if seg.computed:
-                    src_starts.append(seg.start)
-                    dst_starts.append(pos)
-                    counts.append(seg.computed)
-                seg.start = pos
+        for seg in segs[bisect.bisect_left(segs, begin, key=lambda seg: seg.start):]:
+            if seg.start >= end:
+                break
+            if seg.computed:
+                src_starts.append(seg.start)
+                dst_starts.append(pos)
+                counts.append(seg.computed)
+            seg.start = pos
             pos += seg.capacity
         self._move_slots(src_starts, dst_starts, counts, chunk)
-        self.free_spans.reset([(pos, self.num_slots - pos)] if pos < self.num_slots else [])
+        self.free_spans.reset([*spans[:first], (pos, end - pos), *spans[last + 1:]])
 
     def _move_slots(self, src_starts: list[int], dst_starts: list[int], counts: list[int], chunk: int | None) -> None:
         """Copy ``counts[i]`` slots from ``src_starts[i]`` to ``dst_starts[i]`` in every pool, in index
@@ -607,3 +630,24 @@ def _as_rows(pool: torch.Tensor) -> torch.Tensor:
     nbytes = pool[0, 0].numel() * pool.element_size()
     word = next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8) if nbytes % t.itemsize == 0)
     return pool.view(pool.shape[0], pool.shape[1], -1).view(word)
+
+
+def _cheapest_run(spans: list[tuple[int, int]], segs: list[Segment], room: int) -> tuple[int, int]:
+    """The free spans ``first..last`` (indices into ``spans``, sorted by start) that add up to at least
+    ``room`` slots with the fewest written slots of ``segs`` (sorted by start) between them."""
+    # written slots of the segments before each free span (prefix sums over the pool's order)
+    before, j, written = [], 0, 0
+    for start, _ in spans:
+        while j < len(segs) and segs[j].start < start:
+            written += segs[j].computed
+            j += 1
+        before.append(written)
+    best, first, free = None, 0, 0
+    for last, (_, length) in enumerate(spans):  # two pointers: the shortest run ending at each span
+        free += length
+        while free - spans[first][1] >= room:
+            free -= spans[first][1]
+            first += 1
+        if free >= room and (best is None or before[last] - before[first] < best[0]):
+            best = (before[last] - before[first], first, last)
+    return best[1], best[2]

@@ -344,6 +344,7 @@ class Scheduler:
             want = slots + sum(sum(self.need(j, counted).values()) for j in self.waiting)  # pool for all known
         self.kv.ensure_free(slots, limit=total, want=want)
         restore: dict[int, int] = {}
+        reserve: list[tuple[int, int]] = []
         for job, need in taken:
             for node in need:
                 req = job.request
@@ -354,9 +355,11 @@ class Scheduler:
                     continue
                 if node in self.kv.to_recompute:
                     step.recomputed.append(node)
-                self.kv.reserve(node, length)
+                reserve.append((node, length))
             step.admitted.append(job)
             self.admitted.append(job)
+        for node, length in sorted(reserve, key=lambda x: -x[1]):  # longest first: the holes fit the most
+            self.kv.reserve(node, length)
         if restore:  # last: the copies must land in segments nothing moves before the step runs
             self.kv.restore(restore)
             step.restored += list(restore)
