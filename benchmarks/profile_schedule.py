@@ -6,8 +6,11 @@ phases, so while it runs the GPU may have nothing queued. This runs one of bench
 (random weights of a real shape, bf16) twice — the first warms up and fills the engine's host arena,
 the second is measured — and for the measured one records, per scheduling call: its wall time, whether
 the GPU's queue was already empty when it began (``gpu_idle_at_start``: ``torch.cuda.Stream.query``),
-the nodes it offloaded, restored and dropped, the compactions it ran, and the time inside
-``KVStore.offload`` / ``restore`` / ``_compact`` / ``ensure_free``. The calls run under cProfile
+the nodes it offloaded, restored and dropped, the compactions it ran, the time inside
+``KVStore.offload`` / ``restore`` / ``ensure_free`` (offload and restore also until the device has done
+their copies, ``*_done_ms``: the profile synchronizes after each), and each compaction's room asked, free
+slots (and in how many spans), written slots, slots moved, host time and time until the device has done
+it (synchronized around it). The calls run under cProfile
 (only they): the functions with the most own time, and the most cumulative time, are listed.
 
     python benchmarks/profile_schedule.py --shape llama3-8b --workload tot --branches 1024
@@ -33,7 +36,8 @@ from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.scheduler import Scheduler
 
-TIMED = ("offload", "restore", "_compact", "ensure_free", "drop")
+TIMED = ("offload", "restore", "ensure_free", "drop")
+SYNCED = ("offload", "restore")  # timed until the device has done them too (the profile synchronizes after each)
 
 
 class CallLog:
@@ -74,6 +78,22 @@ class CallLog:
         self._patch(Scheduler, "next_step", next_step)
         for name in TIMED:
             self._patch(KVStore, name, self._timed(name, getattr(KVStore, name)))
+        compact = KVStore._compact
+
+        def described(kv, chunk=None, room=None):  # what each compaction was asked and what it moved
+            spans, moved = kv.free_spans, kv.slots_moved
+            what = {"room": room, "free": spans.total, "free_spans": len(spans.by_start),
+                    "largest_free": spans.largest(), "slots": kv.num_slots, "segments": len(kv.segments),
+                    "written": sum(seg.computed for seg in kv.segments.values())}
+            torch.cuda.synchronize()  # (the device's own time too: what was queued before runs first)
+            t0 = time.perf_counter()
+            compact(kv, chunk, room)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            what.update(moved=kv.slots_moved - moved, ms=1e3 * (t1 - t0), ms_until_done=1e3 * (time.perf_counter() - t0))
+            if log._current is not None:
+                log._current.setdefault("compactions_seen", []).append(what)
+        self._patch(KVStore, "_compact", described)
         return self
 
     def _timed(self, name: str, fn):
@@ -86,6 +106,10 @@ class CallLog:
             finally:
                 if log._current is not None:
                     log._current[f"{name}_ms"] += 1e3 * (time.perf_counter() - t0)
+                    if name in SYNCED:  # and until the device has done its copies
+                        torch.cuda.synchronize()
+                        log._current[f"{name}_done_ms"] = (log._current.get(f"{name}_done_ms", 0.0)
+                                                           + 1e3 * (time.perf_counter() - t0))
         return timed
 
     def _patch(self, owner: type, name: str, fn) -> None:
@@ -138,6 +162,10 @@ def main() -> None:
         "total_ms": sum(c["ms"] for c in calls),
         "total_ms_moving_kv": sum(c["ms"] for c in busy),
         **{f"total_{name}_ms": sum(c[f"{name}_ms"] for c in calls) for name in TIMED},
+        **{f"total_{name}_done_ms": sum(c.get(f"{name}_done_ms", 0.0) for c in calls) for name in SYNCED},
+        "total_compaction_ms": sum(x["ms"] for c in calls for x in c.get("compactions_seen", ())),
+        "slots_moved": sum(x["moved"] for c in calls for x in c.get("compactions_seen", ())),
+        "total_compaction_done_ms": sum(x["ms_until_done"] for c in calls for x in c.get("compactions_seen", ())),
         "calls_gpu_idle_at_start": sum(c["gpu_idle_at_start"] for c in calls),
     }
     result = {
