@@ -90,6 +90,20 @@ def test_views_are_bounded_by_their_span_and_typed():
         HostArena(pinned=False, min_chunk=0)
 
 
+def _fill(kv, names, sizes, slack=0):
+    """Node ``i`` (of ``sizes``: node -> tokens) written with random values in every pool; returns them."""
+    want = {}
+    for node, n in sizes.items():
+        seg = kv.reserve(node, n + slack)
+        for name in names:
+            pool = getattr(kv, name)
+            data = torch.randint(-100, 100, (pool.shape[0], n, *pool.shape[2:])).to(pool.dtype)
+            pool[:, seg.start : seg.start + n] = data
+            want[node, name] = data
+        seg.computed = n
+    return want
+
+
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_offload_and_restore_reuse_the_arena_and_a_second_store_on_it_pins_nothing_more(kv_dtype):
     from treegen.kernels.kv_quant import kv_format
@@ -103,15 +117,7 @@ def test_offload_and_restore_reuse_the_arena_and_a_second_store_on_it_pins_nothi
 
     kv = store()
     names = [n for n in ("k", "v", "k_scale", "v_scale") if getattr(kv, n) is not None]
-    want = {}
-    for node, n in ((0, 30), (1, 7), (2, 17)):
-        seg = kv.reserve(node, n)
-        for name in names:
-            pool = getattr(kv, name)
-            data = torch.randint(-100, 100, (pool.shape[0], n, *pool.shape[2:])).to(pool.dtype)
-            pool[:, seg.start : seg.start + n] = data
-            want[node, name] = data
-        seg.computed = n
+    want = _fill(kv, names, {0: 30, 1: 7, 2: 17})
     for node in (0, 1, 2):
         kv.offload(node)
     held = arena.chunk_bytes
@@ -169,15 +175,8 @@ def test_offloading_many_nodes_at_once_batches_their_copies_and_keeps_every_valu
                  fmt=fmt, arena=HostArena(pinned=False, min_chunk=64 * KiB))
     monkeypatch.setattr(kv_store, "COMPACT_BYTES", 20 * 3 * 2 * 4 * 4)  # ~20 slots of keys a batch
     names = [n for n in ("k", "v", "k_scale", "v_scale") if getattr(kv, n) is not None]
-    want, sizes = {}, [9, 0, 13, 1, 30, 6, 6, 17]
-    for node, n in enumerate(sizes):
-        seg = kv.reserve(node, n + 2)
-        for name in names:
-            pool = getattr(kv, name)
-            data = torch.randint(-100, 100, (pool.shape[0], n, *pool.shape[2:])).to(pool.dtype)
-            pool[:, seg.start : seg.start + n] = data
-            want[node, name] = data
-        seg.computed = n
+    sizes = [9, 0, 13, 1, 30, 6, 6, 17]
+    want = _fill(kv, names, dict(enumerate(sizes)), slack=2)
     moved = kv.offload(list(range(len(sizes))))
     assert moved == sum(sizes) * kv.bytes_per_token and not kv.segments and kv.slots_free() == kv.num_slots
     assert kv.counters.nodes_offloaded == len(sizes) and kv.host_bytes == moved

@@ -215,6 +215,25 @@ def test_a_segment_grows_in_place_when_the_span_after_it_is_free():
     assert kv.slots_reserved() == 30 + 4
 
 
+def _written_segments(kv, nodes, rng):
+    """Segments of 1-9 slots for ``nodes``, each written in part: slot ``i`` of node ``n`` holds
+    ``i + 100 n + layer`` in the keys and ``-(i + 100 n)`` in the values (see _check_written)."""
+    for node in nodes:
+        seg = kv.reserve(node, rng.randint(1, 9))
+        seg.computed = rng.randint(0, seg.capacity)
+        for layer in range(2):
+            kv.k[layer, seg.start : seg.start + seg.computed] = torch.arange(seg.computed)[:, None, None] + 100 * node + layer
+            kv.v[layer, seg.start : seg.start + seg.computed] = -(torch.arange(seg.computed)[:, None, None] + 100 * node)
+
+
+def _check_written(kv, node):
+    seg = kv.segments[node]
+    for layer in range(2):
+        want = torch.arange(seg.computed, dtype=torch.float32) + 100 * node
+        assert torch.equal(kv.k[layer, seg.start : seg.start + seg.computed, 0, 0], want + layer), node
+        assert torch.equal(kv.v[layer, seg.start : seg.start + seg.computed, 0, 1], -want), node
+
+
 @pytest.mark.parametrize("chunk", [3, 7, 16384, None])
 def test_compaction_keeps_every_written_token_of_many_segments(chunk):
     """Many segments with holes between them (some written in part, some not at all) compacted in index
@@ -225,12 +244,7 @@ def test_compaction_keeps_every_written_token_of_many_segments(chunk):
 
     rng = random.Random(chunk)
     kv = KVStore(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=512)
-    for node in range(40):
-        seg = kv.reserve(node, rng.randint(1, 9))
-        seg.computed = rng.randint(0, seg.capacity)
-        for layer in range(2):
-            kv.k[layer, seg.start : seg.start + seg.computed] = torch.arange(seg.computed)[:, None, None] + 100 * node + layer
-            kv.v[layer, seg.start : seg.start + seg.computed] = -(torch.arange(seg.computed)[:, None, None] + 100 * node)
+    _written_segments(kv, range(40), rng)
     for node in range(0, 40, 3):
         kv.free(node)
     order = sorted(kv.segments, key=lambda n: kv.segments[n].start)
@@ -243,10 +257,7 @@ def test_compaction_keeps_every_written_token_of_many_segments(chunk):
         seg = kv.segments[node]
         assert seg.start == pos
         pos += seg.capacity
-        for layer in range(2):
-            want = torch.arange(seg.computed, dtype=torch.float32) + 100 * node
-            assert torch.equal(kv.k[layer, seg.start : seg.start + seg.computed, 0, 0], want + layer), node
-            assert torch.equal(kv.v[layer, seg.start : seg.start + seg.computed, 0, 1], -want), node
+        _check_written(kv, node)
     assert kv.free_spans.by_start == [(pos, kv.num_slots - pos)]
 
 
@@ -269,12 +280,7 @@ def test_compaction_for_room_closes_the_cheapest_run_of_holes_only(seed):
 
     rng = random.Random(seed)
     kv = KVStore(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=400)
-    for node in range(80):
-        seg = kv.reserve(node, rng.randint(1, 9))
-        seg.computed = rng.randint(0, seg.capacity)
-        for layer in range(2):
-            kv.k[layer, seg.start : seg.start + seg.computed] = torch.arange(seg.computed)[:, None, None] + 100 * node + layer
-            kv.v[layer, seg.start : seg.start + seg.computed] = -(torch.arange(seg.computed)[:, None, None] + 100 * node)
+    _written_segments(kv, range(80), rng)
     for node in rng.sample(range(80), 30):
         kv.free(node)
     spans = list(kv.free_spans.by_start)
@@ -287,11 +293,8 @@ def test_compaction_for_room_closes_the_cheapest_run_of_holes_only(seed):
     _check_tiles(kv)
     assert kv.slots_moved == cheapest and kv.free_spans.largest() >= room
     assert sum(kv.segments[node].computed for node in kv.segments if kv.segments[node].start != before[node]) == cheapest
-    for node, seg in kv.segments.items():
-        for layer in range(2):
-            want = torch.arange(seg.computed, dtype=torch.float32) + 100 * node
-            assert torch.equal(kv.k[layer, seg.start : seg.start + seg.computed, 0, 0], want + layer), node
-            assert torch.equal(kv.v[layer, seg.start : seg.start + seg.computed, 0, 1], -want), node
+    for node in kv.segments:
+        _check_written(kv, node)
 
 
 def test_a_node_that_fits_no_hole_compacts_once_for_all_that_ensure_free_announced():
