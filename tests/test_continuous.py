@@ -351,3 +351,19 @@ def test_program_busy_answers_like_a_full_scan_under_any_order_of_completions():
             next(st for st in states if st.pending).pending = []
             assert ProgramRun.program_busy(run, 7) == any(st.pending for st in states)
         assert not ProgramRun.program_busy(run, 7) and not ProgramRun.program_busy(run, 8)
+
+
+def test_a_finished_run_gives_its_kv_pool_back_while_its_results_live_on(engine):
+    """The results hold their run; its pool's memory goes back when it finishes (a later run on the same
+    engine is not squeezed by it), and what the results say stays readable."""
+    batch = inputs(6, seed=3)
+    roots = grows.run_batch(engine, batch)
+    kv = roots[0]._run.tree_run.kv
+    assert kv.num_slots == 0 and kv.k.untyped_storage().nbytes() == 0 and not kv.segments
+    texts = [r.text() for r in roots]
+    again = grows.run_batch(engine, batch)
+    assert [r.text() for r in again] == texts and again[0]._run.tree_run.kv.num_slots == 0
+    with pytest.raises(RuntimeError, match="nodes still hold slots"):
+        store = again[0]._run.tree_run.kv
+        store.reserve(1, 4)
+        store.release()

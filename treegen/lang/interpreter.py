@@ -380,7 +380,8 @@ class ProgramRun:
         self._count_users()
 
     def finish(self) -> None:
-        """Flush, then free all KV (the values stay readable; states accept no more ops)."""
+        """Flush, then free all KV, the pool's memory included (the values stay readable; states accept no
+        more ops)."""
         for root in self.roots:
             if root.program not in self._returned:
                 self.program_returned(root)
@@ -392,6 +393,7 @@ class ProgramRun:
         kv = self.tree_run.kv
         for node in sorted({*kv.segments, *kv.offloaded}):
             kv.free(node)
+        kv.release()  # (the states keep this run: its pool would live as long as the results)
         self.finished = True
 
 

@@ -340,6 +340,20 @@ class KVStore:
             self.arena.give(host.span)
         self.to_recompute.pop(node, None)
 
+    def release(self) -> None:
+        """Give the pools' memory back now, every node freed (a finished run: its results, which hold the
+        run, may live on — a run of Llama-3-8B holds ~55 GB of pool); the store has no slots afterwards
+        (a later reservation grows it again)."""
+        if self.segments or self.offloaded:
+            raise RuntimeError(f"release() frees the pools of an empty store; {len(self.segments)} nodes still hold "
+                               f"slots and {len(self.offloaded)} host copies")
+        self.wait_restores()
+        for name in self._pools():  # (whoever still holds a view of it: see _grow)
+            getattr(self, name).untyped_storage().resize_(0)
+        self._allocate_pool(0)
+        self.free_spans.reset([])
+        self.to_recompute.clear()
+
     # offload / restore / drop ---------------------------------------------------------------------
     def offload(self, nodes: int | list[int]) -> int:
         """Copy the written KV of ``nodes`` (one node or a list) into spans of the host arena and free
