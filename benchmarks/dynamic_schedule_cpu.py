@@ -65,7 +65,9 @@ def replay(kind: str, branches: int, width: int, oversubscribe: int, kv_budget_b
             # the engine's host time by part (on this CPU; the model's own time is in none of them)
             "host_seconds": {k: round(v, 3) for k, v in run.host_seconds.items()},
             "schedule_calls": run.schedule_calls,
-            "offload": run.offload_stats, "memory_waits": run.scheduler.memory_waits}
+            "offload": run.offload_stats, "memory_waits": run.scheduler.memory_waits,
+            # pool compactions (memory short and fragmented) and the written slots they moved
+            "kv_compactions": run.kv.compactions, "kv_slots_moved": run.kv.slots_moved}
 
 
 def main() -> None:
