@@ -35,7 +35,7 @@ class ScriptedRun:
 
     def __init__(self, engine):
         self.engine, self.tree, self.forward_passes = engine, SharingTree(), 0
-        self.kv = types.SimpleNamespace(segments={}, offloaded={}, free=lambda node: None)
+        self.kv = types.SimpleNamespace(segments={}, offloaded={}, free=lambda node: None, release=lambda: None)
         self.queue = []
         self.host_seconds = {"programs": 0.0}
 
