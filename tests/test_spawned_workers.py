@@ -118,3 +118,25 @@ def test_two_gpus_from_a_plain_process(checkpoint, monkeypatch):  # noqa: F811
         assert engine.parallel.tensor.peer is None and "earlier group" in repr(engine.parallel)
     finally:
         engine.close()
+
+
+def test_a_drop_between_a_callbacks_messages_is_carried_out_and_the_callback_still_read():
+    """Rank 0 sends ``drop`` when the collector takes one of its runs — at any moment, also while a worker
+    waits for another run's callback message: the worker frees the dropped run's KV and reads on (seen as a
+    flaky 'out of step with rank 0 ... rank 0 sent (drop, 0)' in a data-parallel x tensor-parallel test)."""
+    import pickle
+    import queue
+    import types
+
+    from treegen.runtime.workers import _receive
+
+    inbox = queue.Queue()
+    for message in (("drop", 0), ("drop", 7), ("callback", "done", 0, 123)):
+        inbox.put(pickle.dumps(message))
+    freed = []
+    kv = types.SimpleNamespace(segments={3: None, 5: None}, free=freed.append)
+    mirrors = {0: types.SimpleNamespace(run=types.SimpleNamespace(kv=kv)), 1: object()}
+    assert _receive(inbox, mirrors) == ("callback", "done", 0, 123)
+    assert sorted(freed) == [3, 5] and list(mirrors) == [1]  # (7: not a run this worker has: nothing to do)
+    inbox.put(pickle.dumps(("drop", 1)))
+    assert _receive(inbox) == ("drop", 1)  # without the worker's runs: handed over as it is

@@ -227,12 +227,21 @@ def next_message(inbox):
                 os._exit(1)
 
 
-def _receive(inbox):
-    """The next message from rank 0; exits the process when rank 0 is gone or says ``exit``."""
-    message = next_message(inbox)
-    if message[0] == "exit":  # (also while waiting for a callback of a call rank 0 gave up)
-        os._exit(0)
-    return message
+def _receive(inbox, mirrors: dict | None = None):
+    """The next message from rank 0; exits the process when rank 0 is gone or says ``exit``. A ``drop``
+    (rank 0's run was collected: its ``weakref.finalize`` sends it whenever the collector runs, so also in
+    the middle of another run's call, between a callback's messages) is carried out here and the next
+    message returned: ``mirrors`` loses that run, whose KV is freed."""
+    while True:
+        message = next_message(inbox)
+        if message[0] == "exit":  # (also while waiting for a callback of a call rank 0 gave up)
+            os._exit(0)
+        if message[0] != "drop" or mirrors is None:
+            return message
+        mirror = mirrors.pop(message[1], None)
+        if mirror is not None:
+            for node in list(mirror.run.kv.segments):
+                mirror.run.kv.free(node)
 
 
 def _worker_main(engine_class, rank, world, port, model, dtype, device, options, vocab_parallel, inbox,
@@ -251,19 +260,14 @@ def _worker_main(engine_class, rank, world, port, model, dtype, device, options,
         parallel = init_parallel(tensor_parallel=world, data_parallel=1, device=device, vocab_parallel=vocab_parallel)
         engine = engine_class(*load_model(model, dtype=dtype, device=parallel.device, tp=parallel.tensor),
                               parallel=parallel, **options)
-        receive = lambda: _receive(inbox)  # noqa: E731
         mirrors: dict[int, Mirror] = {}
+        receive = lambda: _receive(inbox, mirrors)  # noqa: E731 - (drops carried out inside: see _receive)
         calls = 0
         while True:
             message = receive()
             kind = message[0]
             if kind == "start":
                 mirrors[message[1]] = Mirror(engine, receive)
-            elif kind == "drop":
-                mirror = mirrors.pop(message[1], None)
-                if mirror is not None:
-                    for node in list(mirror.run.kv.segments):
-                        mirror.run.kv.free(node)
             elif kind == "call":
                 calls += 1
                 if calls == fail_at:
