@@ -135,8 +135,10 @@ def test_a_drop_between_a_callbacks_messages_is_carried_out_and_the_callback_sti
         inbox.put(pickle.dumps(message))
     freed = []
     kv = types.SimpleNamespace(segments={3: None, 5: None}, free=freed.append)
-    mirrors = {0: types.SimpleNamespace(run=types.SimpleNamespace(kv=kv)), 1: object()}
+    empty = types.SimpleNamespace(run=types.SimpleNamespace(kv=types.SimpleNamespace(segments={}, free=freed.append)))
+    mirrors = {0: types.SimpleNamespace(run=types.SimpleNamespace(kv=kv)), 1: empty}
     assert _receive(inbox, mirrors) == ("callback", "done", 0, 123)
     assert sorted(freed) == [3, 5] and list(mirrors) == [1]  # (7: not a run this worker has: nothing to do)
     inbox.put(pickle.dumps(("drop", 1)))
-    assert _receive(inbox) == ("drop", 1)  # without the worker's runs: handed over as it is
+    inbox.put(pickle.dumps(("call", 1)))
+    assert _receive(inbox, mirrors) == ("call", 1) and mirrors == {}  # (a run with no KV: just forgotten)

@@ -369,14 +369,14 @@ class KVStore:
         cuda = self.device.type == "cuda"
         events = self._events() if cuda else None
         pools = {name: _as_rows(getattr(self, name)) for name in self._pools()}
-        slot_bytes = max(rows[:, 0].numel() * rows.element_size() for rows in pools.values())
+        batch_limit = self._slots_in(COMPACT_BYTES)
         batch, batch_slots, done = [], 0, []
         try:
             for node in nodes:
                 seg = self.segments[node]
                 batch.append((node, seg, self._host_copy(node, seg)))
                 batch_slots += seg.computed
-                if batch_slots * slot_bytes >= COMPACT_BYTES:
+                if batch_slots >= batch_limit:
                     self._copy_out(batch, pools, cuda)
                     done += batch
                     batch, batch_slots = [], 0
@@ -431,9 +431,7 @@ class KVStore:
         layer_base = np.arange(self.num_layers, dtype=np.int64)[:, None] * num_slots
         index = np.concatenate([(layer_base + np.arange(seg.start, seg.start + seg.computed)).ravel()
                                 for _, seg, _ in batch])
-        index = torch.from_numpy(index)
-        # (from pinned memory: a copy from pageable memory would wait for everything queued before it)
-        index = (index.pin_memory() if cuda else index).to(self.device, non_blocking=cuda)
+        index = self._indices_to_device(index)
         for name, rows in pools.items():
             gathered = rows.view(-1, rows.shape[-1]).index_select(0, index)
             at = 0
@@ -590,20 +588,30 @@ class KVStore:
         if not counts:
             return
         if chunk is None:
-            per_slot = max(getattr(self, n)[:, 0].numel() * getattr(self, n).element_size() for n in self._pools())
-            chunk = max(256, COMPACT_BYTES // per_slot)
+            chunk = max(256, self._slots_in(COMPACT_BYTES))
         which, offsets = expand(counts)  # each moved slot's segment and its offset in it
         src = np.asarray(src_starts, dtype=np.int64)[which] + offsets
         dst = np.asarray(dst_starts, dtype=np.int64)[which] + offsets
         self.slots_moved += len(src)
-        cuda = self.device.type == "cuda"
         rows = [_as_rows(getattr(self, name)) for name in self._pools()]
         for begin in range(0, len(src), chunk):
-            both = torch.from_numpy(np.stack([src[begin:begin + chunk], dst[begin:begin + chunk]]))
-            # (from pinned memory: a copy from pageable memory would wait for everything queued before it)
-            s, d = (both.pin_memory() if cuda else both).to(self.device, non_blocking=cuda)
+            s, d = self._indices_to_device(np.stack([src[begin:begin + chunk], dst[begin:begin + chunk]]))
             for pool in rows:
                 pool[:, d] = pool[:, s]  # (the gather copies first)
+
+    def _slots_in(self, nbytes: int) -> int:
+        """How many slots of the largest pool (keys, values or a scale pool) make ``nbytes`` (at least 1):
+        a gather's batch."""
+        per_slot = max(getattr(self, n)[:, 0].numel() * getattr(self, n).element_size() for n in self._pools())
+        return max(1, nbytes // per_slot)
+
+    def _indices_to_device(self, index: np.ndarray) -> torch.Tensor:
+        """Slot indices on the store's device without waiting for it: from pinned memory on CUDA (a copy from
+        pageable memory would wait for everything queued before it)."""
+        index = torch.from_numpy(index)
+        if self.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     def _grow(self, length: int) -> None:
         self.wait_restores()

@@ -165,7 +165,9 @@ class Scheduler:
         self.peak_slots = 0  # the most KV slots reserved at once
         self.memory_blocked = False  # the last admission stopped at a job that did not fit the memory
         self._blocked_at = 0  # KV slots reserved then
-        self._evicting: dict[int, bool] = {}  # evictions decided in the admission pass under way (see _evict)
+        # evictions decided in the last admission pass (see _evict; carried out at its end: the nodes are then
+        # gone from the pool, which need() sees either way); reset when a pass starts
+        self._evicting: dict[int, bool] = {}
 
     # ------------------------------------------------------------------------------------------------
     def submit(self, job: Job, priority: tuple | None = None) -> None:
@@ -429,15 +431,12 @@ class Scheduler:
         host (its copies batched: on an H100 host, Llama-3-8B short of memory made ~2,700 offload calls of a
         node or two, 1.8 s of host time while the GPU waited), then the drops."""
         to_host = [n for n, host in idle.evicting.items() if host]
-        try:
-            self.kv.offload(to_host)
-            step.offloaded += to_host
-            for n, host in idle.evicting.items():
-                if not host:
-                    self.kv.drop(n)
-                    step.dropped.append(n)
-        finally:
-            self._evicting = {}
+        self.kv.offload(to_host)
+        step.offloaded += to_host
+        for n, host in idle.evicting.items():
+            if not host:
+                self.kv.drop(n)
+                step.dropped.append(n)
 
     def _never_fits(self, job: Job, slots: int, total: int, budget: KVBudget) -> MemoryError:
         """Why ``job`` can never be admitted while nothing runs (the memory is held by idle nodes)."""

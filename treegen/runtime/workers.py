@@ -227,7 +227,7 @@ def next_message(inbox):
                 os._exit(1)
 
 
-def _receive(inbox, mirrors: dict | None = None):
+def _receive(inbox, mirrors: dict):
     """The next message from rank 0; exits the process when rank 0 is gone or says ``exit``. A ``drop``
     (rank 0's run was collected: its ``weakref.finalize`` sends it whenever the collector runs, so also in
     the middle of another run's call, between a callback's messages) is carried out here and the next
@@ -236,7 +236,7 @@ def _receive(inbox, mirrors: dict | None = None):
         message = next_message(inbox)
         if message[0] == "exit":  # (also while waiting for a callback of a call rank 0 gave up)
             os._exit(0)
-        if message[0] != "drop" or mirrors is None:
+        if message[0] != "drop":
             return message
         mirror = mirrors.pop(message[1], None)
         if mirror is not None:
