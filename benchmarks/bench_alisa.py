@@ -52,6 +52,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
 import transformers
 
+from treegen.runtime import scheduler
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
@@ -163,7 +164,7 @@ def measure(model, args, mode: str, branches: int, new: int, prompt: list[int], 
                  # captures ("capture") are what sparse window attention adds; phases captured / replaying kept graphs
                  engine_host_s={k: round(v, 3) for k, v in run.host_seconds.items()},
                  phases_captured=run.decoder.captured_phases, phases_replaying_kept=run.decoder.kept_phases,
-                 swa_compactions=run.swa_compactions)
+                 swa_compactions=run.swa_compactions, slice_tokens=scheduler.SLICE_TOKENS, pauses=run.decoder.pauses)
         if reference is not None and not final_only:  # (the final workload's tokens differ by design)
             r["tokens_identical"] = sum(out[i] == reference[i] for i in out) / len(out)
         elif reference is None:
@@ -189,6 +190,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--kv-keep", type=float, default=0.3, help="swa mode's caching ratio")
     parser.add_argument("--offload-bytes", type=int, default=None, help="host memory cap for offloaded KV")
+    parser.add_argument("--slice-tokens", type=int, nargs="+", default=[scheduler.SLICE_TOKENS],
+                        help="the scheduler's SLICE_TOKENS for the offload modes (one run each; a huge value: "
+                             "whole reservations, nothing sliced)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tiny = args.tiny
@@ -229,14 +233,18 @@ def main() -> None:
             for mode in args.modes:
                 if mode == "dense-unlimited":
                     continue
-                print(f"{time.strftime('%H:%M:%S')} {mode}, budget {budget / 2**30:.2f} GiB", flush=True)
-                for r in measure(model, args, mode, branches, new, prompt, budget, reference):
-                    r["dense_need_bytes"] = need
-                    if r.get("tok_s") is not None:
-                        r["ratio_to_dense_unlimited"] = r["tok_s"] / base["tok_s"]
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
-                    write(args, shape, rows)  # after every case: a run cut short keeps what it measured
+                for slice_tokens in args.slice_tokens if mode in ("offload", "auto", "recompute") else [None]:
+                    if slice_tokens is not None:
+                        scheduler.SLICE_TOKENS = slice_tokens
+                    print(f"{time.strftime('%H:%M:%S')} {mode}, budget {budget / 2**30:.2f} GiB"
+                          + (f", slices of {slice_tokens}" if slice_tokens is not None else ""), flush=True)
+                    for r in measure(model, args, mode, branches, new, prompt, budget, reference):
+                        r["dense_need_bytes"] = need
+                        if r.get("tok_s") is not None:
+                            r["ratio_to_dense_unlimited"] = r["tok_s"] / base["tok_s"]
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+                        write(args, shape, rows)  # after every case: a run cut short keeps what it measured
     print(f"\n## {shape}, {'fp32' if tiny else 'bf16'} — long generations under a KV budget of "
           f"{args.budget_fraction:.2f} of the dense need\n")
     print("| mode | workload | branches | new tokens | tok/s | ratio to dense unlimited | identical | GiB offloaded | "
@@ -253,17 +261,23 @@ def main() -> None:
                                         f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}")
 
 
+def _label(r: dict) -> str:
+    """A row's bar: its mode and workload, and an offload mode's slice size."""
+    slices = r.get("slice_tokens") if r["mode"] in ("offload", "auto", "recompute") else None
+    return f"{r['mode']}\n({r['workload']}" + (f", slices {slices})" if slices else ")")
+
+
 def plot(rows: list[dict], out: Path, title: str) -> None:
     plt = pyplot()
     if plt is None:
         return
     cases = sorted({(r["branches"], r["new_tokens"]) for r in rows})
-    labels = [f"{r['mode']}\n({r['workload']})" for r in rows if r["mode"] != "dense-unlimited"]
+    labels = [_label(r) for r in rows if r["mode"] != "dense-unlimited"]
     labels = list(dict.fromkeys(labels))
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(labels)), 4))
     width = 0.8 / max(1, len(cases))
     for k, (b, n) in enumerate(cases):
-        ratios = {f"{r['mode']}\n({r['workload']})": r.get("ratio_to_dense_unlimited") or 0 for r in rows
+        ratios = {_label(r): r.get("ratio_to_dense_unlimited") or 0 for r in rows
                   if (r["branches"], r["new_tokens"]) == (b, n) and r["mode"] != "dense-unlimited"}
         ax.bar([i + k * width for i in range(len(labels))], [ratios.get(lab, 0) for lab in labels], width,
                label=f"{b} x {n}")

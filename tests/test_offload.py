@@ -408,3 +408,45 @@ def test_evictions_are_carried_out_together_at_the_end_of_the_admission_pass(mon
     sched._evicting = {z: True}
     assert sched.need(reader)[z] == len(tree.tokens(z))
     sched._evicting = {}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sliced_gens_pause_when_short_of_memory_and_give_the_unlimited_runs_tokens(model, temperature, monkeypatch):
+    """Gens longer than a slice reserve one slice at a time: where a third of the workload's KV fits, the
+    branches furthest along decode on while the others wait on the host (staggered lengths), in fewer forward
+    passes than whole reservations (rounds of the branches that fit), with the unlimited run's tokens."""
+    from treegen.runtime import scheduler
+
+    args = dict(ARGS, first=48, second=2)
+    want = follow_up.run(Engine(model, IdTokenizer()), temperature=temperature, seed=4, **args)
+    per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
+    budget = live_kv_tokens(want) // 3 * per
+    passes = {}
+    for slice_tokens in (8, 10**6):  # (10**6: nothing is sliced)
+        monkeypatch.setattr(scheduler, "SLICE_TOKENS", slice_tokens)
+        got = follow_up.run(Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload="host"),
+                            temperature=temperature, seed=4, **args)
+        assert got.ret_value == want.ret_value
+        run = got._run.tree_run
+        assert run.scheduler.peak_slots * per <= budget
+        assert (run.decoder.pauses > 0) == (slice_tokens == 8)
+        assert not run.decoder.paused and not run.scheduler.has_work()
+        passes[slice_tokens] = run.forward_passes
+    assert passes[8] < passes[10**6]
+
+
+def test_a_sliced_gen_is_admitted_only_if_it_fits_whole_at_its_end(model, monkeypatch):
+    """Slicing never starts what cannot finish: a gen whose whole length passes the budget is refused at
+    once, with the sizes, even though its first slice would fit."""
+    from treegen.runtime import scheduler
+
+    monkeypatch.setattr(scheduler, "SLICE_TOKENS", 8)
+    per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
+    engine = Engine(model, IdTokenizer(), kv_budget_bytes=40 * per, offload="host")
+    run = engine.start()
+    leaf = run.tree.add_node(run.tree.add_node(None, list(range(5, 15))), [])
+    job = run.submit(GenRequest(leaf, SamplingParams(max_tokens=64, ignore_eos=True), key=0))
+    while not job.done and run.advance():
+        pass
+    assert isinstance(job.error, MemoryError) and "more than the whole KV budget" in str(job.error)
+    assert run.decoder.pauses == 0

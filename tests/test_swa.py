@@ -19,7 +19,7 @@ import treegen
 from treegen.lang.tg import TgError, loads
 from treegen.runtime import swa
 from treegen.runtime.engine import Engine
-from treegen.runtime.requests import GenRequest
+from treegen.runtime.requests import GenRequest, Job
 from treegen.runtime.sampler import SamplingParams
 
 
@@ -422,11 +422,13 @@ def test_a_branch_that_goes_on_after_compaction_reserves_only_what_it_holds(mode
         run.tree.extend(leaf, [7])  # the follow-up reads the answer
         seg, tokens = run.kv.segments[leaf], len(run.tree.tokens(leaf))
         req = GenRequest(leaf, SamplingParams(max_tokens=8, ignore_eos=True, kv_keep=0.3), key=10 + i)
-        want = run.scheduler.gen_slots(req)
+        want = run.scheduler.gen_slots(Job(req))
         assert want == swa.reserve_slots(tokens, 8, 0.3, every, seg.dropped) < tokens - 30
         assert swa.reserve_slots(tokens, 8, 0.3, every) == tokens + 8  # (its tokens all counted: dense)
         job = run.submit(req)
-        assert run.scheduler.need(job) == {leaf: 0 if want <= seg.capacity else want}
+        # (a node that must grow counts what it gains; the range it holds meanwhile is the pass's move room)
+        assert run.scheduler.need(job) == {leaf: max(0, want - seg.capacity)}
+        assert run.scheduler.moving(job) == (seg.capacity if want > seg.capacity else 0)
         jobs.append(job)
     while run.busy() and run.advance():
         pass

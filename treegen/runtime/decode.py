@@ -28,6 +28,7 @@ Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a branch's to
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
@@ -77,6 +78,10 @@ class Decoder:
         self.logprobs: list[list[float]] = []
         self.plain: list[bool] = []  # only EOS and max_tokens can end branch b (see draw)
         self.live: list[int] = []
+        # sliced gens that used up their slice's reservation and wait to be admitted again (job → branch): their
+        # tokens, log-probabilities and matcher states stay here; the scheduler's queue holds the jobs
+        self.paused: dict[Job, int] = {}
+        self.pauses = 0  # branches paused so far
         self.tokens_done = 0
         self.masks: TokenMasks | None = None  # the constrained branches' matchers (made at the first one)
         # the state of each branch that a token automaton constrains (host copy, as of its last accepted
@@ -113,9 +118,14 @@ class Decoder:
     def draw(self, logits: torch.Tensor, new_jobs: list[Job]) -> None:
         """After a step that ran the live branches' decode rows and the conditioning rows of
         ``new_jobs`` (gens), in that order: ``logits [live + new, vocab]``. Draws the next token of
-        every live branch and the first of every new one, on the host at once."""
-        first = len(self.jobs)
+        every live branch and the first of every new one, on the host at once. (A paused branch's job comes
+        back as a new job whose conditioning row is its last token: it draws its next one and decodes on.)"""
+        joining = []
         for job in new_jobs:
+            if job in self.paused:
+                joining.append(self.paused.pop(job))
+                continue
+            joining.append(len(self.jobs))
             self.jobs.append(job)
             self.out.append([])
             self.logprobs.append([])
@@ -130,7 +140,7 @@ class Decoder:
                 if self.masks is None:
                     self.masks = TokenMasks(self.run.engine.grammars)
                 self.masks.add(len(self.jobs) - 1, constraint)
-        rows = self.live + list(range(first, len(self.jobs)))
+        rows = self.live + joining
         if not rows:
             return
         device = logits.device
@@ -157,6 +167,7 @@ class Decoder:
     def cancel(self, job: Job) -> None:
         """A live branch's job was cancelled: it leaves the live set (see ``TreeRun.cancel``)."""
         self.live = [b for b in self.live if self.jobs[b] is not job]
+        self.paused.pop(job, None)
         for b, j in enumerate(self.jobs):
             if j is job:
                 self.state.pop(b, None)
@@ -187,6 +198,12 @@ class Decoder:
         if self.state:  # a token automaton's branch can draw no more than its longest answer
             most = run.engine.automata.most
             remaining = [int(min(r, most(self.state[b]))) if b in self.state else r for b, r in zip(live, remaining)]
+        # a sliced gen (see the scheduler) decodes only as far as its node's reservation reaches: a phase ends
+        # there at the latest, and the branch pauses (what its node's range holds past its tokens: remaining
+        # rows' own reservations hold exactly ``max_tokens`` more)
+        room = [self._room(j) for j in jobs]
+        sliced = [r < left for r, left in zip(room, remaining)]
+        remaining = [min(left, r) for left, r in zip(remaining, room)]
         rows = self.decode_rows()  # (node, index of its last token): the token each row runs next
         # tokens each node holds before its generated ones: what a program appends after a finished
         # gen (while the phase still runs) has no KV yet, so it must not be counted as computed
@@ -196,6 +213,8 @@ class Decoder:
         width = max(remaining)
         if swa_rows:  # sparse window attention compacts its branches' KV when the phase ends (see swa)
             width = min(width, run.engine.kv_keep_every)
+        if any(sliced):
+            width = min(width, min(r for r, cut in zip(remaining, sliced) if cut))
         grow = [min(r, width) for r in remaining]
         # what sparse window attention's compaction needs of the phase's first step (nothing without it)
         positions = [tree.position(n) + i for n, i in rows] if swa_rows else []
@@ -285,8 +304,24 @@ class Decoder:
             elif n in kv.segments:  # (its program may have ended and freed it meanwhile)
                 seg = kv.segments[n]  # KV for all its tokens but the last (less those SWA dropped)
                 seg.computed = held + len(self.out[b]) - 1 - seg.dropped
+        pausing = {b for b, m, r, cut in zip(live, made, remaining, sliced)
+                   if cut and b in alive and len(self.out[b]) - m >= r}
+        if pausing:
+            self.live = [b for b in self.live if b not in pausing]
+            for b in sorted(pausing):
+                self.paused[self.jobs[b]] = b
+                run.scheduler.resume(self.jobs[b], len(self.out[b]))
+            self.pauses += len(pausing)
         if swa_rows:
             self._compact(live, nodes, keep, recorder, run.forward_passes - passes_before, out_before, positions)
+
+    def _room(self, job: Job) -> int | float:
+        """Tokens the live branch of gen ``job`` can still decode within its node's range (its last token's
+        KV included); unbounded for sparse window attention, whose reservation compaction keeps."""
+        seg = self.kv.segments.get(job.request.node)
+        if seg is None or job.request.params.kv_keep is not None:
+            return math.inf
+        return seg.capacity - (len(self.tree.tokens(job.request.node)) - seg.dropped)
 
     def _compact(self, live, nodes, keep, recorder, steps_run: int, out_before, positions) -> None:
         """After a phase: compact the KV of its SWA branches that hold more than they keep (ALISA's

@@ -58,7 +58,8 @@ class ScoreRequest:
 class Job:
     """A submitted request. ``result``: a :class:`GenResult`, the list of choice scores, or the
     exception that refused it (``error``). ``on_done(job)`` is called once, when it completes;
-    ``on_tokens(tokens)`` (gens only) with every branch's tokens so far, each time new ones are seen."""
+    ``on_tokens(tokens)`` (gens only) with every branch's tokens so far, each time new ones are seen.
+    ``drawn``: tokens a gen had drawn when it last paused (0: it never has; see the scheduler's slices)."""
 
     request: GenRequest | ScoreRequest
     on_done: Callable[["Job"], None] | None = None
@@ -66,6 +67,7 @@ class Job:
     result: Any = None
     error: BaseException | None = None
     done: bool = False
+    drawn: int = 0
 
     @property
     def is_gen(self) -> bool:

@@ -30,6 +30,13 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
   :class:`~treegen.runtime.offload.OffloadPolicy` decides per node. A job whose nodes are on the
   host has them copied back when it is admitted (their slots are part of its need); a dropped
   node's tokens are rows of the step again. The :class:`Step` lists what moved.
+* **slices** — with offload on and a bounded budget, a gen with more than ``SLICE_TOKENS`` tokens
+  still to draw reserves only its next ``SLICE_TOKENS``: it decodes that far, then *pauses* (leaves the
+  batch, its KV kept) and waits again, ahead of fresh gens of its kind, the furthest along first
+  (:meth:`resume`). Its node is then idle, so when memory runs short the branches furthest behind go to
+  the host and the rest decode on — branches at staggered lengths share the budget, instead of whole
+  reservations of ``max_tokens`` that hold most of it unwritten (vLLM's preemption, by slices). A gen's
+  first admission still checks that its whole length fits the budget.
 * **phases** — between steps that prefill, live branches decode in phases planned once (see
   :mod:`~treegen.runtime.decode`); :meth:`Scheduler.phase_should_end` says when a phase should stop
   so that finished branches leave and new work joins.
@@ -67,6 +74,11 @@ SHRINK_AFTER_STEPS = 32
 # shallow work holds a job back for at most the rest of its window and the next. (The benchmark's runs,
 # 1,100-2,000 steps at 256 branches, cross one boundary: its pass counts include that.)
 AGING_STEPS = 1024
+# With offload on and a bounded KV budget, a gen reserves at most this many tokens ahead (see "slices" in the
+# module doc). Replayed on the CPU (one H100's Llama-3-8B budget of a third of 64 branches x 4,096 new tokens),
+# the forward passes are 8,704 at 256, 9,216 at 512, against 16,400 with whole reservations (rounds of 20
+# branches); each slice ends a decode phase, so small ones replan often.
+SLICE_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,9 @@ class Scheduler:
         # evictions decided in the last admission pass (see _evict; carried out at its end: the nodes are then
         # gone from the pool, which need() sees either way); reset when a pass starts
         self._evicting: dict[int, bool] = {}
+        self._bounded = False  # the last admission pass had a bounded KV budget (gens are sliced then)
+        # a sliced gen's (window, arrival) when first submitted: the place it waits at again when it pauses
+        self._origin: dict[Job, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------------------------------------
     def submit(self, job: Job, priority: tuple | None = None) -> None:
@@ -187,12 +202,19 @@ class Scheduler:
 
     def priority(self, job: Job) -> tuple:
         """``job``'s place among waiting jobs, smallest first: (window of ``AGING_STEPS`` it arrived in,
-        nodes on its path, gen after score, longest ``max_tokens`` first, arrival)."""
+        nodes on its path, gen after score, longest ``max_tokens`` first, most tokens drawn first (a paused
+        gen before fresh ones), arrival). A paused gen keeps the window and arrival of its first submission."""
         req = job.request
+        window, arrival = self._origin.pop(job, (self.clock // AGING_STEPS, self._submitted))
         if isinstance(req, GenRequest):
-            return (self.clock // AGING_STEPS, len(self.tree.path(req.node)), 1, -req.params.max_tokens,
-                    self._submitted)
-        return (self.clock // AGING_STEPS, len(self.tree.path(req.parent)) + 1, 0, 0, self._submitted)
+            return (window, len(self.tree.path(req.node)), 1, -req.params.max_tokens, -job.drawn, arrival)
+        return (window, len(self.tree.path(req.parent)) + 1, 0, 0, 0, arrival)
+
+    def resume(self, job: Job, drawn: int) -> None:
+        """A sliced gen paused after drawing ``drawn`` tokens (its slice's reservation used up; its KV and its
+        branch's state kept by the decoder): it waits for its next slice, ahead of fresh gens of its kind."""
+        job.drawn = drawn
+        self.submit(job)
 
     def cancel(self, job: Job) -> bool:
         """Remove a job not admitted or not yet run; False when it is not here (it is decoding)."""
@@ -200,6 +222,7 @@ class Scheduler:
             if job in queue:
                 queue.remove(job)
                 self._priority.pop(job, None)
+                self._origin.pop(job, None)
                 return True
         return False
 
@@ -250,11 +273,11 @@ class Scheduler:
             self._work_since = self.clock
         return step
 
-    def need(self, job: Job, counted: set[int] | frozenset = frozenset()) -> dict[int, int]:
+    def need(self, job: Job, counted: set[int] | frozenset = frozenset(), whole: bool = False) -> dict[int, int]:
         """Slots ``job`` adds: every path node without KV or grown past its range (and not in
         ``counted``) at its length, and
-        a generating node at its tokens plus ``max_tokens`` (all of it when it must grow: it may move,
-        and the old range is held until it has)."""
+        a generating node at its tokens plus ``max_tokens`` or its slice (what it gains when it must grow;
+        :meth:`moving` is the range held meanwhile). ``whole``: the gen's whole length, as if it held nothing."""
         kv = self.kv
         req = job.request
         # (a node extended past its range since it was reserved moves too: its new range is needed whole)
@@ -263,11 +286,19 @@ class Scheduler:
         need = {n: max(self.held(n), 1) for n in self.nodes(job)  # (an empty node is given one slot)
                 if n not in counted and (n not in segments or n in evicting or segments[n].capacity < self.held(n))}
         if isinstance(req, GenRequest):
-            want = self.gen_slots(req)
+            want = self.gen_slots(job, whole)
             have = segments[req.node].capacity if req.node in segments and req.node not in evicting else 0
-            # a node that must grow may move: its new range is needed whole while the old one is held
-            need[req.node] = 0 if have >= want else want
+            # a node that must grow gains ``want - have`` slots; it may move (its new range taken whole while the
+            # old one is held): an admission pass keeps room for its largest move (see _admit)
+            need[req.node] = 0 if have >= want else (want if whole else want - have)
         return need
+
+    def moving(self, job: Job) -> int:
+        """Slots of the range that gen ``job``'s node holds while it must grow (0: it need not, or holds none):
+        should it move, its new range is taken while this one is still held."""
+        req = job.request
+        seg = self.kv.segments.get(req.node) if isinstance(req, GenRequest) and req.node not in self._evicting else None
+        return seg.capacity if seg is not None and seg.capacity < self.gen_slots(job) else 0
 
     def nodes(self, job: Job) -> list[int]:
         """Every node whose KV ``job`` reads (its paths), in path order."""
@@ -275,11 +306,23 @@ class Scheduler:
         ends = [req.node] if isinstance(req, GenRequest) else [req.parent, *req.choices]
         return list(dict.fromkeys(n for end in ends for n in self.tree.path(end)))
 
-    def gen_slots(self, req: GenRequest) -> int:
-        """Slots a gen's node needs: its tokens plus ``max_tokens``; with sparse window attention
+    def gen_slots(self, job: Job, whole: bool = False) -> int:
+        """Slots a gen's node needs: its tokens plus those still to draw (``max_tokens`` less what it drew
+        before it paused), or its next slice (:meth:`sliced`; not with ``whole``); with sparse window attention
         (``params.kv_keep``) only what it holds at most between compactions (:func:`~treegen.runtime.swa.reserve_slots`)."""
-        return reserve_slots(len(self.tree.tokens(req.node)), req.params.max_tokens, req.params.kv_keep,
+        req = job.request
+        left = req.params.max_tokens - job.drawn
+        if not whole and self.sliced(job):
+            left = SLICE_TOKENS
+        return reserve_slots(len(self.tree.tokens(req.node)), left, req.params.kv_keep,
                              self.kv_keep_every, self.kv.dropped(req.node))
+
+    def sliced(self, job: Job) -> bool:
+        """Whether gen ``job`` reserves only its next ``SLICE_TOKENS`` (see the module doc): offload is on, the
+        last admission pass had a bounded budget, the gen is exact and has more than that still to draw."""
+        params = job.request.params
+        return (self._bounded and self.offload.on and params.kv_keep is None
+                and params.max_tokens - job.drawn > SLICE_TOKENS)
 
     def held(self, node: int) -> int:
         """Slots ``node``'s tokens take: all of them, less those whose KV sparse window attention dropped."""
@@ -288,12 +331,16 @@ class Scheduler:
     def _admit(self, step: Step, live: int) -> None:
         budget = self.budget()
         total = budget.slots
+        self._bounded = total is not None
         reserved = self.kv.slots_reserved()
         counted: set[int] = set()
         taken: list[tuple[Job, dict[int, int]]] = []
         busy = live > 0 or bool(self.admitted)
         generating = live + sum(1 for j in self.admitted if j.is_gen)
         idle = None  # the idle nodes in eviction order (see _IdleNodes), made at the first eviction
+        # slots kept free for the largest range a growing node holds while it moves: with that much free
+        # after the pass, every move finds room for its new range (it gains its share of the rest)
+        move = 0
         self._evicting = {}
         self.memory_blocked = False
         while self.waiting:
@@ -302,32 +349,39 @@ class Scheduler:
                 break  # the batch is full: wait for branches to finish
             need = self.need(job, counted)
             slots = sum(need.values())
-            if total is not None and reserved + slots > total:
-                alone = sum(self.need(job).values())
+            moves = max(move, self.moving(job))
+            # (a sliced gen must fit whole at its end: checked before its first slice, which may fit)
+            whole = job.is_gen and not job.drawn and self.sliced(job)
+            if total is not None and (reserved + slots > total or whole):
+                alone = sum(self.need(job, whole=True).values())
                 if alone > total:
                     job.error = MemoryError(
                         f"this {_what(job)} needs {_size(alone, budget)} of KV, more than the whole KV budget "
                         f"of {_size(total, budget)}" + (" (offload cannot help: the KV a job reads is on the GPU "
                                                         "while it runs)" if self.offload.on else ""))
-                else:
-                    if self.offload.on:
-                        if idle is None:
-                            idle = self._idle_nodes(taken)
-                            self._evicting = idle.evicting  # (need() counts these as gone)
-                        evicted = self._evict(reserved + slots - total, idle, set(self.nodes(job)), step)
-                        if evicted is not None:
-                            reserved -= evicted
-                            idle.protected.update(self.nodes(job))
-                            self._take(job, need, taken, counted)
-                            reserved += slots
-                            generating += job.is_gen
-                            continue
-                    if busy or taken:
-                        self.memory_waits += 1
-                        self.memory_blocked = True
-                        self._blocked_at = self.kv.slots_reserved() - (idle.freed if idle is not None else 0)
-                        break
-                    job.error = self._never_fits(job, slots, total, budget)
+                    self._pop_waiting()
+                    step.refused.append(job)
+                    continue
+            if total is not None and reserved + slots + moves > total:
+                if self.offload.on:
+                    if idle is None:
+                        idle = self._idle_nodes(taken)
+                        self._evicting = idle.evicting  # (need() counts these as gone)
+                    evicted = self._evict(reserved + slots + moves - total, idle, set(self.nodes(job)), step)
+                    if evicted is not None:
+                        reserved -= evicted
+                        idle.protected.update(self.nodes(job))
+                        self._take(job, need, taken, counted)
+                        reserved += slots
+                        move = moves
+                        generating += job.is_gen
+                        continue
+                if busy or taken:
+                    self.memory_waits += 1
+                    self.memory_blocked = True
+                    self._blocked_at = self.kv.slots_reserved() - (idle.freed if idle is not None else 0)
+                    break
+                job.error = self._never_fits(job, slots, total, budget)
                 self._pop_waiting()
                 step.refused.append(job)
                 continue
@@ -335,6 +389,7 @@ class Scheduler:
             if idle is not None:
                 idle.protected.update(self.nodes(job))
             reserved += slots
+            move = moves
             generating += job.is_gen
         if idle is not None:
             self._carry_out(idle, step)
@@ -344,14 +399,14 @@ class Scheduler:
         want = 0
         if self.kv.slots_free() < slots and not self.kv.written():  # growing copies nothing yet: size the
             want = slots + sum(sum(self.need(j, counted).values()) for j in self.waiting)  # pool for all known
-        self.kv.ensure_free(slots, limit=total, want=want)
+        self.kv.ensure_free(slots + move, limit=total, want=want)
         restore: dict[int, int] = {}
         reserve: list[tuple[int, int]] = []
         for job, need in taken:
             for node in need:
                 req = job.request
                 gen = isinstance(req, GenRequest) and node == req.node
-                length = max(self.gen_slots(req) if gen else self.held(node), 1)
+                length = max(self.gen_slots(job) if gen else self.held(node), 1)
                 if node in self.kv.offloaded:
                     restore[node] = length
                     continue
@@ -371,7 +426,10 @@ class Scheduler:
         del self._priority[self.waiting.pop(0)]
 
     def _take(self, job: Job, need: dict[int, int], taken: list, counted: set[int]) -> None:
+        key = self._priority[job]
         self._pop_waiting()
+        if job.is_gen and self.sliced(job):
+            self._origin[job] = (key[0], key[-1])
         taken.append((job, need))
         counted |= set(need)
 

@@ -229,8 +229,8 @@ class TreeRun:
             return
         job.done = True
         job.error = RuntimeError("cancelled")
-        if not self.scheduler.cancel(job):
-            self.decoder.cancel(job)
+        self.scheduler.cancel(job)  # (waiting or admitted; a paused branch waits too, its state in the decoder)
+        self.decoder.cancel(job)
 
     def complete(self, job: Job, result) -> None:
         """Record a job's result (``job.error`` set: refused) and tell its submitter."""
