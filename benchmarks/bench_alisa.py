@@ -62,7 +62,7 @@ from plotting import pyplot, save
 
 MODES = ("dense-unlimited", "dense-grouping", "offload", "auto", "recompute", "swa", "swa-int8")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=512, max_position_embeddings=4096)
+            vocab_size=512, max_position_embeddings=8192)
 
 
 def swa_field() -> str | None:

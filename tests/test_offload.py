@@ -450,3 +450,35 @@ def test_a_sliced_gen_is_admitted_only_if_it_fits_whole_at_its_end(model, monkey
         pass
     assert isinstance(job.error, MemoryError) and "more than the whole KV budget" in str(job.error)
     assert run.decoder.pauses == 0
+
+
+def _two_growing_branches(budget_slots):
+    """A root of 2 tokens, branches a and b of 6 tokens each (their KV written), and an idle node x of 1 token
+    after them (so neither can grow in place); a gen of 4 more tokens into a and into b, submitted."""
+    tree, kv, sched = setup(budget_slots=budget_slots)
+    root = tree.add_node(None, [1, 2])
+    a, b, x = tree.add_node(root, [3] * 6), tree.add_node(root, [4] * 6), tree.add_node(root, [5])
+    compute(kv, [])
+    for n, length in ((root, 2), (a, 6), (b, 6), (x, 1)):
+        kv.reserve(n, length)
+        compute(kv, [(n, i) for i in range(length)])
+    jobs = [gen(a, 4), gen(b, 4)]
+    for j in jobs:
+        sched.submit(j)
+    return tree, kv, sched, (root, a, b, x), jobs
+
+
+@pytest.mark.parametrize("budget", [29, 28])
+def test_growing_nodes_count_what_they_gain_and_the_pass_keeps_room_for_the_largest_move(budget):
+    """Each branch gains 4 slots, and the pass keeps 6 free for the larger range held while a node moves (its new
+    range is taken before the old one is given back): 15 held + 8 + 6 = 29. Under 29 both grow and nothing
+    leaves; under 28 the idle node goes to the host first. (Counting each new range whole, 15 + 10 + 10 = 35,
+    would have let one in.)"""
+    tree, kv, sched, (root, a, b, x), jobs = _two_growing_branches(budget)
+    assert [sched.need(j) for j in jobs] == [{a: 4}, {b: 4}] and [sched.moving(j) for j in jobs] == [6, 6]
+    step = sched.next_step(live=0)
+    assert step.admitted == jobs
+    assert step.offloaded == ([] if budget == 29 else [x])
+    assert kv.slots_reserved() == 15 + 8 - (budget == 28) <= budget and sched.peak_slots <= budget
+    assert kv.segments[a].capacity == kv.segments[b].capacity == 10
+    check(kv, [root, a, b])
