@@ -1,9 +1,12 @@
 """Programs and a worker for the distributed tests (tests/test_distributed.py), run by ``torchrun``:
 
     torchrun --nproc-per-node 2 tests/distributed_programs.py CHECKPOINT OUT.json --tp 2 [--dp 1] [--fail-rank R]
+                                                                                   [--slice N]
 
 Each rank loads its shard of CHECKPOINT (fp32, CPU, gloo), runs :func:`workload` and writes what it
 generated to ``OUT.json.rank<R>``. ``--fail-rank R``: rank R raises in the middle of generating.
+``--slice N``: gens reserve N tokens at a time (the scheduler's ``SLICE_TOKENS``, under a bounded KV budget
+with offload to the host), so branches pause and resume on every rank; the rank's pauses go in its output.
 """
 
 import argparse
@@ -96,13 +99,27 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=None)
     p.add_argument("--fail-rank", type=int, default=None)
+    p.add_argument("--slice", type=int, default=None)
     args = p.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    from treegen.runtime import decode, scheduler
     from treegen.runtime.engine import Engine
 
-    engine = Engine.load(args.checkpoint, tensor_parallel=args.tp, data_parallel=args.dp)
+    options = {}
+    pauses = []
+    if args.slice is not None:
+        scheduler.SLICE_TOKENS = args.slice
+        options = dict(kv_budget_bytes=2**30, offload="host")
+        phase = decode.Decoder.phase
+
+        def counted(self):  # (each run's pauses, read when its phases end)
+            yield from phase(self)
+            pauses.append(self.pauses)
+
+        decode.Decoder.phase = counted
+    engine = Engine.load(args.checkpoint, tensor_parallel=args.tp, data_parallel=args.dp, **options)
     rank = engine.parallel.rank
     seen = [0]
 
@@ -113,6 +130,8 @@ def main() -> None:
 
     hook = fail_midway if args.fail_rank == rank else None
     out = workload(engine, on_tokens=hook)
+    if args.slice is not None:
+        out["most_pauses"] = max(pauses, default=0)
     with open(f"{args.out}.rank{rank}", "w") as f:
         json.dump(out, f)
     engine.close()  # every rank done before any ends the process group (as torch asks of a torchrun script)

@@ -70,6 +70,17 @@ def test_two_processes_generate_the_tokens_of_one(checkpoint, one_process, tmp_p
         assert got == one_process
 
 
+def test_sliced_gens_pause_and_resume_alike_on_every_tensor_parallel_rank(checkpoint, one_process, tmp_path):
+    """Gens reserving 2 tokens at a time (a bounded budget, offload on): every rank's decoder pauses the same
+    branches at the same steps and its scheduler takes them back in the same order, so the ranks stay in step
+    and give the one-process tokens."""
+    done = torchrun(checkpoint, tmp_path / "out.json", "--tp", "2", "--slice", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for got in ranks(tmp_path / "out.json"):
+        assert got.pop("most_pauses") > 0
+        assert got == one_process
+
+
 @pytest.mark.parametrize("layout", [("--tp", "2", "--dp", "2"), ("--tp", "4")], ids=["dp2xtp2", "tp4"])
 def test_four_processes_generate_the_tokens_of_one(checkpoint, one_process, tmp_path, layout):
     """The layouts of a 4-GPU host at the same rank count: two replicas of two ranks (each with its own
