@@ -437,7 +437,8 @@ def test_sliced_gens_pause_when_short_of_memory_and_give_the_unlimited_runs_toke
 
 def test_a_sliced_gen_is_admitted_only_if_it_fits_whole_at_its_end(model, monkeypatch):
     """Slicing never starts what cannot finish: a gen whose whole length passes the budget is refused at
-    once, with the sizes, even though its first slice would fit."""
+    once, with the sizes, even though its first slice would fit; one that fits only without the room its node's
+    last move needs (its whole length and the range held meanwhile) is not sliced, and completes."""
     from treegen.runtime import scheduler
 
     monkeypatch.setattr(scheduler, "SLICE_TOKENS", 8)
@@ -450,6 +451,12 @@ def test_a_sliced_gen_is_admitted_only_if_it_fits_whole_at_its_end(model, monkey
         pass
     assert isinstance(job.error, MemoryError) and "more than the whole KV budget" in str(job.error)
     assert run.decoder.pauses == 0
+    run = engine.start()  # 4 + 30 fit 40; 4 + 2 x 30 would not: whole reservation
+    leaf = run.tree.add_node(run.tree.add_node(None, [1, 2, 3, 4]), [])
+    job = run.submit(GenRequest(leaf, SamplingParams(max_tokens=30, ignore_eos=True), key=0))
+    while not job.done and run.advance():
+        pass
+    assert job.error is None and len(job.result.tokens) == 30 and run.decoder.pauses == 0
 
 
 def _two_growing_branches(budget_slots):
@@ -482,3 +489,44 @@ def test_growing_nodes_count_what_they_gain_and_the_pass_keeps_room_for_the_larg
     assert kv.slots_reserved() == 15 + 8 - (budget == 28) <= budget and sched.peak_slots <= budget
     assert kv.segments[a].capacity == kv.segments[b].capacity == 10
     check(kv, [root, a, b])
+
+
+def test_a_sliced_branch_pauses_at_its_slice_end_also_in_steps_that_prefill_other_work(model, monkeypatch):
+    """A branch whose decode phase ended early for new work keeps drawing a token in each step that prefills that
+    work: it pauses where its slice ends there too, so its node only ever grows through the scheduler (never in
+    ``plan_rows``, outside the budget's accounting), and gives the tokens of an unsliced run."""
+    from treegen.runtime import scheduler
+
+    def run_once(slice_tokens):
+        monkeypatch.setattr(scheduler, "SLICE_TOKENS", slice_tokens)
+        per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
+        engine = Engine(model, IdTokenizer(), kv_budget_bytes=2000 * per, offload="host", max_prefill_tokens=8)
+        run = engine.start()
+        tree, kv = run.tree, run.kv
+        root = tree.add_node(None, [1, 2, 3, 4])
+        leaf = tree.add_node(root, [])
+        reserve, outside = kv.reserve, []
+
+        def watched(node, length):  # (a growth of the branch's node from plan_rows: outside the scheduler)
+            seg = kv.segments.get(node)
+            if node == leaf and seg is not None and seg.capacity < length and not run.scheduler.admitted:
+                outside.append((seg.capacity, length))
+            return reserve(node, length)
+
+        kv.reserve = watched
+        extra = []
+
+        def on_tokens(tokens):  # short gens arrive while it decodes: several steps that prefill them follow
+            if len(tokens) == 3 and not extra:
+                for i in range(12):
+                    node = tree.add_node(root, [10 + i] * 8)
+                    extra.append(run.submit(GenRequest(node, SamplingParams(max_tokens=2, ignore_eos=True), key=100 + i)))
+
+        job = run.submit(GenRequest(leaf, SamplingParams(max_tokens=64, ignore_eos=True), key=0), on_tokens=on_tokens)
+        while run.busy() and run.advance():
+            pass
+        assert job.error is None and all(j.error is None for j in extra) and not outside
+        return job.result.tokens, [j.result.tokens for j in extra], run.decoder.pauses
+
+    sliced, plain = run_once(8), run_once(10**6)
+    assert sliced[:2] == plain[:2] and sliced[2] > 0 == plain[2]

@@ -162,10 +162,25 @@ class Decoder:
             if not self.jobs[b].done and self._accept(b, new, [p], j not in may_stop) and self.jobs[b].request.final:
                 self.kv.free(self.jobs[b].request.node)
         self.live = [b for b in rows if not self.jobs[b].done]
+        self._pause_full()  # (a step that prefilled other work drew a token for every live branch too)
         self._report()
 
+    def _pause_full(self) -> None:
+        """Pause every live branch whose node's range holds no slot past its pending token (a sliced gen at
+        the end of its slice: see the scheduler): it leaves the batch and its job waits to be admitted again,
+        its tokens and states kept here (``paused``)."""
+        full = [b for b in self.live if self._room(self.jobs[b]) <= 0]
+        if not full:
+            return
+        self.live = [b for b in self.live if b not in set(full)]
+        for b in full:
+            self.paused[self.jobs[b]] = b
+            self.run.scheduler.resume(self.jobs[b], len(self.out[b]))
+        self.pauses += len(full)
+
     def cancel(self, job: Job) -> None:
-        """A live branch's job was cancelled: it leaves the live set (see ``TreeRun.cancel``)."""
+        """A job was cancelled, or refused after a pause: its branch leaves the live set or the paused ones, and
+        its matcher state is dropped (see ``TreeRun.cancel``)."""
         self.live = [b for b in self.live if self.jobs[b] is not job]
         self.paused.pop(job, None)
         for b, j in enumerate(self.jobs):
@@ -201,7 +216,7 @@ class Decoder:
         # a sliced gen (see the scheduler) decodes only as far as its node's reservation reaches: a phase ends
         # there at the latest, and the branch pauses (what its node's range holds past its tokens: remaining
         # rows' own reservations hold exactly ``max_tokens`` more)
-        room = [self._room(j) for j in jobs]
+        room = [self._room(j) for j in jobs]  # (at least 1: a branch with none left paused, see _pause_full)
         sliced = [r < left for r, left in zip(room, remaining)]
         remaining = [min(left, r) for left, r in zip(remaining, room)]
         rows = self.decode_rows()  # (node, index of its last token): the token each row runs next
@@ -304,14 +319,7 @@ class Decoder:
             elif n in kv.segments:  # (its program may have ended and freed it meanwhile)
                 seg = kv.segments[n]  # KV for all its tokens but the last (less those SWA dropped)
                 seg.computed = held + len(self.out[b]) - 1 - seg.dropped
-        pausing = {b for b, m, r, cut in zip(live, made, remaining, sliced)
-                   if cut and b in alive and len(self.out[b]) - m >= r}
-        if pausing:
-            self.live = [b for b in self.live if b not in pausing]
-            for b in sorted(pausing):
-                self.paused[self.jobs[b]] = b
-                run.scheduler.resume(self.jobs[b], len(self.out[b]))
-            self.pauses += len(pausing)
+        self._pause_full()
         if swa_rows:
             self._compact(live, nodes, keep, recorder, run.forward_passes - passes_before, out_before, positions)
 
@@ -725,7 +733,7 @@ class Decoder:
     def _report(self) -> None:
         hook = self.run.engine.on_step
         if hook is not None:
-            left = sum(self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in self.live)
+            left = sum(self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in [*self.live, *self.paused.values()])
             hook(len(self.live), self.tokens_done, self.tokens_done + left)
 
     def _kept(self, plan, params, rows: int, width: int, constrained: bool, remaining: list[int], tables=None,

@@ -59,7 +59,8 @@ class Job:
     """A submitted request. ``result``: a :class:`GenResult`, the list of choice scores, or the
     exception that refused it (``error``). ``on_done(job)`` is called once, when it completes;
     ``on_tokens(tokens)`` (gens only) with every branch's tokens so far, each time new ones are seen.
-    ``drawn``: tokens a gen had drawn when it last paused (0: it never has; see the scheduler's slices)."""
+    ``drawn``: tokens a gen had drawn when it last paused (0: it never has; see the scheduler's slices);
+    ``queued``: a sliced gen's (aging window, arrival) when first submitted, the place it waits at again."""
 
     request: GenRequest | ScoreRequest
     on_done: Callable[["Job"], None] | None = None
@@ -68,6 +69,7 @@ class Job:
     error: BaseException | None = None
     done: bool = False
     drawn: int = 0
+    queued: tuple[int, int] | None = None
 
     @property
     def is_gen(self) -> bool:

@@ -35,8 +35,9 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
   batch, its KV kept) and waits again, ahead of fresh gens of its kind, the furthest along first
   (:meth:`resume`). Its node is then idle, so when memory runs short the branches furthest behind go to
   the host and the rest decode on — branches at staggered lengths share the budget, instead of whole
-  reservations of ``max_tokens`` that hold most of it unwritten (vLLM's preemption, by slices). A gen's
-  first admission still checks that its whole length fits the budget.
+  reservations of ``max_tokens`` that hold most of it unwritten (vLLM's preemption, by slices). Only a gen
+  that can finish alone is sliced: its path, its whole length and the range it holds while its node moves
+  for its last growth fit the budget (else it reserves its whole length, as without slices).
 * **phases** — between steps that prefill, live branches decode in phases planned once (see
   :mod:`~treegen.runtime.decode`); :meth:`Scheduler.phase_should_end` says when a phase should stop
   so that finished branches leave and new work joins.
@@ -180,9 +181,7 @@ class Scheduler:
         # evictions decided in the last admission pass (see _evict; carried out at its end: the nodes are then
         # gone from the pool, which need() sees either way); reset when a pass starts
         self._evicting: dict[int, bool] = {}
-        self._bounded = False  # the last admission pass had a bounded KV budget (gens are sliced then)
-        # a sliced gen's (window, arrival) when first submitted: the place it waits at again when it pauses
-        self._origin: dict[Job, tuple[int, int]] = {}
+        self._total: int | None = None  # the last admission pass's budget in slots (bounded: gens may be sliced)
 
     # ------------------------------------------------------------------------------------------------
     def submit(self, job: Job, priority: tuple | None = None) -> None:
@@ -205,7 +204,7 @@ class Scheduler:
         nodes on its path, gen after score, longest ``max_tokens`` first, most tokens drawn first (a paused
         gen before fresh ones), arrival). A paused gen keeps the window and arrival of its first submission."""
         req = job.request
-        window, arrival = self._origin.pop(job, (self.clock // AGING_STEPS, self._submitted))
+        window, arrival = job.queued if job.queued is not None else (self.clock // AGING_STEPS, self._submitted)
         if isinstance(req, GenRequest):
             return (window, len(self.tree.path(req.node)), 1, -req.params.max_tokens, -job.drawn, arrival)
         return (window, len(self.tree.path(req.parent)) + 1, 0, 0, 0, arrival)
@@ -222,7 +221,6 @@ class Scheduler:
             if job in queue:
                 queue.remove(job)
                 self._priority.pop(job, None)
-                self._origin.pop(job, None)
                 return True
         return False
 
@@ -319,10 +317,17 @@ class Scheduler:
 
     def sliced(self, job: Job) -> bool:
         """Whether gen ``job`` reserves only its next ``SLICE_TOKENS`` (see the module doc): offload is on, the
-        last admission pass had a bounded budget, the gen is exact and has more than that still to draw."""
-        params = job.request.params
-        return (self._bounded and self.offload.on and params.kv_keep is None
-                and params.max_tokens - job.drawn > SLICE_TOKENS)
+        last admission pass had a bounded budget, the gen is exact, has more than that still to draw, and can
+        finish alone — its path's other nodes, its whole length, and the range its node holds while it moves
+        for its last growth (less than its whole length: its new range is taken before the old one is given
+        back) fit the budget. (Its whole length is the same at every slice: what it drew joined its node.)"""
+        params, node = job.request.params, job.request.node
+        if not (self._total is not None and self.offload.on and params.kv_keep is None
+                and params.max_tokens - job.drawn > SLICE_TOKENS):
+            return False
+        whole = self.gen_slots(job, whole=True)
+        path = sum(max(self.held(n), 1) for n in self.nodes(job) if n != node)
+        return path + 2 * whole <= self._total
 
     def held(self, node: int) -> int:
         """Slots ``node``'s tokens take: all of them, less those whose KV sparse window attention dropped."""
@@ -331,7 +336,7 @@ class Scheduler:
     def _admit(self, step: Step, live: int) -> None:
         budget = self.budget()
         total = budget.slots
-        self._bounded = total is not None
+        self._total = total
         reserved = self.kv.slots_reserved()
         counted: set[int] = set()
         taken: list[tuple[Job, dict[int, int]]] = []
@@ -350,9 +355,7 @@ class Scheduler:
             need = self.need(job, counted)
             slots = sum(need.values())
             moves = max(move, self.moving(job))
-            # (a sliced gen must fit whole at its end: checked before its first slice, which may fit)
-            whole = job.is_gen and not job.drawn and self.sliced(job)
-            if total is not None and (reserved + slots > total or whole):
+            if total is not None and reserved + slots + moves > total:
                 alone = sum(self.need(job, whole=True).values())
                 if alone > total:
                     job.error = MemoryError(
@@ -428,8 +431,8 @@ class Scheduler:
     def _take(self, job: Job, need: dict[int, int], taken: list, counted: set[int]) -> None:
         key = self._priority[job]
         self._pop_waiting()
-        if job.is_gen and self.sliced(job):
-            self._origin[job] = (key[0], key[-1])
+        if job.is_gen and job.queued is None and self.sliced(job):
+            job.queued = (key[0], key[-1])
         taken.append((job, need))
         counted |= set(need)
 

@@ -202,6 +202,7 @@ class TreeRun:
             self.host_seconds["schedule"] += time.perf_counter() - t0
             self.schedule_calls += 1
             for job in step.refused:
+                self.decoder.cancel(job)  # (a paused gen refused on its way back: its branch's state goes)
                 self.complete(job, None)
             self._mixed_in_row = self._mixed_in_row + 1 if step.runs_model else 0
             if step.runs_model:
