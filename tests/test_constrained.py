@@ -326,3 +326,25 @@ def test_a_phase_of_constrained_answers_ends_with_its_matchers(smol, tiny_llama,
     assert got[8] == got[1]
     assert all(reason == "eos" and text in ("19", "17", "twenty") for _, reason, text in got[1]), got[1]
     assert passes[8] <= passes[1], passes  # (before: 10 against 8)
+
+
+@pytest.mark.parametrize("automata", [True, False], ids=["token-automata", "xgrammar-matchers"])
+def test_constrained_branches_paused_between_slices_give_the_same_answers(smol, tiny_llama, automata, monkeypatch):
+    """Gens that reserve 4 tokens at a time (a bounded budget with offload on) pause at each slice's end and
+    resume with their matcher or automaton state where they left it: the same texts and token masks as
+    without slices, every sample still matching."""
+    from treegen.runtime import scheduler
+
+    per = treegen.Engine(tiny_llama[1], smol.tokenizer).kv_shape.bytes_per_token
+    got = {}
+    for slice_tokens in (4, 10**6):
+        monkeypatch.setattr(scheduler, "SLICE_TOKENS", slice_tokens)
+        run = treegen.Engine(tiny_llama[1], smol.tokenizer, token_automata=automata, kv_budget_bytes=4000 * per,
+                             offload="host").start()
+        root = run.tree.add_node(None, smol.tokenizer.encode(QUESTION + "A: "))
+        kinds = [Constraint.of(regex=REGEX), Constraint.of(json_schema=SCHEMA)]
+        results, _ = run.execute([GenRequest(run.tree.add_node(root), SamplingParams(
+            max_tokens=24, temperature=1.0, constraint=kinds[i % 2]), key=i) for i in range(8)], [])
+        got[slice_tokens] = ([(r.tokens, r.finish_reason, r.constraint_met) for r in results], run.decoder.pauses)
+    assert got[4][0] == got[10**6][0] and got[4][1] > 0 == got[10**6][1]
+    assert all(met or reason == "length" for _, reason, met in got[4][0])
