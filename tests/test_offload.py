@@ -2,6 +2,7 @@
 then a tiny random model whose workload of branches that continue is 3x the KV budget."""
 
 import random
+import traceback
 
 import pytest
 import torch
@@ -491,11 +492,17 @@ def test_growing_nodes_count_what_they_gain_and_the_pass_keeps_room_for_the_larg
     check(kv, [root, a, b])
 
 
-def test_a_sliced_branch_pauses_at_its_slice_end_also_in_steps_that_prefill_other_work(model, monkeypatch):
+@pytest.mark.parametrize("extend", [True, False], ids=["next-slice-at-once", "pause"])
+def test_a_sliced_branch_pauses_at_its_slice_end_also_in_steps_that_prefill_other_work(model, monkeypatch, extend):
     """A branch whose decode phase ended early for new work keeps drawing a token in each step that prefills that
-    work: it pauses where its slice ends there too, so its node only ever grows through the scheduler (never in
-    ``plan_rows``, outside the budget's accounting), and gives the tokens of an unsliced run."""
+    work: where its slice ends there too, it is given its next slice at once (memory to spare) or, when the
+    scheduler will not (``extend`` off: as when work waits), it pauses — so its node only ever grows through
+    the scheduler (never in ``plan_rows``, outside the budget's accounting), and gives the tokens of an
+    unsliced run."""
     from treegen.runtime import scheduler
+
+    if not extend:
+        monkeypatch.setattr(scheduler.Scheduler, "extend", lambda self, job, drawn: False)
 
     def run_once(slice_tokens):
         monkeypatch.setattr(scheduler, "SLICE_TOKENS", slice_tokens)
@@ -509,7 +516,8 @@ def test_a_sliced_branch_pauses_at_its_slice_end_also_in_steps_that_prefill_othe
 
         def watched(node, length):  # (a growth of the branch's node from plan_rows: outside the scheduler)
             seg = kv.segments.get(node)
-            if node == leaf and seg is not None and seg.capacity < length and not run.scheduler.admitted:
+            if node == leaf and seg is not None and seg.capacity < length and any(
+                    frame.name == "plan_rows" for frame in traceback.extract_stack()):
                 outside.append((seg.capacity, length))
             return reserve(node, length)
 
@@ -529,4 +537,4 @@ def test_a_sliced_branch_pauses_at_its_slice_end_also_in_steps_that_prefill_othe
         return job.result.tokens, [j.result.tokens for j in extra], run.decoder.pauses
 
     sliced, plain = run_once(8), run_once(10**6)
-    assert sliced[:2] == plain[:2] and sliced[2] > 0 == plain[2]
+    assert sliced[:2] == plain[:2] and (sliced[2] > 0) == (not extend) and plain[2] == 0

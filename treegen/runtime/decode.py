@@ -168,8 +168,9 @@ class Decoder:
     def _pause_full(self) -> None:
         """Pause every live branch whose node's range holds no slot past its pending token (a sliced gen at
         the end of its slice: see the scheduler): it leaves the batch and its job waits to be admitted again,
-        its tokens and states kept here (``paused``)."""
-        full = [b for b in self.live if self._room(self.jobs[b]) <= 0]
+        its tokens and states kept here (``paused``) — unless the scheduler gives it its next slice at once."""
+        extend = self.run.scheduler.extend
+        full = [b for b in self.live if self._room(self.jobs[b]) <= 0 and not extend(self.jobs[b], len(self.out[b]))]
         if not full:
             return
         self.live = [b for b in self.live if b not in set(full)]
@@ -217,6 +218,10 @@ class Decoder:
         # there at the latest, and the branch pauses (what its node's range holds past its tokens: remaining
         # rows' own reservations hold exactly ``max_tokens`` more)
         room = [self._room(j) for j in jobs]  # (at least 1: a branch with none left paused, see _pause_full)
+        if any(r < left for r, left in zip(room, remaining)):  # the scheduler may give them their next slice now
+            for j, (b, job) in enumerate(zip(live, jobs)):
+                if room[j] < remaining[j] and run.scheduler.extend(job, len(self.out[b])):
+                    room[j] = self._room(job)
         sliced = [r < left for r, left in zip(room, remaining)]
         remaining = [min(left, r) for left, r in zip(remaining, room)]
         rows = self.decode_rows()  # (node, index of its last token): the token each row runs next

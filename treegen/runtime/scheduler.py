@@ -37,7 +37,9 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
   the host and the rest decode on — branches at staggered lengths share the budget, instead of whole
   reservations of ``max_tokens`` that hold most of it unwritten (vLLM's preemption, by slices). Only a gen
   that can finish alone is sliced: its path, its whole length and the range it holds while its node moves
-  for its last growth fit the budget (else it reserves its whole length, as without slices).
+  for its last growth fit the budget (else it reserves its whole length, as without slices). With memory to
+  spare — nothing waits, and the budget holds its next slice and the range it holds while it moves — a live
+  branch is given its next slice where its slice ends, without a pause (:meth:`extend`).
 * **phases** — between steps that prefill, live branches decode in phases planned once (see
   :mod:`~treegen.runtime.decode`); :meth:`Scheduler.phase_should_end` says when a phase should stop
   so that finished branches leave and new work joins.
@@ -290,6 +292,26 @@ class Scheduler:
             # old one is held): an admission pass keeps room for its largest move (see _admit)
             need[req.node] = 0 if have >= want else (want if whole else want - have)
         return need
+
+    def extend(self, job: Job, drawn: int) -> bool:
+        """Give live sliced gen ``job`` (``drawn`` tokens so far) its next slice now, without a pause, if nothing
+        waits and the budget holds the slots it gains and the range it holds while it moves (nothing is evicted
+        for it): with memory to spare, slices never end a decode phase. True when its node holds the slice."""
+        job.drawn = drawn
+        total, node = self._total, job.request.node
+        seg = self.kv.segments.get(node)
+        if seg is None or self.waiting or total is None:
+            return False
+        want = min(self.gen_slots(job, whole=True), seg.capacity + SLICE_TOKENS)  # (a whole slice more)
+        if seg.capacity >= want:
+            return True
+        reserved = self.kv.slots_reserved()
+        if reserved + want > total:  # (its gain, and its old range held while it moves)
+            return False
+        self.kv.ensure_free(want, limit=total)
+        self.kv.reserve(node, want)
+        self.peak_slots = max(self.peak_slots, self.kv.slots_reserved())
+        return True
 
     def moving(self, job: Job) -> int:
         """Slots of the range that gen ``job``'s node holds while it must grow (0: it need not, or holds none):
