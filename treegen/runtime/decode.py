@@ -21,6 +21,13 @@ the GPU (a finished branch may run one block longer; its extra tokens are droppe
 when the scheduler says so (:meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end`: at most
 half the branches live — with nothing waiting, only once a captured phase has run a while — or enough
 new work waiting); branches that take nothing more (``GenRequest.final``) free their KV then.
+
+A *sliced* gen (the scheduler's slices: offload on, a bounded budget) owns only part of its tokens' KV
+slots: a phase ends at the latest where its node's range does, and there — or in a step that prefills
+other work — it takes its next slice from the scheduler (memory to spare) or *pauses*: it leaves the live
+set with its tokens, log-probabilities and matcher state kept (``Decoder.paused``), its job waits in the
+scheduler's queue, and when admitted again its pending last token is its conditioning row, from which
+:meth:`Decoder.draw` continues the same branch.
 Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a branch's tokens do not depend on phases, batch composition or
 ``sync_every``.
 """
