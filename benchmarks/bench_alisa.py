@@ -125,7 +125,7 @@ def measure(model, args, mode: str, branches: int, new: int, prompt: list[int], 
     device = model.device
     offload = {"dense-unlimited": "off", "dense-grouping": "off", "offload": "host", "auto": "auto",
                "recompute": "recompute", "swa": "auto", "swa-int8": "auto"}[mode]
-    engine = Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload=offload,
+    engine = Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload=offload, slice_tokens=args.slice,
                     **({"kv_dtype": "int8"} if mode == "swa-int8" else {}),
                     **({"offload_bytes": args.offload_bytes} if args.offload_bytes is not None else {}))
     kv_keep = args.kv_keep if mode in ("swa", "swa-int8") else None
@@ -164,7 +164,7 @@ def measure(model, args, mode: str, branches: int, new: int, prompt: list[int], 
                  # captures ("capture") are what sparse window attention adds; phases captured / replaying kept graphs
                  engine_host_s={k: round(v, 3) for k, v in run.host_seconds.items()},
                  phases_captured=run.decoder.captured_phases, phases_replaying_kept=run.decoder.kept_phases,
-                 swa_compactions=run.swa_compactions, slice_tokens=scheduler.SLICE_TOKENS, pauses=run.decoder.pauses)
+                 swa_compactions=run.swa_compactions, slice_tokens=engine.slice_tokens, pauses=run.decoder.pauses)
         if reference is not None and not final_only:  # (the final workload's tokens differ by design)
             r["tokens_identical"] = sum(out[i] == reference[i] for i in out) / len(out)
         elif reference is None:
@@ -191,11 +191,12 @@ def main() -> None:
     parser.add_argument("--kv-keep", type=float, default=0.3, help="swa mode's caching ratio")
     parser.add_argument("--offload-bytes", type=int, default=None, help="host memory cap for offloaded KV")
     parser.add_argument("--slice-tokens", type=int, nargs="+", default=[scheduler.SLICE_TOKENS],
-                        help="the scheduler's SLICE_TOKENS for the offload modes (one run each; a huge value: "
-                             "whole reservations, nothing sliced)")
+                        help="Engine(slice_tokens=) for the offload modes (one run each; 0: whole reservations, "
+                             "nothing sliced)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tiny = args.tiny
+    args.slice = scheduler.SLICE_TOKENS  # (the dense-unlimited baseline's: it has no offload, nothing is sliced)
     args.branches = args.branches or ([8] if tiny else [64])
     args.new_tokens = args.new_tokens or ([48] if tiny else [2048])
     args.prompt = args.prompt or (64 if tiny else 2048)
@@ -234,8 +235,8 @@ def main() -> None:
                 if mode == "dense-unlimited":
                     continue
                 for slice_tokens in args.slice_tokens if mode in ("offload", "auto", "recompute") else [None]:
-                    if slice_tokens is not None:
-                        scheduler.SLICE_TOKENS = slice_tokens
+                    # (the engine's option: 0 is None, whole reservations; modes without offload keep the default)
+                    args.slice = scheduler.SLICE_TOKENS if slice_tokens is None else slice_tokens or None
                     print(f"{time.strftime('%H:%M:%S')} {mode}, budget {budget / 2**30:.2f} GiB"
                           + (f", slices of {slice_tokens}" if slice_tokens is not None else ""), flush=True)
                     for r in measure(model, args, mode, branches, new, prompt, budget, reference):

@@ -5,7 +5,7 @@
 
 Each rank loads its shard of CHECKPOINT (fp32, CPU, gloo), runs :func:`workload` and writes what it
 generated to ``OUT.json.rank<R>``. ``--fail-rank R``: rank R raises in the middle of generating.
-``--slice N``: gens reserve N tokens at a time (the scheduler's ``SLICE_TOKENS``, under a bounded KV budget
+``--slice N``: gens reserve N tokens at a time (``Engine(slice_tokens=N)``, under a bounded KV budget
 with offload to the host) and pause at each slice's end (the scheduler's ``extend``, which would give them
 their next slice at once from the budget's spare room, turned off), so branches pause and resume on every
 rank; the rank's pauses go in its output.
@@ -112,9 +112,8 @@ def main() -> None:
     options = {}
     pauses = []
     if args.slice is not None:
-        scheduler.SLICE_TOKENS = args.slice
         scheduler.Scheduler.extend = lambda self, job, drawn: False
-        options = dict(kv_budget_bytes=2**30, offload="host")
+        options = dict(kv_budget_bytes=2**30, offload="host", slice_tokens=args.slice)
         phase = decode.Decoder.phase
 
         def counted(self):  # (each run's pauses, read when its phases end)

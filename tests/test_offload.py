@@ -354,6 +354,10 @@ def test_offload_options_are_checked(model):
         Engine(model, IdTokenizer(), offload="disk")
     with pytest.raises(ValueError, match="offload_bytes must be an integer >= 0"):
         Engine(model, IdTokenizer(), offload_bytes=-1)
+    for bad in (0, -5, 2.5, True, "512"):
+        with pytest.raises(ValueError, match="slice_tokens must be a positive integer or None"):
+            Engine(model, IdTokenizer(), slice_tokens=bad)
+    assert Engine(model, IdTokenizer(), slice_tokens=None).slice_tokens is None
 
 
 def test_a_sparse_window_compacted_node_goes_to_the_host_and_back_with_its_dropped_count():
@@ -416,35 +420,29 @@ def test_sliced_gens_pause_when_short_of_memory_and_give_the_unlimited_runs_toke
     """Gens longer than a slice reserve one slice at a time: where a third of the workload's KV fits, the
     branches furthest along decode on while the others wait on the host (staggered lengths), in fewer forward
     passes than whole reservations (rounds of the branches that fit), with the unlimited run's tokens."""
-    from treegen.runtime import scheduler
-
     args = dict(ARGS, first=48, second=2)
     want = follow_up.run(Engine(model, IdTokenizer()), temperature=temperature, seed=4, **args)
     per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
     budget = live_kv_tokens(want) // 3 * per
     passes = {}
-    for slice_tokens in (8, 10**6):  # (10**6: nothing is sliced)
-        monkeypatch.setattr(scheduler, "SLICE_TOKENS", slice_tokens)
-        got = follow_up.run(Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload="host"),
-                            temperature=temperature, seed=4, **args)
+    for slice_tokens in (8, None):  # (None: nothing is sliced)
+        engine = Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload="host", slice_tokens=slice_tokens)
+        got = follow_up.run(engine, temperature=temperature, seed=4, **args)
         assert got.ret_value == want.ret_value
         run = got._run.tree_run
         assert run.scheduler.peak_slots * per <= budget
         assert (run.decoder.pauses > 0) == (slice_tokens == 8)
         assert not run.decoder.paused and not run.scheduler.has_work()
         passes[slice_tokens] = run.forward_passes
-    assert passes[8] < passes[10**6]
+    assert passes[8] < passes[None]
 
 
 def test_a_sliced_gen_is_admitted_only_if_it_fits_whole_at_its_end(model, monkeypatch):
     """Slicing never starts what cannot finish: a gen whose whole length passes the budget is refused at
     once, with the sizes, even though its first slice would fit; one that fits only without the room its node's
     last move needs (its whole length and the range held meanwhile) is not sliced, and completes."""
-    from treegen.runtime import scheduler
-
-    monkeypatch.setattr(scheduler, "SLICE_TOKENS", 8)
     per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
-    engine = Engine(model, IdTokenizer(), kv_budget_bytes=40 * per, offload="host")
+    engine = Engine(model, IdTokenizer(), kv_budget_bytes=40 * per, offload="host", slice_tokens=8)
     run = engine.start()
     leaf = run.tree.add_node(run.tree.add_node(None, list(range(5, 15))), [])
     job = run.submit(GenRequest(leaf, SamplingParams(max_tokens=64, ignore_eos=True), key=0))
@@ -505,9 +503,9 @@ def test_a_sliced_branch_pauses_at_its_slice_end_also_in_steps_that_prefill_othe
         monkeypatch.setattr(scheduler.Scheduler, "extend", lambda self, job, drawn: False)
 
     def run_once(slice_tokens):
-        monkeypatch.setattr(scheduler, "SLICE_TOKENS", slice_tokens)
         per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
-        engine = Engine(model, IdTokenizer(), kv_budget_bytes=2000 * per, offload="host", max_prefill_tokens=8)
+        engine = Engine(model, IdTokenizer(), kv_budget_bytes=2000 * per, offload="host", max_prefill_tokens=8,
+                        slice_tokens=slice_tokens)
         run = engine.start()
         tree, kv = run.tree, run.kv
         root = tree.add_node(None, [1, 2, 3, 4])
@@ -536,5 +534,5 @@ def test_a_sliced_branch_pauses_at_its_slice_end_also_in_steps_that_prefill_othe
         assert job.error is None and all(j.error is None for j in extra) and not outside
         return job.result.tokens, [j.result.tokens for j in extra], run.decoder.pauses
 
-    sliced, plain = run_once(8), run_once(10**6)
+    sliced, plain = run_once(8), run_once(None)
     assert sliced[:2] == plain[:2] and (sliced[2] > 0) == (not extend) and plain[2] == 0

@@ -24,6 +24,7 @@ from treegen.runtime.distributed import finish_launch
 from treegen.runtime.host_arena import HostArena
 from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
+from treegen.runtime.scheduler import SLICE_TOKENS
 from treegen.runtime.tree_run import PassPlan, TreeRun
 from treegen.tree.sharing_tree import KVShape
 
@@ -64,7 +65,10 @@ class Engine:
     those of a run with all KV in memory. offload_bytes: the most KV bytes kept on the host (default
     a quarter of the machine's physical memory); past it, ``"auto"`` recomputes and ``"host"`` refuses
     what cannot fit, naming the sizes. With tensor parallelism ``"auto"`` acts as ``"host"`` (every
-    rank must decide the same, without measuring).
+    rank must decide the same, without measuring). slice_tokens: with offload on and a bounded budget, the
+    most tokens a gen reserves ahead (default ``scheduler.SLICE_TOKENS``, 512): where its slice ends it takes
+    the next one, or pauses (its KV may go to the host) while branches further along use the memory (see
+    :mod:`treegen.runtime.scheduler`); None: every gen reserves its whole length.
 
     The model runs on one of two paths (``implementation``, see :mod:`treegen.runtime.loader`): the fast
     path (treegen's own forward) or the generic path (transformers' own modules with tree attention
@@ -84,7 +88,8 @@ class Engine:
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
                  max_batch: int | None = None, kv_dtype: str | None = None, offload: str = "auto",
-                 offload_bytes: int | None = None, kv_keep: float | None = None,
+                 offload_bytes: int | None = None, slice_tokens: int | None = SLICE_TOKENS,
+                 kv_keep: float | None = None,
                  kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
                  token_automata: bool = True, parallel=None, workers=None) -> None:
         if attention not in ATTENTION_MODES:
@@ -113,6 +118,10 @@ class Engine:
         self.offload_bytes = default_host_bytes() if offload_bytes is None else offload_bytes
         OffloadPolicy(self.offload, self.offload_bytes, rates=lambda: None)  # checks both
         self._offload_rates: OffloadRates | None = None
+        if slice_tokens is not None and (not isinstance(slice_tokens, int) or isinstance(slice_tokens, bool)
+                                         or slice_tokens < 1):
+            raise ValueError(f"slice_tokens must be a positive integer or None, got {slice_tokens!r}")
+        self.slice_tokens = slice_tokens
         # offloaded KV's host memory (pinned on CUDA), kept across runs: pinning is slow (see host_arena)
         self.host_arena = HostArena(pinned=model.device.type == "cuda")
         self.kv_keep = swa.check_kv_keep(kv_keep, "Engine(kv_keep=...)")

@@ -30,8 +30,9 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
   :class:`~treegen.runtime.offload.OffloadPolicy` decides per node. A job whose nodes are on the
   host has them copied back when it is admitted (their slots are part of its need); a dropped
   node's tokens are rows of the step again. The :class:`Step` lists what moved.
-* **slices** — with offload on and a bounded budget, a gen with more than ``SLICE_TOKENS`` tokens
-  still to draw reserves only its next ``SLICE_TOKENS``: it decodes that far, then *pauses* (leaves the
+* **slices** — with offload on and a bounded budget, a gen with more than ``slice_tokens`` tokens
+  still to draw reserves only its next ``slice_tokens`` (``Engine(slice_tokens=)``, default
+  ``SLICE_TOKENS``; None: whole reservations): it decodes that far, then *pauses* (leaves the
   batch, its KV kept) and waits again, ahead of fresh gens of its kind, the furthest along first
   (:meth:`resume`). Its node is then idle, so when memory runs short the branches furthest behind go to
   the host and the rest decode on — branches at staggered lengths share the budget, instead of whole
@@ -77,9 +78,9 @@ SHRINK_AFTER_STEPS = 32
 # shallow work holds a job back for at most the rest of its window and the next. (The benchmark's runs,
 # 1,100-2,000 steps at 256 branches, cross one boundary: its pass counts include that.)
 AGING_STEPS = 1024
-# With offload on and a bounded KV budget, a gen reserves at most this many tokens ahead (see "slices" in the
-# module doc). Measured on an H100 (bench_alisa, Llama-3-8B shape, 64 branches x 4,096 new tokens under a third
-# of their KV): 9,232 forward passes against 16,400 with whole reservations (rounds of 20 branches), 0.54 of
+# With offload on and a bounded KV budget, a gen reserves at most this many tokens ahead by default (see "slices"
+# in the module doc; ``Engine(slice_tokens=)``). Measured on an H100 (bench_alisa, Llama-3-8B shape, 64 branches
+# x 4,096 new tokens under a third of their KV): 9,232 forward passes against 16,400 with whole reservations (rounds of 20 branches), 0.54 of
 # the unlimited run's tokens/s against 0.35. Each slice ends a decode phase, so small ones replan often.
 SLICE_TOKENS = 512
 
@@ -158,13 +159,16 @@ class Scheduler:
     ``budget()``: the current :class:`KVBudget` (asked only when jobs wait); ``token_budget``: rows a
     step aims for, decode rows included; ``max_batch``: generating branches at most (None: as many
     as memory holds); ``offload``: what may happen to idle KV when a job does not fit (default: it
-    stays)."""
+    stays); ``slice_tokens``: the most tokens a gen reserves ahead with offload on and a bounded budget (None:
+    its whole length; see "slices" in the module doc)."""
 
     def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None,
-                 offload: OffloadPolicy | None = None, kv_keep_every: int = DEFAULT_EVERY) -> None:
+                 offload: OffloadPolicy | None = None, kv_keep_every: int = DEFAULT_EVERY,
+                 slice_tokens: int | None = SLICE_TOKENS) -> None:
         self.tree, self.kv, self.budget, self.token_budget = tree, kv, budget, token_budget
         self.max_batch = max_batch
         self.offload = offload or OffloadPolicy()
+        self.slice_tokens = slice_tokens
         self.last_used: dict[int, int] = {}  # node → the step count when a job last started on it or read it
         self._steps = 0  # next_step calls (the clock of last_used)
         self._reading: list[int] = []  # the live branches' leaves (their paths are not idle)
@@ -300,9 +304,9 @@ class Scheduler:
         job.drawn = drawn
         total, node = self._total, job.request.node
         seg = self.kv.segments.get(node)
-        if seg is None or self.waiting or total is None:
+        if seg is None or self.waiting or total is None or self.slice_tokens is None:
             return False
-        want = min(self.gen_slots(job, whole=True), seg.capacity + SLICE_TOKENS)  # (a whole slice more)
+        want = min(self.gen_slots(job, whole=True), seg.capacity + self.slice_tokens)  # (a whole slice more)
         if seg.capacity >= want:
             return True
         reserved = self.kv.slots_reserved()
@@ -333,19 +337,19 @@ class Scheduler:
         req = job.request
         left = req.params.max_tokens - job.drawn
         if not whole and self.sliced(job):
-            left = SLICE_TOKENS
+            left = self.slice_tokens
         return reserve_slots(len(self.tree.tokens(req.node)), left, req.params.kv_keep,
                              self.kv_keep_every, self.kv.dropped(req.node))
 
     def sliced(self, job: Job) -> bool:
-        """Whether gen ``job`` reserves only its next ``SLICE_TOKENS`` (see the module doc): offload is on, the
+        """Whether gen ``job`` reserves only its next ``slice_tokens`` (see the module doc): offload is on, the
         last admission pass had a bounded budget, the gen is exact, has more than that still to draw, and can
         finish alone — its path's other nodes, its whole length, and the range its node holds while it moves
         for its last growth (less than its whole length: its new range is taken before the old one is given
         back) fit the budget. (Its whole length is the same at every slice: what it drew joined its node.)"""
         params, node = job.request.params, job.request.node
-        if not (self._total is not None and self.offload.on and params.kv_keep is None
-                and params.max_tokens - job.drawn > SLICE_TOKENS):
+        if not (self.slice_tokens is not None and self._total is not None and self.offload.on
+                and params.kv_keep is None and params.max_tokens - job.drawn > self.slice_tokens):
             return False
         whole = self.gen_slots(job, whole=True)
         path = sum(max(self.held(n), 1) for n in self.nodes(job) if n != node)

@@ -116,7 +116,8 @@ class TreeRun:
         self.kv = KVStore(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                           dtype=m.dtype, device=m.device, fmt=engine.kv_format, arena=engine.host_arena)
         self.scheduler = Scheduler(self.tree, self.kv, self.kv_budget, engine.max_prefill_tokens, engine.max_batch,
-                                   offload=engine.offload_policy(), kv_keep_every=engine.kv_keep_every)
+                                   offload=engine.offload_policy(), kv_keep_every=engine.kv_keep_every,
+                                   slice_tokens=engine.slice_tokens)
         self.decoder = Decoder(self)
         self.forward_passes = 0
         self.decode_phases: list[int] = []  # live branches of each decode phase, in order
