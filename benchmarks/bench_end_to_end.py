@@ -40,6 +40,7 @@ from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
+from treegen.runtime.scheduler import SLICE_TOKENS
 from plotting import pyplot, save, throughput_axes  # benchmarks/plotting.py
 
 SHAPES = {
@@ -104,9 +105,10 @@ def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: 
     return elapsed, waits
 
 
-def measure_treegen(model, mode: str, batch: int, prefix: int, new: int, kv_dtype: str = "auto") -> dict:
+def measure_treegen(model, mode: str, batch: int, prefix: int, new: int, kv_dtype: str = "auto",
+                    slice_tokens: int | None = SLICE_TOKENS) -> dict:
     engine = Engine(model, IdTokenizer(), attention="tree" if mode == "flat" else mode,
-                    kv_dtype=None if kv_dtype == "auto" else kv_dtype)
+                    kv_dtype=None if kv_dtype == "auto" else kv_dtype, slice_tokens=slice_tokens)
     prompt = torch.randint(0, model.vocab_size, (prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     flat = mode == "flat"
     timed_run(engine, batch=batch, prompt=prompt, new=8, flat=flat)  # warm-up: compile kernels
@@ -114,7 +116,8 @@ def measure_treegen(model, mode: str, batch: int, prefix: int, new: int, kv_dtyp
     tn, waits = timed_run(engine, batch=batch, prompt=prompt, new=new, flat=flat)
     gc.collect()
     torch.cuda.empty_cache()
-    return {"mode": mode, "kv_dtype": engine.kv_format.name, **SAMPLING, "batch": batch, "prefix": prefix, "new": new,
+    return {"mode": mode, "kv_dtype": engine.kv_format.name, "slice_tokens": engine.slice_tokens, **SAMPLING,
+            "batch": batch, "prefix": prefix, "new": new,
             "total_s": tn, "prefill_s": t1, "decode_tok_s": batch * (new - 1) / (tn - t1), "memory_waits": waits}
 
 
@@ -172,6 +175,13 @@ def flat_fits(model, batch: int, prefix: int, new: int) -> bool:
     return batch * (prefix + new) * per_token < 0.5 * free
 
 
+def _series(r: dict) -> str:
+    """A row's line in the plot: its mode, and a tree row's slices where they are not the default."""
+    if r["mode"] != "tree" or r.get("slice_tokens", SLICE_TOKENS) == SLICE_TOKENS:
+        return r["mode"]
+    return f"tree (slices {r['slice_tokens']})"
+
+
 def plot(rows: list[dict], out: Path, title: str) -> None:
     """Decode tokens/s against batch (at the base prefix) and against prefix (at the sweep's batch), per
     mode: the paper's Figures 1 and 4."""
@@ -184,8 +194,8 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, x, fixed, label in ((axes[0], "batch", ("prefix", base), "batch (prefix %s)" % base),
                                 (axes[1], "prefix", ("batch", sweep_batch), "prefix tokens (batch %s)" % sweep_batch)):
-        for mode in dict.fromkeys(r["mode"] for r in ok):
-            pts = sorted((r[x], r["decode_tok_s"]) for r in ok if r["mode"] == mode and r[fixed[0]] == fixed[1])
+        for mode in dict.fromkeys(_series(r) for r in ok):
+            pts = sorted((r[x], r["decode_tok_s"]) for r in ok if _series(r) == mode and r[fixed[0]] == fixed[1])
             if len(pts) > 1 or (pts and x == "batch"):
                 ax.plot(*zip(*pts), marker="o", label=mode)
         ax.set_yscale("log")
@@ -205,6 +215,9 @@ def main() -> None:
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[], help="batches for HF generate")
     parser.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "int8", "fp8"],
                         help="KV formats the tree mode runs with (auto: the model's dtype); flat and none run once")
+    parser.add_argument("--slice-tokens", type=int, nargs="+", default=[SLICE_TOKENS],
+                        help="Engine(slice_tokens=) of the tree mode, one run each (0: None, whole reservations; "
+                             "gens longer than it are sliced); flat and none run with the first")
     parser.add_argument("--temperature", type=float, default=0.0, help="the treegen modes' sampling (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the treegen modes' nucleus (1: none)")
     parser.add_argument("--out", default=None)
@@ -223,14 +236,16 @@ def main() -> None:
     fits = [largest_batch(model, d, args.prefix, args.new) for d in args.kv_dtypes] if len(args.kv_dtypes) > 1 else []
     for row in fits:
         print(row, flush=True)
-    runs = [(m, d) for m in args.modes for d in (args.kv_dtypes if m == "tree" else ["auto"])]
+    slices = [s or None for s in args.slice_tokens]
+    runs = [(m, d, s) for m in args.modes for d in (args.kv_dtypes if m == "tree" else ["auto"])
+            for s in (slices if m == "tree" else slices[:1])]
     for b, p in points:
-        for mode, kv_dtype in runs:
+        for mode, kv_dtype, slice_tokens in runs:
             if mode == "flat" and not flat_fits(model, b, p, args.new):
                 rows.append({"mode": mode, "batch": b, "prefix": p, "new": args.new, "skipped": "KV does not fit"})
             else:
                 try:
-                    rows.append(measure_treegen(model, mode, b, p, args.new, kv_dtype))
+                    rows.append(measure_treegen(model, mode, b, p, args.new, kv_dtype, slice_tokens))
                 except (MemoryError, torch.cuda.OutOfMemoryError) as e:
                     rows.append({"mode": mode, "kv_dtype": kv_dtype, "batch": b, "prefix": p, "new": args.new,
                                  "skipped": f"out of memory: {str(e)[:200]}"})
