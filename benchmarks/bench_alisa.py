@@ -121,11 +121,11 @@ def workload(engine: Engine, *, prompt: list[int], branches: int, new: int, foll
 
 
 def measure(model, args, mode: str, branches: int, new: int, prompt: list[int], budget: int | None,
-            reference: dict | None) -> dict:
+            reference: dict | None, slice_tokens: int | None = scheduler.SLICE_TOKENS) -> dict:
     device = model.device
     offload = {"dense-unlimited": "off", "dense-grouping": "off", "offload": "host", "auto": "auto",
                "recompute": "recompute", "swa": "auto", "swa-int8": "auto"}[mode]
-    engine = Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload=offload, slice_tokens=args.slice,
+    engine = Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload=offload, slice_tokens=slice_tokens,
                     **({"kv_dtype": "int8"} if mode == "swa-int8" else {}),
                     **({"offload_bytes": args.offload_bytes} if args.offload_bytes is not None else {}))
     kv_keep = args.kv_keep if mode in ("swa", "swa-int8") else None
@@ -196,7 +196,6 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tiny = args.tiny
-    args.slice = scheduler.SLICE_TOKENS  # (the dense-unlimited baseline's: it has no offload, nothing is sliced)
     args.branches = args.branches or ([8] if tiny else [64])
     args.new_tokens = args.new_tokens or ([48] if tiny else [2048])
     args.prompt = args.prompt or (64 if tiny else 2048)
@@ -236,10 +235,10 @@ def main() -> None:
                     continue
                 for slice_tokens in args.slice_tokens if mode in ("offload", "auto", "recompute") else [None]:
                     # (the engine's option: 0 is None, whole reservations; modes without offload keep the default)
-                    args.slice = scheduler.SLICE_TOKENS if slice_tokens is None else slice_tokens or None
+                    engine_slices = scheduler.SLICE_TOKENS if slice_tokens is None else slice_tokens or None
                     print(f"{time.strftime('%H:%M:%S')} {mode}, budget {budget / 2**30:.2f} GiB"
                           + (f", slices of {slice_tokens}" if slice_tokens is not None else ""), flush=True)
-                    for r in measure(model, args, mode, branches, new, prompt, budget, reference):
+                    for r in measure(model, args, mode, branches, new, prompt, budget, reference, engine_slices):
                         r["dense_need_bytes"] = need
                         if r.get("tok_s") is not None:
                             r["ratio_to_dense_unlimited"] = r["tok_s"] / base["tok_s"]

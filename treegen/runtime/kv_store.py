@@ -556,16 +556,16 @@ class KVStore:
         destinations and above every earlier batch's: no batch overwrites a slot a later one reads.
         Segment starts change: only call this while no attention plan built on the old starts is still in
         use (plans are made after reserving). ``slots_moved`` counts the written slots moved."""
+        spans = self.free_spans.by_start
+        if not spans:
+            return
         self.wait_restores()
         self.compactions += 1
         segs = sorted(self.segments.values(), key=lambda seg: seg.start)
-        spans = self.free_spans.by_start
         if room is None or room > self.free_spans.total:
             first, last = 0, len(spans) - 1  # every hole, the free slots after the last segment included
         else:
             first, last = _cheapest_run(spans, segs, room)
-        if not spans:
-            return
         begin, end = spans[first][0], spans[last][0] + spans[last][1]
         pos = begin
         src_starts, dst_starts, counts = [], [], []

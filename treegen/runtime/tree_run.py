@@ -203,7 +203,8 @@ class TreeRun:
             self.host_seconds["schedule"] += time.perf_counter() - t0
             self.schedule_calls += 1
             for job in step.refused:
-                self.decoder.cancel(job)  # (a paused gen refused on its way back: its branch's state goes)
+                if job in self.decoder.paused:  # (a paused gen refused on its way back: its branch's state goes)
+                    self.decoder.cancel(job)
                 self.complete(job, None)
             self._mixed_in_row = self._mixed_in_row + 1 if step.runs_model else 0
             if step.runs_model:
@@ -231,8 +232,9 @@ class TreeRun:
             return
         job.done = True
         job.error = RuntimeError("cancelled")
-        self.scheduler.cancel(job)  # (waiting or admitted; a paused branch waits too, its state in the decoder)
-        self.decoder.cancel(job)
+        # (a paused branch's job waits in the scheduler's queue, its state in the decoder: both let it go)
+        if not self.scheduler.cancel(job) or job in self.decoder.paused:
+            self.decoder.cancel(job)
 
     def complete(self, job: Job, result) -> None:
         """Record a job's result (``job.error`` set: refused) and tell its submitter."""
