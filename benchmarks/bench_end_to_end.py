@@ -106,7 +106,7 @@ def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: 
 
 
 def measure_treegen(model, mode: str, batch: int, prefix: int, new: int, kv_dtype: str = "auto",
-                    slice_tokens: int | None = SLICE_TOKENS) -> dict:
+                    slice_tokens: int | None = None) -> dict:
     engine = Engine(model, IdTokenizer(), attention="tree" if mode == "flat" else mode,
                     kv_dtype=None if kv_dtype == "auto" else kv_dtype, slice_tokens=slice_tokens)
     prompt = torch.randint(0, model.vocab_size, (prefix,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -177,7 +177,7 @@ def flat_fits(model, batch: int, prefix: int, new: int) -> bool:
 
 def _series(r: dict) -> str:
     """A row's line in the plot: its mode, and a tree row's slices where they are not the default."""
-    if r["mode"] != "tree" or r.get("slice_tokens", SLICE_TOKENS) == SLICE_TOKENS:
+    if r["mode"] != "tree" or r.get("slice_tokens") is None:
         return r["mode"]
     return f"tree (slices {r['slice_tokens']})"
 
@@ -215,9 +215,9 @@ def main() -> None:
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[], help="batches for HF generate")
     parser.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "int8", "fp8"],
                         help="KV formats the tree mode runs with (auto: the model's dtype); flat and none run once")
-    parser.add_argument("--slice-tokens", type=int, nargs="+", default=[SLICE_TOKENS],
-                        help="Engine(slice_tokens=) of the tree mode, one run each (0: None, whole reservations; "
-                             "gens longer than it are sliced); flat and none run with the first")
+    parser.add_argument("--slice-tokens", type=int, nargs="+", default=[0],
+                        help="Engine(slice_tokens=) of the tree mode, one run each (0, the default: None, whole "
+                             f"reservations; {SLICE_TOKENS} is the measured slice); flat and none run with the first")
     parser.add_argument("--temperature", type=float, default=0.0, help="the treegen modes' sampling (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the treegen modes' nucleus (1: none)")
     parser.add_argument("--out", default=None)

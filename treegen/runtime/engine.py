@@ -24,7 +24,6 @@ from treegen.runtime.distributed import finish_launch
 from treegen.runtime.host_arena import HostArena
 from treegen.runtime.offload import OffloadPolicy, OffloadRates, default_host_bytes, measure_rates
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
-from treegen.runtime.scheduler import SLICE_TOKENS
 from treegen.runtime.tree_run import PassPlan, TreeRun
 from treegen.tree.sharing_tree import KVShape
 
@@ -65,10 +64,11 @@ class Engine:
     those of a run with all KV in memory. offload_bytes: the most KV bytes kept on the host (default
     a quarter of the machine's physical memory); past it, ``"auto"`` recomputes and ``"host"`` refuses
     what cannot fit, naming the sizes. With tensor parallelism ``"auto"`` acts as ``"host"`` (every
-    rank must decide the same, without measuring). slice_tokens: with offload on and a bounded budget, the
-    most tokens a gen reserves ahead (default ``scheduler.SLICE_TOKENS``, 512): where its slice ends it takes
-    the next one, or pauses (its KV may go to the host) while branches further along use the memory (see
-    :mod:`treegen.runtime.scheduler`); None: every gen reserves its whole length.
+    rank must decide the same, without measuring). slice_tokens: None (default) — every gen reserves its
+    whole length; a number (``scheduler.SLICE_TOKENS`` = 512 is the measured one) — with offload on and a
+    bounded budget, the most tokens a gen reserves ahead: where its slice ends it takes the next one, or
+    pauses (its KV may go to the host) while branches further along use the memory (see
+    :mod:`treegen.runtime.scheduler`; long generations short of memory run in far fewer forward passes).
 
     The model runs on one of two paths (``implementation``, see :mod:`treegen.runtime.loader`): the fast
     path (treegen's own forward) or the generic path (transformers' own modules with tree attention
@@ -88,7 +88,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
                  max_batch: int | None = None, kv_dtype: str | None = None, offload: str = "auto",
-                 offload_bytes: int | None = None, slice_tokens: int | None = SLICE_TOKENS,
+                 offload_bytes: int | None = None, slice_tokens: int | None = None,
                  kv_keep: float | None = None,
                  kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
                  token_automata: bool = True, parallel=None, workers=None) -> None:

@@ -31,8 +31,8 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
   host has them copied back when it is admitted (their slots are part of its need); a dropped
   node's tokens are rows of the step again. The :class:`Step` lists what moved.
 * **slices** — with offload on and a bounded budget, a gen with more than ``slice_tokens`` tokens
-  still to draw reserves only its next ``slice_tokens`` (``Engine(slice_tokens=)``, default
-  ``SLICE_TOKENS``; None: whole reservations): it decodes that far, then *pauses* (leaves the
+  still to draw reserves only its next ``slice_tokens`` (``Engine(slice_tokens=)``, off by
+  default; ``SLICE_TOKENS`` is the measured size): it decodes that far, then *pauses* (leaves the
   batch, its KV kept) and waits again, ahead of fresh gens of its kind, the furthest along first
   (:meth:`resume`). Its node is then idle, so when memory runs short the branches furthest behind go to
   the host and the rest decode on — branches at staggered lengths share the budget, instead of whole
@@ -78,8 +78,8 @@ SHRINK_AFTER_STEPS = 32
 # shallow work holds a job back for at most the rest of its window and the next. (The benchmark's runs,
 # 1,100-2,000 steps at 256 branches, cross one boundary: its pass counts include that.)
 AGING_STEPS = 1024
-# With offload on and a bounded KV budget, a gen reserves at most this many tokens ahead by default (see "slices"
-# in the module doc; ``Engine(slice_tokens=)``). Measured on an H100 (bench_alisa, Llama-3-8B shape, 64 branches
+# The slice size measured for ``Engine(slice_tokens=)`` (off by default; see "slices" in the module doc): with
+# offload on and a bounded KV budget, a gen reserves at most this many tokens ahead. Measured on an H100 (bench_alisa, Llama-3-8B shape, 64 branches
 # x 4,096 new tokens under a third of their KV): 9,232 forward passes against 16,400 with whole reservations (rounds of 20 branches), 0.54 of
 # the unlimited run's tokens/s against 0.35. Each slice ends a decode phase, so small ones replan often.
 SLICE_TOKENS = 512
@@ -164,7 +164,7 @@ class Scheduler:
 
     def __init__(self, tree, kv, budget: Callable[[], KVBudget], token_budget: int, max_batch: int | None = None,
                  offload: OffloadPolicy | None = None, kv_keep_every: int = DEFAULT_EVERY,
-                 slice_tokens: int | None = SLICE_TOKENS) -> None:
+                 slice_tokens: int | None = None) -> None:
         self.tree, self.kv, self.budget, self.token_budget = tree, kv, budget, token_budget
         self.max_batch = max_batch
         self.offload = offload or OffloadPolicy()
