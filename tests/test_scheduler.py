@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from treegen.runtime.kv_store import KVStore
+from treegen.runtime.kv_store import KVStore, activation_margin, growth_on_device
 from treegen.runtime.requests import GenRequest, Job, ScoreRequest
 from treegen.runtime.sampler import SamplingParams
 from treegen.runtime.scheduler import SHRINK_AFTER_STEPS, KVBudget, Scheduler
@@ -198,6 +198,28 @@ def test_the_free_list_stays_sorted_merged_and_disjoint(seed):
         owned = sorted((s.start, s.start + s.capacity) for s in kv.segments.values())
         everything = sorted(owned + [(s, s + n) for s, n in spans])
         assert all(a[1] <= b[0] for a, b in zip(everything, everything[1:]))
+
+
+def test_a_pool_grows_on_a_device_only_as_far_as_the_activations_margin_allows():
+    """The sizing of a device pool's growth, at the numbers of an out-of-memory seen on an H100 (Llama-3-8B,
+    128 KiB a token, 256 sliced gens): the geometric growth asked for stops where the activations' margin
+    begins; what must be gained may go past the margin; what does not fit at all names its bytes."""
+    gib, per = 2**30, 128 * 2**10
+    total, copy, free = int(79.18 * gib), int(15.75 * gib), int(31.2 * gib)  # a pool of ~258K slots
+    margin = activation_margin(total)
+    assert margin == int(0.1 * total)
+    # asked to double: before, it took all but 1,024 slots of the free memory (new keys 23.5 GiB, ~0.4 GiB short)
+    grown = growth_on_device(1000, 258_000, per_token=per, copy=copy, free=free, device_total=total)
+    assert grown == (free - copy - margin) // per
+    assert free - copy - grown * per >= margin
+    # the slots it must gain are given even past the margin, while they and the copy fit
+    must = (free - copy) // per
+    assert growth_on_device(must, 258_000, per_token=per, copy=copy, free=free, device_total=total) == must
+    with pytest.raises(MemoryError, match=r"needs 31\.20 GiB more for 126567 token slots .* plus a copy .* "
+                                          r"31\.20 GiB is free on cuda:0"):
+        growth_on_device(must + 1, 258_000, per_token=per, copy=copy, free=free, device_total=total, where="cuda:0")
+    # a small device keeps 4 GiB
+    assert activation_margin(16 * gib) == 4 * gib
 
 
 def test_a_segment_grows_in_place_when_the_span_after_it_is_free():

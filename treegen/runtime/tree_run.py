@@ -38,7 +38,7 @@ from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, lib
 from treegen.runtime import swa
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.decode import Decoder
-from treegen.runtime.kv_store import KVStore
+from treegen.runtime.kv_store import KVStore, activation_margin
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
 from treegen.tree.sharing_tree import SharingTree
@@ -96,11 +96,6 @@ class PassPlan:
 
 # garbage beyond the engine's weights and this run's pool that makes kv_budget collect once (see there)
 _FINISHED_RUN_BYTES = 2**30
-
-
-def _activation_margin(total: int) -> int:
-    """Device memory kept for activations, CUDA graphs and the allocator's slack: never given to KV."""
-    return int(max(0.1 * total, 4 * 2**30))
 
 
 class TreeRun:
@@ -394,7 +389,7 @@ class TreeRun:
             need = sum(library_copy_bytes(plan.layer(i), kv.layer(i)[0], model.dtype) for i in layers)
             free, total = torch.cuda.mem_get_info(kv.device)
             free += torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
-            if need > free - _activation_margin(total):
+            if need > free - activation_margin(total):
                 return {}
         return {i: library_copy(plan.layer(i), *kv.layer(i), model.dtype) for i in layers}
 
@@ -496,7 +491,7 @@ class TreeRun:
             free, total = torch.cuda.mem_get_info(kv.device)
             allocated = torch.cuda.memory_allocated(kv.device)
         free += torch.cuda.memory_reserved(kv.device) - allocated
-        room = int(free - _activation_margin(total)) - (kv.grow_copy_bytes() if kv.written() else 0)
+        room = int(free - activation_margin(total)) - (kv.grow_copy_bytes() if kv.written() else 0)
         reachable = pool + max(0, room)
         if engine.kv_budget_bytes is not None:
             reachable = min(reachable, engine.kv_budget_bytes)
