@@ -536,3 +536,28 @@ def test_a_sliced_branch_pauses_at_its_slice_end_also_in_steps_that_prefill_othe
 
     sliced, plain = run_once(8), run_once(None)
     assert sliced[:2] == plain[:2] and (sliced[2] > 0) == (not extend) and plain[2] == 0
+
+
+@pytest.mark.parametrize("budget_now", [200, 30])
+def test_a_next_slice_that_would_grow_the_pool_asks_for_the_budget_of_now(budget_now):
+    """``Scheduler.extend`` gives a slice at once only within the budget: when the pool must grow for it, the
+    budget is asked again (on a device a grown pool is a copy, dearer the larger the pool: the admission's
+    figure is stale; seen on an H100, out of memory). With the budget still 200 slots the slice is given and the
+    pool grows; shrunk to 30 since the admission (18 held, the node's new range 16), it is refused (the branch
+    will pause) and the pool stays."""
+    tree, kv, _ = setup(None)
+    per, budget = kv.bytes_per_token, [200]
+    sched = Scheduler(tree, kv, lambda: KVBudget(budget[0] * per, per), 1000, offload=HOST, slice_tokens=8)
+    leaf = tree.add_node(tree.add_node(None, list(range(10))), [])
+    job = gen(leaf, 40)
+    sched.submit(job)
+    step = sched.next_step(live=0)
+    assert [j is job for j in step.admitted] == [True] and kv.segments[leaf].capacity == 8  # its first slice
+    while kv.slots_free():  # the pool is full: the next slice must grow it
+        kv.reserve(tree.add_node(None, [1]), kv.free_spans.largest())
+    slots = kv.num_slots
+    budget[0] = budget_now
+    given = sched.extend(job, 8)
+    assert given == (budget_now == 200)
+    assert kv.segments[leaf].capacity == (16 if given else 8)
+    assert (kv.num_slots > slots) == given and kv.slots_reserved() <= budget_now

@@ -648,19 +648,24 @@ def activation_margin(device_total: int) -> int:
     return int(max(0.1 * device_total, 4 * 2**30))
 
 
+# cached blocks counted as free that the allocator may be unable to give back (partly used pages): ~0.4 GiB seen
+UNRELEASABLE_CACHE = 2**30
+
+
 def growth_on_device(short: int, extra: int, *, per_token: int, copy: int, free: int, device_total: int,
                      where: str = "the device") -> int:
     """Slots a pool grows by on a device with ``free`` bytes (cached blocks included): at least ``short``
     (the slots it must gain; MemoryError naming the bytes when they and ``copy``, the largest old pool held
-    while it is copied, do not fit), at most ``extra`` (the geometric growth asked for) — the optional part
+    while it is copied, do not fit in all but :data:`UNRELEASABLE_CACHE` of it), at most ``extra`` (the geometric growth asked for) — the optional part
     only while the activations' margin stays free. (Seen on an H100, 256 sliced gens of Llama-3-8B: a slice
     taken between admissions grew the pool to the last 128 MiB the device reported, of which ~0.4 GiB were
     cached blocks the allocator could not give back: out of memory.)"""
     need = short * per_token + copy
-    if need > free:
+    if need > free - UNRELEASABLE_CACHE:
         raise MemoryError(f"the KV cache needs {need / 2**30:.2f} GiB more for {short} token slots "
                           f"({per_token} bytes each{', plus a copy of the largest pool it grows' if copy else ''}), "
-                          f"{free / 2**30:.2f} GiB is free on {where}")
+                          f"{free / 2**30:.2f} GiB is free on {where}, less {UNRELEASABLE_CACHE / 2**30:.0f} GiB kept "
+                          f"for cached blocks the allocator may not give back")
     optional = (free - copy - activation_margin(device_total)) // per_token
     return max(short, min(extra, optional))
 

@@ -312,6 +312,10 @@ class Scheduler:
         reserved = self.kv.slots_reserved()
         if reserved + want > total:  # (its gain, and its old range held while it moves)
             return False
+        if self.kv.slots_free() < want and reserved + want > self.budget().slots:
+            # the pool must grow, and the admission's budget is stale: a grown pool is a copy, larger the larger
+            # the pool (seen on an H100: 256 sliced gens of Llama-3-8B, a 41 GiB pool grown by one slice, out of memory)
+            return False
         self.kv.ensure_free(want, limit=total)
         self.kv.reserve(node, want)
         self.peak_slots = max(self.peak_slots, self.kv.slots_reserved())
