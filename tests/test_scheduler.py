@@ -222,6 +222,13 @@ def test_a_pool_grows_on_a_device_only_as_far_as_the_activations_margin_allows()
     assert activation_margin(16 * gib) == 4 * gib
 
 
+def test_reserving_no_slots_is_refused_by_name():
+    _, kv, _ = setup()
+    with pytest.raises(ValueError, match=r"reserve\(node 7\) needs a positive length, got 0"):
+        kv.reserve(7, 0)
+    assert kv.segments == {}
+
+
 def test_a_segment_grows_in_place_when_the_span_after_it_is_free():
     kv = KVStore(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", initial_slots=64)
     a = kv.reserve(0, 8)

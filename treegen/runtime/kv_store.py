@@ -274,7 +274,9 @@ class KVStore:
         return self.slots_reserved() * self.bytes_per_token
 
     def reserve(self, node: int, length: int) -> Segment:
-        """Make sure ``node`` owns at least ``length`` slots, moving its written KV if it must grow."""
+        """Make sure ``node`` owns at least ``length`` (> 0) slots, moving its written KV if it must grow."""
+        if length < 1:  # (an empty range has no start to read from; the scheduler gives an empty node one slot)
+            raise ValueError(f"KVStore.reserve(node {node}) needs a positive length, got {length}")
         seg = self.segments.get(node)
         if seg is not None and seg.capacity >= length:
             return seg
