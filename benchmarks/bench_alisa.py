@@ -25,7 +25,9 @@ the unlimited run (``Engine(kv_budget_bytes=...)``):
   the bytes a token, so the same budget holds twice the tokens.
 
 tokens/s = generated tokens / wall time (prefill, transfers and recompute included), after a warm-up
-(kernels compiled, offload rates measured). ``tokens_identical`` compares every branch's tokens with
+(kernels compiled, offload rates measured). The offload modes' engines pin their host memory when made
+(``--host-reserve``, default what the run may offload: vLLM's swap space), outside the timed run; rows give
+that time (``host_reserve_s``) and the ratio with it counted (``ratio_with_host_reserve``). ``tokens_identical`` compares every branch's tokens with
 the unlimited run's (bf16 kernels are not batch-invariant, so a greedy near-tie may flip under a
 different batch composition; the fp32 GPU test checks exact equality). JSON after every case:
 ``benchmarks/results/alisa_<shape>.json``.
@@ -56,6 +58,7 @@ from treegen.runtime import scheduler
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
+from treegen.runtime.offload import default_host_bytes
 from treegen.runtime.sampler import SamplingParams
 from bench_end_to_end import SHAPES, config_of  # benchmarks/
 from plotting import pyplot, save
@@ -120,18 +123,32 @@ def workload(engine: Engine, *, prompt: list[int], branches: int, new: int, foll
     return out, run
 
 
+def host_reserve(args, offload: str, need: int, budget: int | None) -> int:
+    """Bytes of host memory the engine pins when made (``Engine(host_reserve_bytes=)``): ``--host-reserve`` GiB,
+    or with ``auto`` the dense need (the workload's whole KV: a run never holds more on the host; the dense
+    need less the budget is not enough — evictions free more than the last slot needs, and spans do not cross
+    chunks), at most the host cap; none without a budget or offload to the host."""
+    if budget is None or offload not in ("host", "auto"):
+        return 0
+    want = need if args.host_reserve == "auto" else int(float(args.host_reserve) * 2**30)
+    return min(want, args.offload_bytes if args.offload_bytes is not None else default_host_bytes())
+
+
 def measure(model, args, mode: str, branches: int, new: int, prompt: list[int], budget: int | None,
-            reference: dict | None, slice_tokens: int | None = scheduler.SLICE_TOKENS) -> dict:
+            reference: dict | None, slice_tokens: int | None = scheduler.SLICE_TOKENS, need: int = 0) -> dict:
     device = model.device
     offload = {"dense-unlimited": "off", "dense-grouping": "off", "offload": "host", "auto": "auto",
                "recompute": "recompute", "swa": "auto", "swa-int8": "auto"}[mode]
+    reserve = host_reserve(args, offload, need, budget)
     engine = Engine(model, IdTokenizer(), kv_budget_bytes=budget, offload=offload, slice_tokens=slice_tokens,
-                    **({"kv_dtype": "int8"} if mode == "swa-int8" else {}),
+                    host_reserve_bytes=reserve, **({"kv_dtype": "int8"} if mode == "swa-int8" else {}),
                     **({"offload_bytes": args.offload_bytes} if args.offload_bytes is not None else {}))
     kv_keep = args.kv_keep if mode in ("swa", "swa-int8") else None
     row = {"mode": mode, "branches": branches, "new_tokens": new, "follow_up": args.follow_up, "prompt": len(prompt),
            "budget_fraction": None if budget is None else args.budget_fraction, "budget_bytes": budget,
-           "offload": offload, "kv_dtype": "int8" if mode == "swa-int8" else None}
+           "offload": offload, "kv_dtype": "int8" if mode == "swa-int8" else None,
+           # host memory pinned when the engine was made (start-up, outside the timed run; see tok_s_with_host_reserve)
+           "host_reserve_bytes": reserve, "host_reserve_s": engine.host_reserve_seconds}
     if kv_keep is not None:
         row["kv_keep"] = kv_keep
     # warm-up: compile this shape's kernels (a small batch), and measure the offload rates once
@@ -157,6 +174,7 @@ def measure(model, args, mode: str, branches: int, new: int, prompt: list[int], 
         made = sum(len(t) for t in out.values())
         assert made == branches * (new + args.follow_up), (made, branches, new)
         r.update(seconds=elapsed, tokens=made, tok_s=made / elapsed,
+                 tok_s_with_host_reserve=made / (elapsed + engine.host_reserve_seconds),
                  peak_kv_bytes=run.scheduler.peak_slots * run.kv.bytes_per_token,
                  memory_waits=run.scheduler.memory_waits, decode_phases=len(run.decode_phases),
                  forward_passes=run.forward_passes, mixed_steps=run.mixed_steps, **run.offload_stats,
@@ -193,6 +211,10 @@ def main() -> None:
     parser.add_argument("--slice-tokens", type=int, nargs="+", default=[scheduler.SLICE_TOKENS],
                         help="Engine(slice_tokens=) for the offload modes (one run each; 0: whole reservations, "
                              "nothing sliced)")
+    parser.add_argument("--host-reserve", default="auto",
+                        help="GiB of host memory the offload modes' engines pin when made (Engine(host_reserve_bytes=), "
+                             "outside the timed run; rows also give the ratio with it counted); auto: the dense need; "
+                             "0: none (the runs pin as they offload)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tiny = args.tiny
@@ -238,10 +260,12 @@ def main() -> None:
                     engine_slices = scheduler.SLICE_TOKENS if slice_tokens is None else slice_tokens or None
                     print(f"{time.strftime('%H:%M:%S')} {mode}, budget {budget / 2**30:.2f} GiB"
                           + (f", slices of {slice_tokens}" if slice_tokens is not None else ""), flush=True)
-                    for r in measure(model, args, mode, branches, new, prompt, budget, reference, engine_slices):
+                    for r in measure(model, args, mode, branches, new, prompt, budget, reference, engine_slices,
+                                     need=need):
                         r["dense_need_bytes"] = need
                         if r.get("tok_s") is not None:
                             r["ratio_to_dense_unlimited"] = r["tok_s"] / base["tok_s"]
+                            r["ratio_with_host_reserve"] = r["tok_s_with_host_reserve"] / base["tok_s"]
                         rows.append(r)
                         print(json.dumps(r), flush=True)
                         write(args, shape, rows)  # after every case: a run cut short keeps what it measured

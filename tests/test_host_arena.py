@@ -150,6 +150,35 @@ def test_an_engine_keeps_one_arena_for_all_its_runs():
     assert not engine.host_arena.pinned  # (CPU: nothing to pin)
 
 
+def test_memory_reserved_up_front_serves_offloads_without_allocating_more():
+    """``reserve`` holds the bytes asked for in chunks of at most ``max_chunk`` now (what
+    ``Engine(host_reserve_bytes=)`` pins at start-up); offloads within it allocate nothing."""
+    arena = HostArena(pinned=False, min_chunk=16 * KiB, max_chunk=64 * KiB)
+    arena.reserve(150 * KiB)
+    assert [c.numel() for c in arena.chunks] == [64 * KiB, 64 * KiB, 22 * KiB]  # (the last rounded to ALIGN)
+    assert arena.chunk_bytes == arena.free_bytes() == 150 * KiB
+    spans = [arena.take(n * KiB) for n in (60, 60, 20, 4, 4)]  # (a span never crosses chunks)
+    assert arena.chunk_bytes == 150 * KiB and len(arena.chunks) == 3
+    assert arena.reserve(100 * KiB) == 0 and len(arena.chunks) == 3  # held already: nothing more
+    for span in spans:
+        arena.give(span)
+    with pytest.raises(ValueError, match="reserve needs a number of bytes >= 0"):
+        arena.reserve(-1)
+
+
+def test_an_engine_reserves_host_memory_when_made():
+    from treegen.runtime.loader import IdTokenizer
+    from treegen.runtime.model import LlamaFamilyModel
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu")
+    engine = Engine(model, IdTokenizer(), cuda_graphs=False, offload="host", host_reserve_bytes=3 * 2**20)
+    assert engine.host_arena.chunk_bytes == 3 * 2**20 and engine.host_reserve_seconds >= 0
+    assert Engine(model, IdTokenizer(), cuda_graphs=False).host_arena.chunk_bytes == 0  # (default: nothing)
+
+
 def test_free_spans_of_two_chunks_never_merge_into_one_that_crosses_them():
     arena = HostArena(pinned=False, min_chunk=16 * KiB, max_chunk=16 * KiB)
     a, b = arena.take(16 * KiB), arena.take(16 * KiB)  # two whole chunks, end to end in the arena's range

@@ -358,6 +358,14 @@ def test_offload_options_are_checked(model):
         with pytest.raises(ValueError, match="slice_tokens must be a positive integer or None"):
             Engine(model, IdTokenizer(), slice_tokens=bad)
     assert Engine(model, IdTokenizer(), slice_tokens=None).slice_tokens is None
+    for bad in (-1, 2.5, True, "1"):
+        with pytest.raises(ValueError, match="host_reserve_bytes must be an integer >= 0"):
+            Engine(model, IdTokenizer(), host_reserve_bytes=bad)
+    for mode in ("off", "recompute"):
+        with pytest.raises(ValueError, match=f"host_reserve_bytes=4096 with offload='{mode}': no KV goes to the host"):
+            Engine(model, IdTokenizer(), offload=mode, host_reserve_bytes=4096)
+    with pytest.raises(ValueError, match="host_reserve_bytes=8192 is more than offload_bytes=4096"):
+        Engine(model, IdTokenizer(), offload_bytes=4096, host_reserve_bytes=8192)
 
 
 def test_a_sparse_window_compacted_node_goes_to_the_host_and_back_with_its_dropped_count():

@@ -63,7 +63,10 @@ class Engine:
     it; ``"off"`` keeps it (work waits, or is refused when it could never fit). Lossless: results are
     those of a run with all KV in memory. offload_bytes: the most KV bytes kept on the host (default
     a quarter of the machine's physical memory); past it, ``"auto"`` recomputes and ``"host"`` refuses
-    what cannot fit, naming the sizes. With tensor parallelism ``"auto"`` acts as ``"host"`` (every
+    what cannot fit, naming the sizes. host_reserve_bytes: host memory for offloaded KV allocated (pinned)
+    when the engine is made (default 0: as offloads first need it), so that no run pays for pinning — slow:
+    ~0.3-0.7 ms a MiB on an H100 host (:attr:`host_reserve_seconds` says what it took; at most
+    ``offload_bytes``; vLLM's swap space). With tensor parallelism ``"auto"`` acts as ``"host"`` (every
     rank must decide the same, without measuring). slice_tokens: None (default) — every gen reserves its
     whole length; a number (``scheduler.SLICE_TOKENS`` = 512 is the measured one) — with offload on and a
     bounded budget, the most tokens a gen reserves ahead: where its slice ends it takes the next one, or
@@ -88,7 +91,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, attention: str = "tree", cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, kv_budget_bytes: int | None = None,
                  max_batch: int | None = None, kv_dtype: str | None = None, offload: str = "auto",
-                 offload_bytes: int | None = None, slice_tokens: int | None = None,
+                 offload_bytes: int | None = None, host_reserve_bytes: int = 0, slice_tokens: int | None = None,
                  kv_keep: float | None = None,
                  kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
                  token_automata: bool = True, parallel=None, workers=None) -> None:
@@ -124,6 +127,7 @@ class Engine:
         self.slice_tokens = slice_tokens
         # offloaded KV's host memory (pinned on CUDA), kept across runs: pinning is slow (see host_arena)
         self.host_arena = HostArena(pinned=model.device.type == "cuda")
+        self.host_reserve_seconds = self._reserve_host(host_reserve_bytes)
         self.kv_keep = swa.check_kv_keep(kv_keep, "Engine(kv_keep=...)")
         self.kv_keep_every = swa.check_period(kv_keep_every, "Engine(kv_keep_every=...)")
         self.kv_keep_history = swa.check_period(kv_keep_history, "Engine(kv_keep_history=...)")
@@ -156,6 +160,17 @@ class Engine:
         self._stop_strings: StopStrings | None = None
         # many texts decoded at once (stop strings' tails, the texts of the branches a block finishes)
         self.batch_decode = BatchDecoder(tokenizer)
+
+    def _reserve_host(self, nbytes) -> float:
+        """Pin ``nbytes`` of the host arena now (``host_reserve_bytes``); the seconds it took."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"host_reserve_bytes must be an integer >= 0, got {nbytes!r}")
+        if nbytes and self.offload in ("off", "recompute"):
+            raise ValueError(f"host_reserve_bytes={nbytes} with offload={self.offload!r}: no KV goes to the host")
+        if nbytes > self.offload_bytes:
+            raise ValueError(f"host_reserve_bytes={nbytes} is more than offload_bytes={self.offload_bytes}, the most "
+                             "KV kept on the host")
+        return self.host_arena.reserve(nbytes)
 
     def check_swa(self, where: str) -> None:
         """Raise ValueError when this engine cannot run sparse window attention (``where`` asked for it)."""
