@@ -329,6 +329,39 @@ def test_a_phase_of_constrained_answers_ends_with_its_matchers(smol, tiny_llama,
 
 
 @pytest.mark.parametrize("automata", [True, False], ids=["token-automata", "xgrammar-matchers"])
+def test_a_constraint_no_text_completes_ends_its_branch_alone(smol, tiny_llama, automata):
+    """A constraint at a dead end (no token can continue the text toward a match: ``a[^\\s\\S]`` after ``a``,
+    ``[^\\s\\S]`` at once) allows EOS instead: its branch ends there with ``finish_reason="dead_end"``,
+    ``constraint_met`` False and the text so far — it does not crash the run (before: "drew token 0, which its
+    constraint forbids") — and the branches beside it, in the same phase, end as they would alone."""
+    def run_once(keyed):  # [(key, constraint)]: odd keys sample, even ones are greedy
+        run = treegen.Engine(tiny_llama[1], smol.tokenizer, token_automata=automata).start()
+        root = run.tree.add_node(None, smol.tokenizer.encode(QUESTION + "A: "))
+        results, _ = run.execute([GenRequest(run.tree.add_node(root), SamplingParams(
+            max_tokens=12, temperature=1.0 if key % 2 else 0.0, constraint=c), key=key) for key, c in keyed], [])
+        return [(r.tokens, r.finish_reason, r.constraint_met, r.text) for r in results]
+
+    dead, none, fine = (Constraint.of(regex=r) for r in (r"a[^\s\S]", r"[^\s\S]", REGEX))
+    got = run_once([(0, dead), (1, dead), (2, none), (3, fine), (4, fine)])
+    for tokens, reason, met, text in got[:3]:
+        assert reason == "dead_end" and met is False and tokens[-1] in tiny_llama[1].eos_token_ids
+    assert [g[3] for g in got[:3]] == ["a", "a", ""]
+    assert got[3:] == run_once([(3, fine), (4, fine)])
+    assert all(re.fullmatch(REGEX, text) for _, reason, _, text in got[3:] if reason == "eos")
+
+
+def test_open_dead_ends_lets_only_rows_that_allow_nothing_stop():
+    from treegen.runtime.token_masks import open_dead_ends, stop_bits
+
+    stops = stop_bits([2, 33, 63], 3)
+    assert stops.tolist() == [4, -2147483646, 0]  # bit 2; bits 1 and 31 of word 1 (int32: bit 31 is the sign)
+    masks = torch.tensor([[0, 0, 0], [0, 1, 0], [-1, -1, -1]], dtype=torch.int32)
+    opened = open_dead_ends(masks, stops)
+    assert opened.tolist() == [stops.tolist(), [0, 1, 0], [-1, -1, -1]]
+    assert masks[0].tolist() == [0, 0, 0]  # (a new tensor: a phase's mask buffer is left as it was)
+
+
+@pytest.mark.parametrize("automata", [True, False], ids=["token-automata", "xgrammar-matchers"])
 def test_constrained_branches_paused_between_slices_give_the_same_answers(smol, tiny_llama, automata, monkeypatch):
     """Gens that reserve 4 tokens at a time (a bounded budget with offload on) pause at each slice's end and
     resume with their matcher or automaton state where they left it: the same texts and token masks as

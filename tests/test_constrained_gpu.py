@@ -71,6 +71,25 @@ def test_every_sample_matches_with_cuda_graphs(bf16):
     assert all(re.fullmatch(r"A[0-9][0-9]?|B[+-][0-9]", t) for t in texts[192:])
 
 
+@pytest.mark.parametrize("automata", [True, False], ids=["token-automata", "xgrammar-matchers"])
+def test_dead_end_constraints_end_alone_in_captured_phases(bf16, automata):
+    """256 branches with graphs, a quarter under a constraint no text completes (``a[^\\s\\S]``): those end at
+    the dead end (EOS, ``dead_end``, unmet, text ``a``); the regex branches beside them match as usual."""
+    tok = PieceTokenizer(bf16.vocab_size)
+    run = Engine(bf16, tok, token_automata=automata).start()
+    dead = Constraint.of(regex=r"a[^\s\S]")
+    requests = [GenRequest(leaf, SamplingParams(max_tokens=32, temperature=1.0, constraint=dead if i % 4 == 0
+                                                else KINDS[0]), key=i)
+                for i, leaf in enumerate(branches(run, tok, 256))]
+    results, _ = run.execute(requests, [])
+    assert run.decoder.captured_phases >= 1
+    for i, r in enumerate(results):
+        if i % 4 == 0:
+            assert (r.finish_reason, r.constraint_met, r.text) == ("dead_end", False, "a"), (i, r)
+        else:
+            assert r.finish_reason == "eos" and r.constraint_met and re.fullmatch(REGEX, r.text), (i, r)
+
+
 def test_unconstrained_rows_unchanged_beside_constrained_ones(bf16):
     """At 512 branches with graphs: half constrained; the other half samples exactly what it samples alone."""
     tok = PieceTokenizer(bf16.vocab_size)

@@ -271,7 +271,7 @@ def _info_line(info: dict) -> str:
     """Badges for one variable's info: finish reason and tokens, a join's size, anything else compact."""
     bits = []
     if "finish_reason" in info:
-        colour = {"eos": "#2e7d32", "stop": "#1565c0", "length": "#b26a00"}.get(info["finish_reason"], "#666")
+        colour = {"eos": "#2e7d32", "stop": "#1565c0", "length": "#b26a00", "dead_end": "#c62828"}.get(info["finish_reason"], "#666")
         bits.append(_badge(info["finish_reason"], colour))
     if "tokens" in info:
         bits.append(_badge(f"{info['tokens']} tok"))

@@ -45,7 +45,8 @@ def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: fl
     ``regex`` (the whole text matches it), ``choices`` (the text is one of them), ``json_schema`` (a
     dict or JSON text: the text is JSON valid under it) or ``grammar`` (EBNF, rule ``root``). The gen
     ends where its constraint is complete; one that ``max_tokens`` cuts short ends with
-    ``finish_reason="length"`` and ``state.info[name]["constraint_met"] = False``. An invalid regex,
+    ``finish_reason="length"`` and ``state.info[name]["constraint_met"] = False``, and one whose constraint
+    allows no next token (no text completes it, e.g. ``regex="a[^\\s\\S]"``) with ``"dead_end"`` and False. An invalid regex,
     schema or grammar raises ``ValueError`` here, when the program is written.
 
     ``kv_keep``: sparse window attention (lossy, opt-in; :mod:`treegen.runtime.swa`) — the branch keeps

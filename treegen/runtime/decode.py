@@ -48,7 +48,7 @@ from treegen.runtime.requests import GenResult, Job
 from treegen.runtime.sampler import SamplingParams
 from treegen.runtime.scheduler import REPLAN_FRACTION
 from treegen.runtime.token_automata import FREE
-from treegen.runtime.token_masks import TokenMasks
+from treegen.runtime.token_masks import TokenMasks, open_dead_ends, stop_bits
 
 # a phase expected to end sooner than this many steps runs without a CUDA graph (capture costs more)
 MIN_CAPTURED_STEPS = 8
@@ -109,9 +109,17 @@ class Decoder:
         self.kept = PhaseGraphs() if self.graphs and self.cold_captures and phase_graphs.enabled() else None
         self.kept_phases = 0  # phases that replayed kept graphs (captured nothing)
         self.eos_ids = torch.tensor(sorted(self.eos), dtype=torch.int64, device=device)
+        self._stops: torch.Tensor | None = None  # a bitmask row allowing only EOS (see _stop_bits)
         # a pipelined phase looks at the device's count of rows still generating every step and ends as
         # soon as the scheduler would (one process only: ranks would see the count at different steps)
         self.early_ends = 0  # phases ended on that count before their block's tokens were read
+
+    def _stop_bits(self, words: int, device) -> torch.Tensor:
+        """A bitmask row of ``words`` words allowing only EOS: what a constrained branch at a dead end may draw
+        (:func:`~treegen.runtime.token_masks.open_dead_ends`). Made once (kept phases' graphs read it)."""
+        if self._stops is None:
+            self._stops = stop_bits(self.eos, words, device)
+        return self._stops
 
     # ---------------------------------------------------------------------------------------------
     def sparse_window_live(self) -> bool:
@@ -160,6 +168,8 @@ class Decoder:
         states = self._states(rows, device)
         if states is not None:
             bitmask = self.run.engine.automata.tables.bitmask(states, also=bitmask)
+        if bitmask is not None:
+            bitmask = open_dead_ends(bitmask, self._stop_bits(bitmask.shape[1], device))
         nxt, lp = params.pick(logits, torch.arange(len(rows), device=device), steps, bitmask)
         tokens = [[t] for t in nxt.tolist()]
         self._advance_matchers(rows, tokens)
@@ -280,6 +290,8 @@ class Decoder:
             alive = torch.zeros(1, dtype=torch.int64, device=device)  # rows not done
             logits_of, graphs = {}, {}
         attend = run.attend_fn(plan, slots, recorder, run.library_copies(plan))
+        stops = None if bitmask is None and tables is None else \
+            self._stop_bits((bitmask if bitmask is not None else tables.masks).shape[1], device)
 
         def forward() -> None:
             # (a head split by vocabulary: this rank's logits, which the sampler reads)
@@ -287,6 +299,8 @@ class Decoder:
 
         def pick() -> None:
             mask = bitmask if tables is None else tables.bitmask(states, also=bitmask)
+            if mask is not None:
+                mask = open_dead_ends(mask, stops)
             nxt, lp = params.pick(logits_of["step"], idx, steps, mask)
             if tables is not None:
                 states.copy_(tables.advance(states, nxt))
@@ -712,11 +726,15 @@ class Decoder:
                 result = finished(out, params, self.eos, self.tokenizer)
                 if result is not None:
                     if masks is not None:
-                        result = dataclasses.replace(result, constraint_met=masks.matched(b))
+                        met = masks.matched(b)
                         masks.drop(b)
-                    elif automata is not None:  # (a stop token is allowed only where the text is complete)
-                        ended = prior if result.finish_reason == "eos" else state
-                        result = dataclasses.replace(result, constraint_met=ended in automata.final)
+                    else:  # (a stop token is allowed only where the text is complete)
+                        met = (prior if result.finish_reason == "eos" else state) in automata.final if automata else None
+                    if met is not None:
+                        # EOS where the text is not complete: the constraint had no other token (open_dead_ends)
+                        dead = result.finish_reason == "eos" and not met
+                        result = dataclasses.replace(result, constraint_met=met,
+                                                     finish_reason="dead_end" if dead else result.finish_reason)
                     break
         if automata is not None:
             if result is None:

@@ -32,14 +32,16 @@ class GenResult:
     natural-log probability of each token under the model's distribution (before temperature,
     filtering and a constraint's token mask). ``constraint_met``: None for an unconstrained gen; for
     a constrained one True when the text is a complete match of its constraint, False when it ended
-    (``finish_reason="length"``) before it could be — the text is then an incomplete prefix.
+    before it could be — the text is then an incomplete prefix: ``max_tokens`` came first
+    (``finish_reason="length"``), or the constraint allowed no next token, no text completing it
+    (``finish_reason="dead_end"``: e.g. ``regex="a[^\\s\\S]"`` after ``a``; the branch drew EOS there).
     ``kv_keep``: None for exact attention; the keep ratio when the branch was generated with sparse
     window attention (lossy, :mod:`treegen.runtime.swa`). ``kv_dropped``: tokens of the branch's node whose
     KV SWA had dropped when it finished."""
 
     tokens: tuple[int, ...]
     text: str
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str  # "eos" | "stop" | "length" | "dead_end" (a constraint's; see above)
     logprobs: tuple[float, ...] = ()
     constraint_met: bool | None = None
     kv_keep: float | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from treegen.runtime.constraint import Grammars
@@ -57,10 +58,7 @@ class TokenMasks:
         import xgrammar as xgr
 
         taken = xgr.BatchGrammarMatcher.batch_accept_token([self.matchers[b] for b in branches], tokens)
-        for b, t, ok in zip(branches, tokens, taken):
-            if not ok:
-                raise RuntimeError(f"branch {b} drew token {t}, which its constraint forbids "
-                                   "(its token mask was not applied)")
+        self._check_taken(branches, tokens, taken)
 
     def accept_and_fill(self, branches: list[int], handles: list, tokens: list[int] | None, bitmask: torch.Tensor,
                         rows: list[int], fill: list[bool] | None = None) -> None:
@@ -100,9 +98,16 @@ class TokenMasks:
                        for k, lo in enumerate(range(0, len(handles), size))]
             taken = [f.result() for f in futures]
         if tokens is not None and any(0 in t for t in taken):
-            flags = [ok for t in taken for ok in t]
-            b, t = next((b, t) for b, t, ok in zip(branches, tokens, flags) if not ok)
-            raise RuntimeError(f"branch {b} drew token {t}, which its constraint forbids (its token mask was not applied)")
+            self._check_taken(branches, tokens, [ok for t in taken for ok in t])
+
+    def _check_taken(self, branches: list[int], tokens: list[int], taken) -> None:
+        """Raise for a token a matcher refused, naming its branch (its mask was not applied: a bug) — unless it
+        is a stop token, which a branch draws at a dead end (:func:`open_dead_ends`): it ends there, unmet."""
+        stops = self.grammars.stop_token_ids
+        for b, t, ok in zip(branches, tokens, taken):
+            if not ok and t not in stops:
+                raise RuntimeError(f"branch {b} drew token {t}, which its constraint forbids "
+                                   "(its token mask was not applied)")
 
     def matched(self, branch: int) -> bool:
         """The branch's text so far is a complete match of its constraint."""
@@ -161,6 +166,24 @@ def fill_threads() -> int:
     if given:
         return max(1, int(given))
     return max(1, min(8, usable_cpus() // 2))
+
+
+def stop_bits(stop_ids, words: int, device=None) -> torch.Tensor:
+    """``[words]`` int32: a bitmask row allowing only ``stop_ids``."""
+    row = np.zeros(words, dtype=np.uint32)
+    for t in stop_ids:
+        row[t // 32] |= np.uint32(1) << np.uint32(t % 32)
+    return torch.from_numpy(row.view(np.int32)).to(device)
+
+
+def open_dead_ends(bitmask: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """``bitmask`` ``[rows, words]`` with every row that allows no token — a constraint at a dead end, which
+    no text can complete (``regex="a[^\\s\\S]"`` after ``a``; a schema or grammar that matches nothing) —
+    allowing the stop tokens ``stops`` (:func:`stop_bits`) instead: the branch ends there, its text an
+    incomplete prefix and ``constraint_met`` False, rather than drawing a token its constraint forbids. A new
+    tensor; no host sync (a decode step's graph captures it)."""
+    dead = (bitmask == 0).all(dim=1, keepdim=True)
+    return torch.where(dead, stops, bitmask)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
