@@ -367,3 +367,31 @@ def test_a_finished_run_gives_its_kv_pool_back_while_its_results_live_on(engine)
         store = again[0]._run.tree_run.kv
         store.reserve(1, 4)
         store.release()
+
+
+def test_a_fault_of_the_engine_stops_the_batch_and_keeps_what_finished(engine, monkeypatch):
+    """The engine raising mid-batch (not a program's error: here its loop, after some programs finished)
+    stops the batch with EngineFailed — a ProgramError carrying every result: the programs finished before it
+    as they are alone, the others failed with the engine's error — and frees the run's KV pool."""
+    from treegen.runtime.tree_run import TreeRun
+
+    want = grows.run_batch(engine, inputs(6))
+    done_before: list[int] = []
+    advance = TreeRun.advance
+
+    def faulty(self):
+        if len(done_before) >= 2:
+            raise RuntimeError("device lost")
+        return advance(self)
+
+    monkeypatch.setattr(TreeRun, "advance", faulty)
+    with pytest.raises(treegen.EngineFailed, match=r"the engine failed while running the batch: RuntimeError: "
+                                                   r"device lost; 2 of 6 programs had finished") as e:
+        grows.run_batch(engine, inputs(6), on_result=lambda i, root: done_before.append(i))
+    assert isinstance(e.value, ProgramError) and str(e.value.__cause__) == "device lost"
+    results = e.value.results
+    assert len(results) == 6 and sorted(e.value.errors) == sorted(set(range(6)) - set(done_before))
+    for i in done_before:
+        assert results[i].error is None and results[i].ret_value == want[i].ret_value
+    assert all(str(results[i].error) == "device lost" for i in e.value.errors)
+    assert results[0]._run.tree_run.kv.num_slots == 0  # (the pool given back)

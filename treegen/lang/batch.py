@@ -15,7 +15,8 @@ by common token prefix (:func:`treegen.tree.passes.share_prefixes`) and the tree
 A program that raises fails alone: its jobs are cancelled, its KV freed, the error kept on its root
 (``root.error``); the others finish. :class:`ProgramError` then names the failed programs and
 carries every result. Ctrl-C stops the run; :class:`BatchInterrupted` carries the programs already
-finished.
+finished. An error of the engine itself stops the batch too: :class:`EngineFailed` (a ProgramError) carries
+every result, the programs not finished failed with it.
 
 Seeds: a program's branches draw from ``branch_key(seed, path)`` where the path is the fork indices
 from **that program's** root — the program's position in the batch is not part of it. So a program
@@ -51,6 +52,19 @@ class ProgramError(RuntimeError):
                f"{', ...' if len(errors) > 6 else ''})" if len(errors) > 1 else ""
         super().__init__(f"program {describe(first)} failed: {type(e).__name__}: {e}{more}; "
                          f"the other {len(results) - len(errors)} programs finished")
+
+
+class EngineFailed(ProgramError):
+    """The engine raised while running a batch (not a program's own error: a fault of the runtime, the
+    device or the host). The batch stops there; ``results`` still carries every program, in input order —
+    those finished before it complete, the others with this error as ``.error``; ``errors``: theirs."""
+
+    def __init__(self, error: BaseException, results: list) -> None:
+        self.errors, self.results = {r.program: r.error for r in results if r.error is not None}, results
+        finished = len(results) - len(self.errors)
+        RuntimeError.__init__(self, f"the engine failed while running the batch: {type(error).__name__}: {error}; "
+                                    f"{finished} of {len(results)} programs had finished (in .results; the "
+                                    f"others' .error is this error)")
 
 
 class BatchInterrupted(KeyboardInterrupt):
@@ -204,6 +218,14 @@ def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 
         scheduler.run(run)
     except KeyboardInterrupt:
         raise BatchInterrupted([r if run.is_done(r.program) and r.error is None else None for r in roots]) from None
+    except Exception as e:
+        if e is run.callback_error:  # the caller's on_result / on_programs raised: the batch stops with its error
+            raise
+        for r in roots:  # a fault of the engine: the programs not finished fail with it, the finished keep theirs
+            if not run.is_done(r.program):
+                r.error = e
+        run.abandon()
+        raise EngineFailed(e, roots) from e
     finally:
         run.scheduler = None
     run.finish()

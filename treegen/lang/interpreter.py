@@ -397,6 +397,20 @@ class ProgramRun:
         self.finished = True
 
 
+    def abandon(self) -> None:
+        """The engine failed mid-run (its state may be half updated): free what KV can be freed, the pool's
+        memory included (the finished programs' values stay readable), and accept no more ops."""
+        self.finished = True
+        kv = self.tree_run.kv if self.tree_run is not None else None
+        if kv is not None:
+            try:
+                for node in sorted({*kv.segments, *kv.offloaded}):
+                    kv.free(node)
+                kv.release()
+            except Exception:  # noqa: BLE001 - the engine's own error is the one raised; the pool goes with the run
+                pass
+
+
 class State:
     """A stream of tokens in a program; ``s += ...`` appends, ``s[name]`` reads a variable."""
 
