@@ -114,3 +114,25 @@ def test_user_errors_surface_in_the_caller(tokenizer):
 def test_calling_a_program_directly_explains_run(tokenizer):
     with pytest.raises(TypeError, match=r"\.run\(engine"):
         treegen.program(lambda s: None)()
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"attenton": "tree"}, TypeError, r"Engine.load got unknown option attenton; the options are attention, "),
+    ({"kv_dtype": "int4"}, ValueError, r"kv_dtype must be one of None, 'int8', 'fp8'"),
+    ({"offload": "disk"}, ValueError, r"offload must be one of"),
+    ({"max_batch": 0}, ValueError, r"max_batch must be a positive integer or None, got 0"),
+    ({"kv_keep": 2}, ValueError, r"kv_keep=\.\.\.\) must be a number in \(0, 1\]"),
+    ({"offload": "off", "host_reserve_bytes": 1}, ValueError, r"no KV goes to the host"),
+    ({"cuda_graphs": "yes"}, ValueError, r"cuda_graphs must be True or False"),
+])
+def test_engine_options_are_refused_before_the_model_loads(options, error, message, monkeypatch):
+    """A bad option is refused by Engine.load before any weight is read (a large model takes minutes to load)."""
+    from treegen.runtime import loader
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(loader, "load_model", never)
+    monkeypatch.setattr(loader, "load_config", never)
+    with pytest.raises(error, match=message):
+        treegen.Engine.load(**options)

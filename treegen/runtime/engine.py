@@ -9,6 +9,7 @@ format and memory, offload, sparse window attention). :meth:`Engine.start` opens
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -31,6 +32,8 @@ __all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "PassP
 
 
 ATTENTION_MODES = ("tree", "flat", "none")
+# Engine's parameters that are not options (Engine.load makes them)
+_NOT_OPTIONS = ("self", "model", "tokenizer", "parallel", "workers")
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +98,11 @@ class Engine:
                  kv_keep: float | None = None,
                  kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
                  token_automata: bool = True, parallel=None, workers=None) -> None:
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
+        self.check_settings(attention=attention, cuda_graphs=cuda_graphs, max_prefill_tokens=max_prefill_tokens,
+                            kv_budget_bytes=kv_budget_bytes, max_batch=max_batch, kv_dtype=kv_dtype, offload=offload,
+                            offload_bytes=offload_bytes, host_reserve_bytes=host_reserve_bytes,
+                            slice_tokens=slice_tokens, kv_keep=kv_keep, kv_keep_every=kv_keep_every,
+                            kv_keep_history=kv_keep_history, token_automata=token_automata)
         self.model = model
         self.tokenizer = tokenizer
         self.attention = attention
@@ -108,29 +114,18 @@ class Engine:
             graphs = f"; CUDA graphs off: {self.graphs_off_reason}" if self.graphs_off_reason else ""
             logger.warning("treegen: %s runs on the generic path (transformers' modules with tree attention; exact, "
                            "slower than the fast path): %s%s", model.config.model_type, model.reason, graphs)
-        if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens!r}")
         self.max_prefill_tokens = max_prefill_tokens
-        if kv_budget_bytes is not None and (not isinstance(kv_budget_bytes, int) or kv_budget_bytes <= 0):
-            raise ValueError(f"kv_budget_bytes must be a positive integer or None, got {kv_budget_bytes!r}")
         self.kv_budget_bytes = kv_budget_bytes
-        if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
-            raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         self.max_batch = max_batch
         self.offload = "host" if offload == "auto" and parallel is not None else offload
         self.offload_bytes = default_host_bytes() if offload_bytes is None else offload_bytes
-        OffloadPolicy(self.offload, self.offload_bytes, rates=lambda: None)  # checks both
         self._offload_rates: OffloadRates | None = None
-        if slice_tokens is not None and (not isinstance(slice_tokens, int) or isinstance(slice_tokens, bool)
-                                         or slice_tokens < 1):
-            raise ValueError(f"slice_tokens must be a positive integer or None, got {slice_tokens!r}")
         self.slice_tokens = slice_tokens
         # offloaded KV's host memory (pinned on CUDA), kept across runs: pinning is slow (see host_arena)
         self.host_arena = HostArena(pinned=model.device.type == "cuda")
-        self.host_reserve_seconds = self._reserve_host(host_reserve_bytes)
-        self.kv_keep = swa.check_kv_keep(kv_keep, "Engine(kv_keep=...)")
-        self.kv_keep_every = swa.check_period(kv_keep_every, "Engine(kv_keep_every=...)")
-        self.kv_keep_history = swa.check_period(kv_keep_history, "Engine(kv_keep_history=...)")
+        self.host_reserve_seconds = self.host_arena.reserve(host_reserve_bytes)
+        self.kv_keep = None if kv_keep is None else float(kv_keep)
+        self.kv_keep_every, self.kv_keep_history = kv_keep_every, kv_keep_history
         self.parallel = parallel
         self.workers = workers  # the tensor-parallel workers this process started (treegen.runtime.workers.Team)
         self.phases_captured = 0  # decode graphs captured by this engine's runs (later ones skip the warm-up)
@@ -153,24 +148,61 @@ class Engine:
         self.kv_shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim,
                                 self.kv_format.bytes_per_value, self.kv_format.scale_bytes)
         self._grammars: Grammars | None = None
-        if not isinstance(token_automata, bool):
-            raise ValueError(f"token_automata must be True or False, got {token_automata!r}")
         self.token_automata = token_automata
         self._automata: Automata | None = None
         self._stop_strings: StopStrings | None = None
         # many texts decoded at once (stop strings' tails, the texts of the branches a block finishes)
         self.batch_decode = BatchDecoder(tokenizer)
 
-    def _reserve_host(self, nbytes) -> float:
-        """Pin ``nbytes`` of the host arena now (``host_reserve_bytes``); the seconds it took."""
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise ValueError(f"host_reserve_bytes must be an integer >= 0, got {nbytes!r}")
-        if nbytes and self.offload in ("off", "recompute"):
-            raise ValueError(f"host_reserve_bytes={nbytes} with offload={self.offload!r}: no KV goes to the host")
-        if nbytes > self.offload_bytes:
-            raise ValueError(f"host_reserve_bytes={nbytes} is more than offload_bytes={self.offload_bytes}, the most "
-                             "KV kept on the host")
-        return self.host_arena.reserve(nbytes)
+    @classmethod
+    def check_options(cls, options: dict, where: str = "Engine.load") -> None:
+        """Refuse what no model could run with before one is loaded (minutes for a large one): an option
+        :class:`Engine` does not take (TypeError naming it and the options), or a bad value
+        (:meth:`check_settings`)."""
+        names = [p for p in inspect.signature(cls.__init__).parameters if p not in _NOT_OPTIONS]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"{where} got unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                            f"the options are {', '.join(names)}")
+        cls.check_settings(**options)
+
+    @staticmethod
+    def check_settings(*, attention: str = "tree", cuda_graphs: bool = True, max_prefill_tokens: int = 16384,
+                       kv_budget_bytes=None, max_batch=None, kv_dtype=None, offload: str = "auto",
+                       offload_bytes=None, host_reserve_bytes: int = 0, slice_tokens=None, kv_keep=None,
+                       kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
+                       token_automata: bool = True) -> None:
+        """Raise ValueError naming the first setting of :class:`Engine` whose value is bad whatever the model
+        (those that depend on it — FP8 on an old GPU, sparse window attention beside sliding windows — are
+        checked when the engine is made)."""
+        def positive(name, value, none_ok=True):
+            if value is None and none_ok:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer{' or None' if none_ok else ''}, got {value!r}")
+
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
+        for name, value in (("cuda_graphs", cuda_graphs), ("token_automata", token_automata)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        positive("max_prefill_tokens", max_prefill_tokens, none_ok=False)
+        positive("kv_budget_bytes", kv_budget_bytes)
+        positive("max_batch", max_batch)
+        positive("slice_tokens", slice_tokens)
+        kv_format(kv_dtype, torch.float32)  # (the name; FP8 on this GPU is checked when the engine is made)
+        host_bytes = default_host_bytes() if offload_bytes is None else offload_bytes
+        OffloadPolicy(offload, host_bytes, rates=lambda: None)  # checks both
+        if not isinstance(host_reserve_bytes, int) or isinstance(host_reserve_bytes, bool) or host_reserve_bytes < 0:
+            raise ValueError(f"host_reserve_bytes must be an integer >= 0, got {host_reserve_bytes!r}")
+        if host_reserve_bytes and offload in ("off", "recompute"):
+            raise ValueError(f"host_reserve_bytes={host_reserve_bytes} with offload={offload!r}: no KV goes to the host")
+        if host_reserve_bytes > host_bytes:
+            raise ValueError(f"host_reserve_bytes={host_reserve_bytes} is more than offload_bytes={host_bytes}, the "
+                             "most KV kept on the host")
+        swa.check_kv_keep(kv_keep, "Engine(kv_keep=...)")
+        swa.check_period(kv_keep_every, "Engine(kv_keep_every=...)")
+        swa.check_period(kv_keep_history, "Engine(kv_keep_history=...)")
 
     def check_swa(self, where: str) -> None:
         """Raise ValueError when this engine cannot run sparse window attention (``where`` asked for it)."""
@@ -275,6 +307,7 @@ class Engine:
         from treegen.runtime.shard import check_tensor_parallel, vocab_parallel_for
 
         device = torch.device(device)
+        cls.check_options(options)  # (before any weight is read or process started)
         distributed.check_layout(tensor_parallel, data_parallel, device)
         vocab_parallel_for(vocab_parallel, tensor_parallel)  # (a bad value: refused before anything runs)
         if tensor_parallel == 1 and data_parallel in (None, 1) and not distributed.launched():
