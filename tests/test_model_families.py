@@ -50,6 +50,8 @@ CONFIGS = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [2.0, 4.0, 8.0, 16.0]}),
     "phi3-mha": lambda: _cfg("Phi3Config", num_key_value_heads=4),
+    # Phi-4-mini's config: a window (262,144) past its longest context (131,072): no window at all
+    "phi3-window-past-context": lambda: _cfg("Phi3Config", sliding_window=4096),
     # norms after attention and MLP only, q/k norm over the whole projection, RoPE in fp32
     "olmo2": lambda: _cfg("Olmo2Config"),
     "olmo3": lambda: _cfg("Olmo3Config", sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
@@ -225,6 +227,17 @@ def test_bidirectional_gemma3_is_refused(tmp_path):
     config = _cfg("Gemma3TextConfig", head_dim=16, use_bidirectional_attention=True)
     with pytest.raises(UnsupportedModelError, match="bidirectional"):
         LlamaFamilyModel.random(config, dtype=torch.float32, device="cpu")
+
+
+def test_a_window_longer_than_the_context_is_no_window():
+    from treegen.runtime.model import LlamaFamilyModel
+
+    cfg = CONFIGS["phi3-window-past-context"]()
+    model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu")
+    assert model.layer_types == ["sliding_attention"] * cfg.num_hidden_layers
+    assert model.layer_window == [None] * cfg.num_hidden_layers and model.max_context < 4096
+    cfg.sliding_window = model.max_context - 1  # (one shorter: a window)
+    assert LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu").layer_window == [model.max_context - 1] * 2
 
 
 def test_partial_rotary_outside_phi3_is_refused():

@@ -12,6 +12,7 @@ import torch
 
 from distributed_programs import workload
 from test_distributed import checkpoint, one_process  # noqa: F401 - the shared fixtures
+from treegen.lang.batch import EngineFailed
 from treegen.runtime.engine import Engine
 from treegen.runtime.workers import FAULT_ENV, WorkerError
 
@@ -56,8 +57,10 @@ def test_a_worker_that_raises_fails_the_users_call_promptly(checkpoint, monkeypa
     engine = Engine.load(str(checkpoint), tensor_parallel=2)
     try:
         started = time.perf_counter()
-        with pytest.raises(WorkerError, match="(?s)worker rank 1 failed.*injected failure on rank 1"):
+        # (its third call is in the batch: EngineFailed, with what finished, and the worker's error as its cause)
+        with pytest.raises(EngineFailed, match="(?s)worker rank 1 failed.*injected failure on rank 1") as e:
             workload(engine)
+        assert isinstance(e.value.__cause__, WorkerError) and len(e.value.results) == len(e.value.errors)
         assert time.perf_counter() - started < 30
         assert not any(p.is_alive() for p in engine.workers.processes)
         with pytest.raises(WorkerError, match="injected failure on rank 1"):  # and every later call
@@ -110,8 +113,10 @@ def test_two_gpus_from_a_plain_process(checkpoint, monkeypatch):  # noqa: F811
     engine = Engine.load(str(checkpoint), tensor_parallel=2, device="cuda")
     try:
         started = time.perf_counter()
-        with pytest.raises(WorkerError, match="(?s)worker rank 1 failed.*injected failure on rank 1"):
+        # (its third call is in the batch: EngineFailed, with what finished, and the worker's error as its cause)
+        with pytest.raises(EngineFailed, match="(?s)worker rank 1 failed.*injected failure on rank 1") as e:
             workload(engine)
+        assert isinstance(e.value.__cause__, WorkerError) and len(e.value.results) == len(e.value.errors)
         assert time.perf_counter() - started < 30
         # This process mapped peer memory for the first engine; a second rendezvous with new workers
         # would hang (pytorch#196082), so the second engine's all-reduces went through NCCL.

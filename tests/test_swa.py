@@ -67,6 +67,23 @@ def test_sliding_window_models_refuse_swa_by_name(model, tokenizer):
         run.submit(GenRequest(leaf, SamplingParams(max_tokens=4, kv_keep=0.5), key=0))
 
 
+def test_a_window_as_long_as_the_context_does_not_refuse_swa(model, tokenizer):
+    """A sliding window at least as long as the model's longest context never masks a key (Phi-4-mini:
+    262,144 against 131,072 positions): sparse window attention runs, and gives what it gives without it."""
+    windowed = copy.copy(model)
+    windowed.layer_window = [model.max_context, None]
+    outs = []
+    for m in (model, windowed):
+        run = Engine(m, tokenizer, kv_keep=0.5).start()
+        leaf = run.tree.add_node(run.tree.add_node(None, _ids(8, 0)), _ids(3, 1))
+        results, _ = run.execute([GenRequest(leaf, SamplingParams(max_tokens=6, ignore_eos=True), key=0)], [])
+        outs.append(results[0].tokens)
+    assert outs[0] == outs[1]
+    windowed.layer_window = [model.max_context - 1, None]
+    with pytest.raises(ValueError, match=r"sliding-window layers \(windows \[%d\]\)" % (model.max_context - 1)):
+        Engine(windowed, tokenizer, kv_keep=0.3)
+
+
 # --- selection -----------------------------------------------------------------------------------------
 def _alisa_brute(importance: list[float], written: int, tokens: int, keep: float) -> list[int]:
     m = min(tokens, max(1, math.ceil(keep * tokens - 1e-9)))

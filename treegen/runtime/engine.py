@@ -206,7 +206,10 @@ class Engine:
 
     def check_swa(self, where: str) -> None:
         """Raise ValueError when this engine cannot run sparse window attention (``where`` asked for it)."""
-        windows = sorted({w for w in self.model.layer_window if w is not None})
+        longest = getattr(self.model, "max_context", None) or None
+        # (a window at least as long as the longest context the model takes never masks a key: Phi-4-mini's
+        # sliding_window 262,144 against its 131,072 positions)
+        windows = sorted({w for w in self.model.layer_window if w is not None and (longest is None or w < longest)})
         if windows:
             raise ValueError(f"{where}: sparse window attention is not supported on a model with sliding-window "
                              f"layers (windows {windows}): its compacted KV would sit at the wrong distances "
@@ -290,7 +293,8 @@ class Engine:
           and starts ranks 1..``tensor_parallel``-1 itself (one per GPU, ``cuda:0``.. of this host; gloo
           processes on the CPU), which load their shards and mirror every tree run of this process
           (:mod:`treegen.runtime.workers`, :mod:`treegen.runtime.mirror`). A worker that fails makes the
-          next (or the waiting) call raise :class:`~treegen.runtime.workers.WorkerError` with its error.
+          next (or the waiting) call raise :class:`~treegen.runtime.workers.WorkerError` with its error (in a
+          ``run_batch``, :class:`~treegen.lang.batch.EngineFailed` with the results so far, caused by it).
           :meth:`close` (or dropping the engine, or exit) ends the workers.
 
         ``vocab_parallel`` (with ``tensor_parallel`` > 1): the LM head split by vocabulary over the ranks

@@ -470,7 +470,11 @@ class LlamaFamilyModel:
         self.layer_types = layer_types_of(config)
         # what ``attend`` must apply per layer: the sliding window of "sliding_attention" layers (keys at
         # key_pos > query_pos - window) and the attention logit soft cap (Gemma 2), see tree_attention
-        self.layer_window = [int(config.sliding_window) if t == "sliding_attention" else None for t in self.layer_types]
+        # (a window at least as long as the longest context never masks a key — Phi-4-mini's 262,144 against its
+        # 131,072 positions —: none, so its plans keep the library kernel and the unwindowed tree kernel)
+        window = getattr(config, "sliding_window", None)
+        window = int(window) if window is not None and int(window) < self.max_context else None
+        self.layer_window = [window if t == "sliding_attention" else None for t in self.layer_types]
         cap = getattr(config, "attn_logit_softcapping", None) if family.attn_softcap else None
         self.attn_softcap = None if cap is None else float(cap)
         # embeddings times sqrt(hidden), the factor rounded to the model dtype as HF does
