@@ -146,6 +146,28 @@ def test_cut_short_is_incomplete_and_does_not_vote(smol):
     assert root.info["answer"]["votes"] == {root["answer"]: 1}  # the three partial JSON texts do not vote
 
 
+def test_incomplete_constrained_texts_are_never_picked_but_collected_and_marked(smol):
+    """best / top_k never pick a constrained text that ended unmet (cut short by max_tokens: an incomplete
+    JSON prefix with the highest log-probability would win otherwise); best is None when every text is
+    incomplete; collect keeps them all; every reduction lists them in ``info[name]["incomplete"]``."""
+    @treegen.program
+    def prog(s, n_complete):
+        s += QUESTION
+        b = s.fork(4)
+        b += [treegen.gen("ans", max_tokens=40 if i < n_complete else 2, json_schema=SCHEMA) for i in range(4)]
+        s.join(b, pick=treegen.best("ans", by="logprob"), two=treegen.top_k("ans", by="logprob", k=2),
+               every=treegen.collect("ans"))
+
+    root = prog.run(smol, 1)
+    infos = [st.info["ans"] for st in root._run.states if "finish_reason" in st.info.get("ans", {})]
+    assert [i["constraint_met"] for i in infos] == [True, False, False, False]
+    assert json.loads(root["pick"]) and root["two"] == [root["pick"]]
+    assert root.info["pick"]["winners"] == [0] and root.info["pick"]["incomplete"] == [1, 2, 3]
+    assert len(root["every"]) == 4 and root.info["every"]["incomplete"] == [1, 2, 3]
+    none = prog.run(smol, 0)
+    assert none["pick"] is None and none["two"] == [] and none.info["pick"]["incomplete"] == [0, 1, 2, 3]
+
+
 def test_constrained_with_select_and_run_batch(smol):
     @treegen.program
     def prog(s, q):

@@ -778,6 +778,10 @@ def _compute_reduction(name: str, spec: Reduce, children: list[State]) -> tuple[
         scores = ([child.info.get(spec.source, {}).get("logprob") for child in children] if spec.by == "logprob"
                   else [child[spec.by] for child in children])
     info: dict = {"reduction": spec.kind, "source": spec.source, "branches": len(children)}
+    # constrained gens cut short (max_tokens) or at a dead end: their text is an incomplete prefix, no answer
+    unmet = {i for i, child in enumerate(children) if child.info.get(spec.source, {}).get("constraint_met") is False}
+    if unmet:
+        info["incomplete"] = sorted(unmet)
     try:
         if spec.kind == "collect":
             result = reduce.collect(values)
@@ -785,18 +789,23 @@ def _compute_reduction(name: str, spec: Reduce, children: list[State]) -> tuple[
             result = spec.sep.join(str(v) for v in values)
         elif spec.kind == "vote":
             answers = [reduce.extract(v, spec.extract) for v in values]  # once: extract may be a function
-            # a constrained gen cut short by max_tokens has no answer (its text is an incomplete prefix)
-            answers = [None if child.info.get(spec.source, {}).get("constraint_met") is False else a
-                       for child, a in zip(children, answers)]
+            answers = [None if i in unmet else a for i, a in enumerate(answers)]  # (incomplete: no answer)
             result = reduce.vote(answers)
             info["votes"] = reduce.tally(answers)
             info["winners"] = [i for i, a in enumerate(answers) if a is not None and a == result]
         else:
             if scores is None:
                 scores = [spec.by(v) for v in values]
-            result = reduce.best(values, scores) if spec.kind == "best" else reduce.top_k(values, scores, spec.k)
+            if not unmet:
+                result = reduce.best(values, scores) if spec.kind == "best" else reduce.top_k(values, scores, spec.k)
+                ranked = reduce.ranking(scores)
+            else:  # incomplete texts are never picked: best is None when every branch's is
+                reduce.top_k(values, scores, spec.k) if spec.kind == "top_k" else reduce.best(values, scores)  # (checks)
+                ranked = [i for i in reduce.ranking(scores) if i not in unmet]
+                result = ([values[i] for i in ranked[: spec.k]] if spec.kind == "top_k"
+                          else values[ranked[0]] if ranked else None)
             info["scores"] = [reduce.score(x) for x in scores]
-            info["winners"] = reduce.ranking(scores)[: 1 if spec.kind == "best" else spec.k]
+            info["winners"] = ranked[: 1 if spec.kind == "best" else spec.k]
     except (ValueError, TypeError) as e:
         message = f"reduction {name!r} ({spec.kind} of {spec.source!r}): {e}"
         if spec.where is not None:

@@ -86,8 +86,12 @@ class Reduce:
         {"reduction": kind, "source": source, "branches": n,     # every kind
          "votes": {answer: count},          # vote: in order of first appearance; texts without an answer do not vote
          "scores": [float, ...],            # best, top_k: every branch's score, as reduce.score reads it (-inf: none)
-         "winners": [branch index, ...]}    # vote: the branches whose answer won; best: [the best branch];
+         "winners": [branch index, ...],    # vote: the branches whose answer won; best: [the best branch];
                                             # top_k: the kept branches, best first
+         "incomplete": [branch index, ...]} # only when some: constrained gens that ended unmet (cut short, or
+                                            # at a dead end): vote, best and top_k never pick their texts
+                                            # (best: None when every branch's is incomplete); collect and
+                                            # concat keep them
 
     ``where``: where the reduction was written, for errors when it is computed (e.g. a score that is
     a list): None, or an object with ``error(message) -> Exception`` (a ``.tg``
