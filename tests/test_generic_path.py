@@ -42,6 +42,7 @@ GENERIC_CONFIGS = {
     "gemma2": CONFIGS["gemma2"],  # attention soft-cap 1.5, windowed and global layers, GeGLU, sandwich norms
     "qwen3_moe": lambda: _cfg("Qwen3MoeConfig", **COMMON, moe_intermediate_size=32, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True),
+    "mixtral": lambda: _cfg("MixtralConfig", **COMMON, num_local_experts=4, num_experts_per_tok=2),
     "gpt_neox": lambda: _cfg("GPTNeoXConfig", vocab_size=128, hidden_size=64, intermediate_size=96,
                              num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                              rotary_pct=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0),
@@ -145,6 +146,22 @@ def test_fast_path_refusal_falls_to_the_generic_path(tmp_path, monkeypatch):
     engine = Engine.load(str(tmp_path))
     assert engine.implementation == "generic" and "RoPE type 'linear'" in engine.model.reason
     check_against_hf(hf, engine.tokenizer, gen_records(two_samples.run(engine)), engine.model.eos_token_ids)
+
+
+def test_a_model_only_the_generic_path_runs_is_refused_tensor_parallel_before_any_worker_starts(saved, monkeypatch):
+    from treegen.runtime import workers
+
+    def never(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(workers, "start_team", never)
+    _, path = saved("qwen3_moe")
+    with pytest.raises(UnsupportedModelError, match=r"runs on the generic path \(the fast path does not run it .*\), "
+                                                    r"which has no tensor-parallel split: use tensor_parallel=1"):
+        Engine.load(str(path), tensor_parallel=2)
+    with pytest.raises(UnsupportedModelError, match="qwen3_moe") as e:  # the fast path's own refusal, not the above
+        Engine.load(str(path), tensor_parallel=2, implementation="fast")
+    assert "generic path (" not in str(e.value)
 
 
 def test_from_hf_takes_the_model_over():

@@ -307,7 +307,7 @@ class Engine:
         A layout the model cannot split into is refused from its config, before any process group is
         made or weight is read."""
         from treegen.runtime import distributed
-        from treegen.runtime.loader import load_config, load_model
+        from treegen.runtime.loader import UnsupportedModelError, implementation_of, load_config, load_model
         from treegen.runtime.shard import check_tensor_parallel, vocab_parallel_for
 
         device = torch.device(device)
@@ -319,6 +319,11 @@ class Engine:
         if tensor_parallel > 1 and implementation == "generic":
             raise distributed.DistributedError("tensor_parallel > 1 runs treegen's fast path only (its split "
                                                "forward); the generic path runs on one GPU per replica")
+        if tensor_parallel > 1:  # (before any process starts: a model only the generic path runs has no split)
+            path, reason = implementation_of(model, implementation)
+            if path == "generic":
+                raise UnsupportedModelError(f"{model!r} runs on the generic path ({reason}), which has no "
+                                            f"tensor-parallel split: use tensor_parallel=1 (data parallel works)")
         config = load_config(model)
         check_tensor_parallel(config, tensor_parallel)
         split_vocab = vocab_parallel_for(vocab_parallel, tensor_parallel, int(config.vocab_size))

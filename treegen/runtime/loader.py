@@ -283,6 +283,12 @@ def load_config(model: str | os.PathLike | None = None, implementation: str = "a
     return _load_config(_resolve(model), implementation)
 
 
+def implementation_of(model: str | os.PathLike | None = None, implementation: str = "auto") -> tuple[str, str]:
+    """``("fast" | "generic", why)``: the path that would run ``model`` (no weights read; see
+    :func:`choose_implementation`, which raises for what ``implementation`` cannot run)."""
+    return _load_configs(_resolve(model), implementation)[2:]
+
+
 def load_tokenizer(model: str | os.PathLike | None = None):
     """HF tokenizer of ``model`` (no weights); the architecture is checked too."""
     source = _resolve(model)
