@@ -164,6 +164,14 @@ def test_a_model_only_the_generic_path_runs_is_refused_tensor_parallel_before_an
     assert "generic path (" not in str(e.value)
 
 
+def test_a_model_whose_attention_is_its_own_code_is_refused_saying_so():
+    config = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(UnsupportedModelError, match=r"model_type='bloom': none of its 2 layers calls transformers' "
+                                                    r"attention interface"):
+        GenericModel(hf)
+
+
 def test_from_hf_takes_the_model_over():
     """GenericModel wraps an HF model in place: its attention becomes treegen's, which refuses to run
     outside treegen's forward rather than attend without a mask."""

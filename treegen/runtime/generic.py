@@ -184,6 +184,11 @@ class GenericModel:
         self._forward(ids, torch.arange(2, device=self.device), record, None, inspect=inspect)
         name = self.config.model_type
         n = int(getattr(self.config, "num_hidden_layers", len(seen)))
+        if not seen:
+            raise UnsupportedModelError(
+                f"model_type={name!r}: none of its {n} layers calls transformers' attention interface, which the "
+                f"generic path plugs tree attention into (attention written into the model's own code, as "
+                f"Falcon's, Bloom's or MPT's, or recurrent / state-space layers); the generic path runs {GENERIC_SUPPORT}")
         if sorted(seen) != list(range(n)):
             missing = sorted(set(range(n)) - set(seen))
             raise UnsupportedModelError(
