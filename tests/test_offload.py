@@ -330,6 +330,39 @@ def test_a_workload_3x_the_budget_gives_the_unlimited_runs_tokens(model, unlimit
         assert engine.offload_rates.prefill_tokens > 0
 
 
+@pytest.mark.parametrize("mode", ["auto", "host"])
+def test_when_the_host_runs_out_of_memory_auto_recomputes_and_host_says_so(model, unlimited, mode, monkeypatch, caplog):
+    """The host gives memory for three offloaded nodes, then no more (as pinning fails when the machine's
+    memory is locked up): ``"auto"`` drops the node it could not place and the rest, warns once, recomputes
+    from then on (nothing more goes to the host), and gives the unlimited run's tokens; ``"host"`` stops with the error naming the node."""
+    from treegen.runtime.host_arena import HostArena
+    from treegen.runtime.kv_store import HostMemoryError
+
+    take, taken = HostArena.take, []
+
+    def scarce(self, nbytes):
+        if len(taken) >= 3:
+            raise RuntimeError("could not allocate 64 MiB of pinned host memory (injected)")
+        taken.append(nbytes)
+        return take(self, nbytes)
+
+    monkeypatch.setattr(HostArena, "take", scarce)
+    want = unlimited[0.0]
+    per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
+    engine = Engine(model, IdTokenizer(), kv_budget_bytes=live_kv_tokens(want) // 3 * per, offload=mode)
+    if mode == "host":
+        with pytest.raises(HostMemoryError, match=r"offloading node \d+'s KV .* needs host memory: could not allocate"):
+            follow_up.run(engine, temperature=0.0, seed=4, **ARGS)
+        return
+    with caplog.at_level("WARNING", logger="treegen.runtime.scheduler"):
+        got = follow_up.run(engine, temperature=0.0, seed=4, **ARGS)
+    assert got.ret_value == want.ret_value
+    run = got._run.tree_run
+    stats = run.offload_stats
+    assert stats["nodes_offloaded"] == 3 and stats["nodes_dropped"] > 0 and stats["tokens_recomputed"] > 0
+    assert run.scheduler.host_fallbacks == 1 and "offload to the host failed" in caplog.text
+
+
 def test_with_offload_off_the_same_workload_is_refused(model, unlimited):
     per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
     budget = live_kv_tokens(unlimited[0.0]) // 3 * per

@@ -31,6 +31,10 @@ from treegen.runtime.free_spans import FreeSpans
 from treegen.runtime.host_arena import ALIGN, HostArena, HostSpan
 
 
+class HostMemoryError(RuntimeError):
+    """The host could not give (pin) memory for an offloaded node's KV; the nodes before it were offloaded."""
+
+
 @dataclass
 class Segment:
     """Slots ``[start, start + capacity)`` of one node; the first ``computed`` hold written KV.
@@ -409,7 +413,7 @@ class KVStore:
         try:
             span = self.arena.take(max(total, 1))
         except RuntimeError as e:
-            raise RuntimeError(f"offloading node {node}'s KV ({c * self.bytes_per_token / 2**20:.1f} MiB) needs host "
+            raise HostMemoryError(f"offloading node {node}'s KV ({c * self.bytes_per_token / 2**20:.1f} MiB) needs host "
                                f"memory: {e}; run with Engine(offload='recompute') or offload='off', or lower "
                                "offload_bytes") from e
         self.counters.pin_seconds += self.arena.grow_seconds - grown

@@ -52,12 +52,17 @@ it is tested on the CPU without one (``tests/test_scheduler.py``).
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from treegen.runtime.kv_store import HostMemoryError
 from treegen.runtime.offload import OffloadPolicy
 from treegen.runtime.requests import GenRequest, Job
 from treegen.runtime.swa import DEFAULT_EVERY, reserve_slots
+
+logger = logging.getLogger(__name__)
 
 # A decode phase stops for new work once the new jobs plus the branches finished since it began reach
 # this fraction of its size. Replanning costs about ten steps of a 256-branch TinyLlama phase (the
@@ -188,6 +193,7 @@ class Scheduler:
         # gone from the pool, which need() sees either way); reset when a pass starts
         self._evicting: dict[int, bool] = {}
         self._total: int | None = None  # the last admission pass's budget in slots (bounded: gens may be sliced)
+        self.host_fallbacks = 0  # offloads the host had no memory for, dropped instead ("auto": see _carry_out)
 
     # ------------------------------------------------------------------------------------------------
     def submit(self, job: Job, priority: tuple | None = None) -> None:
@@ -522,7 +528,21 @@ class Scheduler:
         host (its copies batched: on an H100 host, Llama-3-8B short of memory made ~2,700 offload calls of a
         node or two, 1.8 s of host time while the GPU waited), then the drops."""
         to_host = [n for n, host in idle.evicting.items() if host]
-        self.kv.offload(to_host)
+        try:
+            self.kv.offload(to_host)
+        except HostMemoryError as e:
+            left = [n for n in to_host if n in self.kv.segments]  # (those before it are on the host)
+            if self.offload.mode != "auto" or any(self.kv.dropped(n) for n in left):
+                raise  # ("host" keeps its promise; a node sparse window attention compacted cannot be recomputed)
+            # the host has no more memory: this node and the rest are dropped and prefilled again when read, and
+            # "auto" recomputes from now on (no host cap left; what is on the host comes back as it is read)
+            logger.warning("treegen: offload to the host failed (%s); dropping %d nodes to recompute instead, and "
+                           "recomputing from now on", e, len(left))
+            self.offload = dataclasses.replace(self.offload, host_bytes=0)
+            self.host_fallbacks += 1
+            for n in left:
+                idle.evicting[n] = False
+            to_host = [n for n in to_host if n not in left]
         step.offloaded += to_host
         for n, host in idle.evicting.items():
             if not host:
