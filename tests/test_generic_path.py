@@ -43,6 +43,12 @@ GENERIC_CONFIGS = {
     "qwen3_moe": lambda: _cfg("Qwen3MoeConfig", **COMMON, moe_intermediate_size=32, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True),
     "mixtral": lambda: _cfg("MixtralConfig", **COMMON, num_local_experts=4, num_experts_per_tok=2),
+    # attention sinks (a logit per head in every softmax), sliding and full layers, YaRN, biases, a routed MoE
+    "gpt_oss": lambda: _cfg("GptOssConfig", **{**COMMON, "head_dim": 16}, num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": 16,
+                                             "rope_theta": 150000.0}),
     "gpt_neox": lambda: _cfg("GPTNeoXConfig", vocab_size=128, hidden_size=64, intermediate_size=96,
                              num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                              rotary_pct=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0),

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu  # skipped without CUDA and compiled kernels (tests
 DEVICE = "cuda"
 assert set(TOL) == {torch.float32, torch.bfloat16}
 
-# real head shapes (Llama-3-8B, Qwen3-30B-A3B, Pythia-1.4B), 2 layers, a smaller vocabulary
+# real head shapes (Llama-3-8B, Qwen3-30B-A3B, Pythia-1.4B, gpt-oss-20b), 2 layers, a smaller vocabulary
 SHAPES = {
     "llama3-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                       num_key_value_heads=8, rope_theta=500000.0)),
@@ -33,6 +33,15 @@ SHAPES = {
                                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
     "gpt-neox": ("GPTNeoXConfig", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
                                        rotary_pct=0.25)),
+    # gpt-oss-20b: attention sinks, sliding (128) and full layers, YaRN, biases, 32 experts (top 4)
+    "gpt-oss-20b": ("GptOssConfig", dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                                         num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                         num_experts_per_tok=4, sliding_window=128,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                          "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 4096,
+                                                          "rope_theta": 150000.0})),
 }
 
 

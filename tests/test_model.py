@@ -64,7 +64,7 @@ def randomize_(hf, norm_mean: float = 1.0):
                 p.normal_(norm_mean, 0.2)
             elif pname.endswith("bias"):
                 p.normal_(0.0, 0.3)
-            elif "embed" in pname:
+            elif "embed" in pname or p.dim() == 1:  # (1-D: gpt-oss's attention sinks, a logit per head)
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.5 / p.shape[1] ** 0.5)

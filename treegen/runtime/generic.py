@@ -15,8 +15,9 @@ else; the model is called with ``position_ids`` from the tree and no HF cache.
 
 Loading probes the model once (a two-token forward, :meth:`GenericModel._probe`): every layer must
 call the attention function exactly once with keys and values of one shape (state-space, hybrid
-recurrent or latent-attention layers are refused by name), and features tree attention does not
-implement (attention sinks) are refused. Each layer's sliding window and the attention soft cap are
+recurrent or latent-attention layers are refused by name). Attention sinks (gpt-oss: a logit per head in
+every softmax's denominator) rescale tree attention's output by ``sigmoid(lse - sink)``, each row's LSE from
+``attend.lse`` (a second pass over the keys, PyTorch's). Each layer's sliding window and the attention soft cap are
 read from the calls (``layer_window``, ``attn_softcap``) and applied by the runtime's tree-attention
 plans, as for the fast path. On CUDA a second probe captures the forward as a CUDA
 graph: modules that synchronise with the host (e.g. a mixture-of-experts block looping over the
@@ -168,6 +169,8 @@ class GenericModel:
         def record(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return torch.zeros_like(q)
 
+        record.lse = lambda layer, q: torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+
         def inspect(module, q, k, v, kwargs):
             layer = getattr(module, "layer_idx", None)
             if layer is None:
@@ -269,8 +272,10 @@ class GenericModel:
                       scaling, kwargs) -> tuple[Tensor, None]:
         """One layer: HF's ``[1, heads, T, D]`` tensors to the runtime's ``[T, heads, D]`` and back."""
         name = self.config.model_type
-        if kwargs.get("s_aux") is not None:
-            raise UnsupportedModelError(f"model_type={name!r}: attention sinks are not supported by tree attention")
+        sinks = kwargs.get("s_aux")  # gpt-oss: a logit per head in every softmax's denominator, with no value
+        if sinks is not None and (sinks.dim() != 1 or sinks.numel() != query.shape[1]):
+            raise UnsupportedModelError(f"model_type={name!r}: attention sinks of shape {tuple(sinks.shape)}; one "
+                                        f"logit per head ({query.shape[1]}) is supported")
         cap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
         if hasattr(self, "layer_window") and ((None if cap is None else float(cap)) != self.attn_softcap
                                               or window != self.layer_window[module.layer_idx]):
@@ -291,7 +296,11 @@ class GenericModel:
         q = q.to(self.dtype).contiguous()
         k = key[0].transpose(0, 1).to(self.dtype)
         v = value[0].transpose(0, 1).to(self.dtype)
-        return attend(layer, q, k, v).unsqueeze(0), None  # [1, T, H, D]
+        out = attend(layer, q, k, v)
+        if sinks is not None:  # softmax over the keys and a sink: the keys' attention times Z / (Z + e^sink)
+            lse = attend.lse(layer, q)  # [T, H]: log Z of each row's visible keys
+            out = (out.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(out.dtype)
+        return out.unsqueeze(0), None  # [1, T, H, D]
 
     def __repr__(self) -> str:
         graphs = "" if self.graphs_off_reason is None else ", cuda_graphs=off"

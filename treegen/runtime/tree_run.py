@@ -34,7 +34,7 @@ import networkx as nx
 import torch
 
 from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, library_copy_bytes, plan_tree_attention,
-                                            tree_attention)
+                                            tree_attention, tree_lse_reference)
 from treegen.runtime import swa
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.decode import Decoder
@@ -401,7 +401,11 @@ class TreeRun:
         kv, scale = self.kv, self.model.attn_scale
         library_kv = library_kv or {}
         if self.engine.attention == "none":
-            return lambda layer, q, k, v: q  # benchmark ceiling: no KV traffic, no attention
+            def skip(layer, q, k, v):  # benchmark ceiling: no KV traffic, no attention
+                return q
+
+            skip.lse = lambda layer, q: torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+            return skip
 
         def attend(layer: int, q, k, v):
             kv.wait_layer(layer)  # KV copied back from the host for this step: this layer's copies first
@@ -420,7 +424,15 @@ class TreeRun:
             k_cache, v_cache, k_scale, v_scale = kv.layer(layer)
             return (k_cache, v_cache, slots) + ((k_scale, v_scale) if k_scale is not None else ())
 
+        def lse(layer: int, q):
+            """Each query row's log-sum-exp over the keys it sees in ``layer`` (after ``attend`` wrote this pass's
+            keys), ``[rows, heads]`` fp32: what attention sinks (gpt-oss) rescale the output by. A second pass
+            over the keys (no values), PyTorch's."""
+            k_cache, _, k_scale, _ = kv.layer(layer)
+            return tree_lse_reference(q, k_cache, plan.layer(layer), scale, k_scale)
+
         attend.cache = cache
+        attend.lse = lse
         return attend
 
     def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int], gather: bool = True) -> torch.Tensor:
