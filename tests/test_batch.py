@@ -431,3 +431,23 @@ def test_cli_run_batch_progress(smol, tmp_path, capsys, monkeypatch):
     assert watch.tree is not None
     assert watch.describe(watch.sample(), 1.0).startswith("3/3 programs done · running · 6 branches · ")
     assert err.strip().count("\n") == 0 and "3 programs ran" in err  # only the summary: no per-token output
+
+
+def test_cli_run_batch_max_program_tokens(smol, tmp_path, capsys, monkeypatch):
+    """``--max-program-tokens N``: every program that generates more than N tokens in all fails alone with
+    the limit named; a bad N is a usage error."""
+    from treegen.cli import main
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: smol))
+    monkeypatch.setenv("COLUMNS", "200")
+    prog, inputs = _cli_batch_files(tmp_path, [{"q": QUESTIONS[0]}, {"q": QUESTIONS[1]}])
+    out_json = tmp_path / "out.jsonl"
+    code = main(["run", str(prog), "--batch", str(inputs), "--json", str(out_json), "--no-progress",
+                 "--max-program-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    records = _json_lines(out_json.read_text())
+    assert len(records) == 2 and all("past its limit max_program_tokens=2" in r["error"] for r in records), records
+    with pytest.raises(SystemExit):
+        main(["run", str(prog), "--max-program-tokens", "0"])
+    assert "--max-program-tokens: must be a positive integer, got '0'" in capsys.readouterr().err

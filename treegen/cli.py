@@ -93,9 +93,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="sparse window attention (lossy) for every gen that names no kv_keep: each branch keeps "
                         "this fraction in (0, 1] of its own KV, its recent tokens and those it attended to most "
                         "(default: exact attention)")
+    r.add_argument("--max-program-tokens", type=_positive, default=None, metavar="N",
+                   help="stop a program that generates more than N tokens in all (its own error; the others go on; "
+                        "default 1,000,000)")
     r.add_argument("--no-progress", action="store_true", help="no progress display")
     r.set_defaults(func=cmd_run)
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _kv_keep(text: str) -> float:
@@ -210,7 +223,8 @@ def cmd_run(args) -> int:
     def work():
         engine = load()
         start = time.perf_counter()
-        return prog.run(engine, seed=args.seed, watch=watch, **values), time.perf_counter() - start
+        return (prog.run(engine, seed=args.seed, watch=watch, max_program_tokens=args.max_program_tokens, **values),
+                time.perf_counter() - start)
 
     result, seconds = watch.run(work, err, enabled=not args.no_progress)
     if args.json:
@@ -340,8 +354,9 @@ def _run_batch(args, prog, inputs: list[dict], lines: list[int], load, watch, ou
     def work() -> None:
         engine = load()
         clock["start"] = time.perf_counter()
+        limit = {} if args.max_program_tokens is None else {"max_program_tokens": args.max_program_tokens}
         prog.run_batch(engine, inputs, seed=args.seed, watch=watch, on_programs=watch.programs,
-                       on_result=on_result, describe=lambda i: f"{i} (input {where[i]})")
+                       on_result=on_result, describe=lambda i: f"{i} (input {where[i]})", **limit)
 
     failure = None
     try:

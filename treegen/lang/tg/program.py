@@ -75,11 +75,14 @@ class TgProgram:
         lowering = Lowering(self.file, self.bind(values))
         return Program(_Body(lowering)).compile(tokenizer=tokenizer)
 
-    def run(self, engine, *, seed: int = 0, watch: Callable | None = None, **values) -> "TgResult":
-        """Run on ``engine``. ``watch(tree)`` is called with the run's sharing tree when it starts."""
+    def run(self, engine, *, seed: int = 0, watch: Callable | None = None, max_program_tokens: int | None = None,
+            **values) -> "TgResult":
+        """Run on ``engine``. ``watch(tree)`` is called with the run's sharing tree when it starts.
+        ``max_program_tokens``: as in :meth:`treegen.Program.run` (None: its default)."""
         bound = self.bind(values)
         lowering = Lowering(self.file, bound, watch)
-        root = Program(_Body(lowering)).run(engine, seed=seed)
+        limit = {} if max_program_tokens is None else {"max_program_tokens": max_program_tokens}
+        root = Program(_Body(lowering)).run(engine, seed=seed, **limit)
         assert lowering.root is not None and lowering.root.state is root
         return TgResult(self, lowering.root, lowering.values, seed, engine.tokenizer)
 
