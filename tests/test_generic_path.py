@@ -25,7 +25,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import treegen  # noqa: E402
 from treegen.runtime.engine import Engine  # noqa: E402
 from treegen.runtime.generic import GenericModel  # noqa: E402
-from treegen.runtime.loader import choose_implementation, load_model  # noqa: E402
+from treegen.runtime.loader import IdTokenizer, choose_implementation, load_model  # noqa: E402
+from treegen.runtime.requests import GenRequest  # noqa: E402
+from treegen.runtime.sampler import SamplingParams  # noqa: E402
 from treegen.runtime.model import LlamaFamilyModel, UnsupportedModelError  # noqa: E402
 
 
@@ -170,6 +172,39 @@ def test_a_model_only_the_generic_path_runs_is_refused_tensor_parallel_before_an
     assert "generic path (" not in str(e.value)
 
 
+def test_attention_sinks_over_the_triton_kernels_plans_give_hf_generate(monkeypatch):
+    """gpt-oss's sinks with the Triton tree-attention backend (interpreted on the CPU; head_dim 64): its plans
+    carry no levels, so each pass is also planned for the rows' LSEs (``PassPlan.lse_layer``); greedy branches
+    equal HF ``generate``'s, and CUDA graphs are off, saying why."""
+    config = GENERIC_CONFIGS["gpt_oss"]()
+    config.head_dim = 64
+    torch.manual_seed(0)
+    hf = randomize_(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    model = GenericModel(copy.deepcopy(hf))
+    assert model.needs_row_lse and "attention sinks" in model.graphs_off_reason
+    engine = Engine(model, IdTokenizer())
+    engine.attention_backend = "triton"
+    run = engine.start()
+    planned, plan_rows = [], run.plan_rows
+
+    def spy(*args, **kwargs):
+        out = plan_rows(*args, **kwargs)
+        planned.append(out[2].lse_by_window is not None and out[2].backend == "triton")
+        return out
+
+    monkeypatch.setattr(run, "plan_rows", spy)
+    prompt = [5, 9, 13, 7, 21, 3, 8, 11, 40, 41]
+    root = run.tree.add_node(None, prompt)
+    leaves = [run.tree.add_node(root, [60 + i, 70 + i]) for i in range(3)]
+    results, _ = run.execute([GenRequest(leaf, SamplingParams(max_tokens=8, ignore_eos=True), key=i)
+                              for i, leaf in enumerate(leaves)], [])
+    assert len(planned) > 1 and all(planned)  # (Triton plans, each with its LSE plans)
+    for i, r in enumerate(results):
+        ids = torch.tensor([prompt + [60 + i, 70 + i]])
+        want = hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)[0, 12:].tolist()
+        assert list(r.tokens) == want, i
+
+
 def test_a_model_whose_attention_is_its_own_code_is_refused_saying_so():
     config = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -224,12 +259,12 @@ def test_encoder_decoder_and_multimodal_configs_are_refused():
         choose_implementation(qwen3, qwen3, "fastest")
 
 
-def test_attention_features_tree_attention_lacks_are_refused_by_the_probe():
-    """Read from the modules' own attention calls: sinks (gpt-oss); soft caps and windows are taken."""
+def test_attention_features_are_read_by_the_probe():
+    """Read from the modules' own attention calls: sinks (gpt-oss: rows' LSEs needed), soft caps and windows."""
     oss = _cfg("GptOssConfig", **{**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
                                    "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]})
-    with pytest.raises(UnsupportedModelError, match="gpt_oss.*attention sinks"):
-        GenericModel(AutoModelForCausalLM.from_config(oss, dtype=torch.float32))
+    model = GenericModel(AutoModelForCausalLM.from_config(oss, dtype=torch.float32))
+    assert model.needs_row_lse and model.layer_window == [32, None]
     gemma2 = _cfg("Gemma2Config", **{**COMMON, "head_dim": 16})  # attn_logit_softcapping=50.0 by default
     model = GenericModel(AutoModelForCausalLM.from_config(gemma2, dtype=torch.float32))
-    assert model.attn_softcap == 50.0 and model.layer_window == [gemma2.sliding_window, None]
+    assert model.attn_softcap == 50.0 and model.layer_window == [gemma2.sliding_window, None] and not model.needs_row_lse

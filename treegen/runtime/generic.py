@@ -145,7 +145,10 @@ class GenericModel:
         self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = set(eos_token_ids) | eos_ids_of(config, getattr(hf_model, "generation_config", None))
         self._probe()
-        self.graphs_off_reason = self._capture_probe() if self.device.type == "cuda" else None
+        if self.needs_row_lse:  # (its LSE pass reads reference plans, which a kept graph's padded plan does not carry)
+            self.graphs_off_reason = "attention sinks: each row's LSE is a PyTorch pass, not captured"
+        else:
+            self.graphs_off_reason = self._capture_probe() if self.device.type == "cuda" else None
 
     @classmethod
     def from_pretrained(cls, source: str, config, *, dtype: torch.dtype, device: torch.device,
@@ -181,7 +184,9 @@ class GenericModel:
                                             f"in one forward pass (shared or cross-layer KV is not supported)")
             seen[layer] = (q.shape[1], k.shape[1], k.shape[3], tuple(v.shape), kwargs.get("sliding_window"),
                            kwargs.get("softcap"))
+            sinks.add(kwargs.get("s_aux") is not None)
 
+        sinks: set[bool] = set()
         self.attn_scale, self.max_context, self._scales = 1.0, 0, {}
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._forward(ids, torch.arange(2, device=self.device), record, None, inspect=inspect)
@@ -207,6 +212,8 @@ class GenericModel:
                     f"model_type={name!r}: layer {layer}'s values have shape {tuple(v_shape)}, its keys "
                     f"[1, {hkv}, T, {d}] (keys and values of different sizes, e.g. latent attention, are not supported)")
         self.num_layers = n
+        # attention sinks (gpt-oss): the runtime plans each pass for rows' LSEs too (PassPlan.lse_layer)
+        self.needs_row_lse = True in sinks
         self.attn_scale = next(iter(self._scales.values()))
         # what the runtime's plans apply per layer (tree attention computes both; see PassPlan in engine.py)
         self.layer_window = [None if seen[i][4] is None else int(seen[i][4]) for i in range(n)]

@@ -56,6 +56,9 @@ class PassPlan:
 
     by_window: dict[int | None, TreeAttentionPlan]
     layer_window: tuple[int | None, ...]
+    # reference-backend plans of the same pass, for rows' LSEs (attention sinks: the model's needs_row_lse),
+    # where by_window's are the Triton kernels' (which carry no levels); None: by_window's serve
+    lse_by_window: dict[int | None, TreeAttentionPlan] | None = None
 
     @property
     def query_pos(self) -> torch.Tensor:
@@ -67,6 +70,10 @@ class PassPlan:
 
     def layer(self, i: int) -> TreeAttentionPlan:
         return self.by_window[self.layer_window[i]]
+
+    def lse_layer(self, i: int) -> TreeAttentionPlan:
+        """Layer ``i``'s plan for :func:`~treegen.kernels.tree_attention.tree_lse_reference` (reference levels)."""
+        return (self.lse_by_window or self.by_window)[self.layer_window[i]]
 
     def shape_key(self) -> tuple | None:
         """What a CUDA graph of a forward pass with this plan fixes besides its tables: every window's
@@ -349,22 +356,30 @@ class TreeRun:
             [[tokens(n)[i] for n, i in rows], [held[n].start + i - drop[n] for n, i in rows], query_pos],
             dtype=torch.int64).reshape(3, len(rows)).to(device)
         layer_window = tuple(model.layer_window)
-        plan = PassPlan({window: plan_tree_attention(
-            segment_parent=[index.get(tree.parent(s), -1) for s in segments],
-            segment_start=[held[s].start for s in segments],
-            segment_len=[length_of[s] + grow.get(s, 0) for s in segments],
-            segment_pos=[pos[s] + drop[s] for s in segments],
-            query_segment=[index[n] for n, _ in rows],
-            query_pos=query_pos,
-            query_pos_buffer=query_pos_buffer,
-            device=device,
-            backend=self.engine.attention_backend,
-            num_heads=model.num_heads,
-            num_kv_heads=model.num_kv_heads,
-            dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
-            window=window,
-            softcap=model.attn_softcap,
-        ) for window in dict.fromkeys(layer_window)}, layer_window)
+
+        def plans(backend: str) -> dict:
+            return {window: plan_tree_attention(
+                segment_parent=[index.get(tree.parent(s), -1) for s in segments],
+                segment_start=[held[s].start for s in segments],
+                segment_len=[length_of[s] + grow.get(s, 0) for s in segments],
+                segment_pos=[pos[s] + drop[s] for s in segments],
+                query_segment=[index[n] for n, _ in rows],
+                query_pos=query_pos,
+                query_pos_buffer=query_pos_buffer,  # (one tensor: a decode phase advances it in place)
+                device=device,
+                backend=backend,
+                num_heads=model.num_heads,
+                num_kv_heads=model.num_kv_heads,
+                dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
+                window=window,
+                softcap=model.attn_softcap,
+            ) for window in dict.fromkeys(layer_window)}
+
+        by_window = plans(self.engine.attention_backend)
+        lse_plans = None
+        if getattr(model, "needs_row_lse", False) and next(iter(by_window.values())).backend != "reference":
+            lse_plans = plans("reference")
+        plan = PassPlan(by_window, layer_window, lse_plans)
         for s in new_len:  # (an ancestor's KV is whole already)
             seg = held[s]
             seg.computed = max(seg.computed, new_len[s] - drop[s])
@@ -429,7 +444,7 @@ class TreeRun:
             keys), ``[rows, heads]`` fp32: what attention sinks (gpt-oss) rescale the output by. A second pass
             over the keys (no values), PyTorch's."""
             k_cache, _, k_scale, _ = kv.layer(layer)
-            return tree_lse_reference(q, k_cache, plan.layer(layer), scale, k_scale)
+            return tree_lse_reference(q, k_cache, plan.lse_layer(layer), scale, k_scale)
 
         attend.cache = cache
         attend.lse = lse
