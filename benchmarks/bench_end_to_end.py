@@ -56,7 +56,8 @@ SHAPES = {
                      rope_theta=1000000.0, max_position_embeddings=40960),
     "phi-4-mini": dict(config_class="Phi3Config", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                        num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, tie_word_embeddings=True,
-                       max_position_embeddings=131072, sliding_window=262144,  # (its config's; longer than any context) original_max_position_embeddings=4096,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096,
+                       sliding_window=262144,  # (its config's: longer than any context, so no window)
                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                         "short_factor": [1.0 + 0.05 * i for i in range(48)],
                                         "long_factor": [2.0 + 0.5 * i for i in range(48)]}),

@@ -156,7 +156,7 @@ def test_incomplete_constrained_texts_are_never_picked_but_collected_and_marked(
         b = s.fork(4)
         b += [treegen.gen("ans", max_tokens=40 if i < n_complete else 2, json_schema=SCHEMA) for i in range(4)]
         s.join(b, pick=treegen.best("ans", by="logprob"), two=treegen.top_k("ans", by="logprob", k=2),
-               every=treegen.collect("ans"))
+               every=treegen.collect("ans"), parsed=treegen.best("ans", by=lambda t: len(json.loads(t))))
 
     root = prog.run(smol, 1)
     infos = [st.info["ans"] for st in root._run.states if "finish_reason" in st.info.get("ans", {})]
@@ -164,6 +164,7 @@ def test_incomplete_constrained_texts_are_never_picked_but_collected_and_marked(
     assert json.loads(root["pick"]) and root["two"] == [root["pick"]]
     assert root.info["pick"]["winners"] == [0] and root.info["pick"]["incomplete"] == [1, 2, 3]
     assert len(root["every"]) == 4 and root.info["every"]["incomplete"] == [1, 2, 3]
+    assert root["parsed"] == root["pick"]  # (a `by` that parses: never called on an incomplete text)
     none = prog.run(smol, 0)
     assert none["pick"] is None and none["two"] == [] and none.info["pick"]["incomplete"] == [0, 1, 2, 3]
 

@@ -395,3 +395,12 @@ def test_a_fault_of_the_engine_stops_the_batch_and_keeps_what_finished(engine, m
         assert results[i].error is None and results[i].ret_value == want[i].ret_value
     assert all(str(results[i].error) == "device lost" for i in e.value.errors)
     assert results[0]._run.tree_run.kv.num_slots == 0  # (the pool given back)
+
+
+def test_an_on_tokens_that_raises_stops_the_batch_with_its_error_not_as_an_engine_fault(engine):
+    def on_tokens(stream):
+        raise OSError("socket closed")
+
+    with pytest.raises(OSError, match="socket closed") as e:
+        grows.run_batch(engine, inputs(3), on_tokens=on_tokens)
+    assert not isinstance(e.value, treegen.EngineFailed)

@@ -219,3 +219,24 @@ def test_two_gpus_data_parallel_from_a_plain_process(checkpoint, monkeypatch):  
         assert time.perf_counter() - started < 40
     finally:
         engine.close()
+
+
+def test_a_replica_whose_engine_fails_reports_it_and_one_whose_program_fails_does_not(monkeypatch):
+    """In a replica process: EngineFailed (a fault of its engine: the programs it cut short never went out)
+    leaves ``_replica_batch``, so the replica is marked failed; a ProgramError does not (each failed program
+    went out with its error)."""
+    from treegen.lang import data_parallel
+    from treegen.lang.batch import EngineFailed, ProgramError
+
+    def raising(error):
+        def run_batch_here(*args, **kwargs):
+            raise error
+        return run_batch_here
+
+    args = (None, lambda message: None, [0], [lambda s: None], [0], 0, {}, False)
+    monkeypatch.setattr(data_parallel, "run_batch_here", raising(EngineFailed(RuntimeError("device lost"), [])))
+    with pytest.raises(EngineFailed, match="device lost"):
+        data_parallel._replica_batch(*args)
+    root = type("Root", (), {"program": 0, "error": ValueError("bad input")})()
+    monkeypatch.setattr(data_parallel, "run_batch_here", raising(ProgramError({0: root.error}, [root])))
+    assert data_parallel._replica_batch(*args) == "ok"

@@ -101,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _token_limit(args) -> int:
+    """``--max-program-tokens``, or the API's default."""
+    from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS
+
+    return DEFAULT_MAX_PROGRAM_TOKENS if args.max_program_tokens is None else args.max_program_tokens
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -223,7 +230,7 @@ def cmd_run(args) -> int:
     def work():
         engine = load()
         start = time.perf_counter()
-        return (prog.run(engine, seed=args.seed, watch=watch, max_program_tokens=args.max_program_tokens, **values),
+        return (prog.run(engine, seed=args.seed, watch=watch, max_program_tokens=_token_limit(args), **values),
                 time.perf_counter() - start)
 
     result, seconds = watch.run(work, err, enabled=not args.no_progress)
@@ -354,9 +361,8 @@ def _run_batch(args, prog, inputs: list[dict], lines: list[int], load, watch, ou
     def work() -> None:
         engine = load()
         clock["start"] = time.perf_counter()
-        limit = {} if args.max_program_tokens is None else {"max_program_tokens": args.max_program_tokens}
-        prog.run_batch(engine, inputs, seed=args.seed, watch=watch, on_programs=watch.programs,
-                       on_result=on_result, describe=lambda i: f"{i} (input {where[i]})", **limit)
+        prog.run_batch(engine, inputs, seed=args.seed, watch=watch, on_programs=watch.programs, on_result=on_result,
+                       describe=lambda i: f"{i} (input {where[i]})", max_program_tokens=_token_limit(args))
 
     failure = None
     try:

@@ -28,7 +28,7 @@ import io
 import pickle
 from typing import Callable
 
-from treegen.lang.batch import ProgramError, run_batch_here
+from treegen.lang.batch import EngineFailed, ProgramError, run_batch_here
 from treegen.lang.interpreter import ProgramRun, StopTrace
 
 BALANCE = 1.1  # the most loaded replica may carry this times its even share before a unit is split
@@ -119,10 +119,14 @@ def run_batch_data_parallel(engine, bodies: list[Callable], *, seed: int, seeds:
             on_result(mine[j], root)
 
     payload: tuple
+    local_error = None  # an EngineFailed of this rank: raised here whole, its cause shipped to the others
     try:
         roots = run_batch_here(engine, [bodies[i] for i in mine], seed=seed, seeds=local_seeds, on_result=local_result,
                           on_programs=on_programs, describe=lambda j: describe(mine[j]), **options)
         payload = ("ok", mine, roots)
+    except EngineFailed as e:  # (a fault of this replica's engine, not of its programs: as any other error)
+        local_error = e  # (its results hold live states, which do not pickle: the others get its cause)
+        payload = ("failed", mine, e.__cause__ or RuntimeError(str(e)))
     except ProgramError as e:
         payload = ("ok", mine, e.results)
     except Exception as e:  # noqa: BLE001 - every rank must take part in the exchange, then raise it
@@ -132,7 +136,7 @@ def run_batch_data_parallel(engine, bodies: list[Callable], *, seed: int, seeds:
     if failed:
         d, error = failed[0]
         if d == par.dp_rank:
-            raise error
+            raise local_error or error
         raise RuntimeError(f"data-parallel replica {d} failed: {type(error).__name__}: {error}") from error
     results: list = [None] * len(bodies)
     for _, indices, roots in answers:
@@ -281,6 +285,8 @@ def _replica_batch(engine, emit, indices: list[int], bodies: list[Callable], see
         options = dict(options, on_tokens=on_tokens)
     try:
         run_batch_here(engine, bodies, seed=seed, seeds=seeds, on_result=on_result, **options)
+    except EngineFailed:
+        raise  # (this replica's engine failed: the programs it cut short never went out; the leader says so)
     except ProgramError:
         pass  # (each failed program went out through on_result, with its error)
     except (BatchInterrupted, KeyboardInterrupt):

@@ -12,6 +12,8 @@ in the tree, and anything that needs a generated value stops the trace with :cla
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 from typing import Any, Callable
 
@@ -301,13 +303,23 @@ class ProgramRun:
         request = st._request(op, final=final)
         stream = None
         if self.on_tokens is not None and isinstance(op, Gen):
-            hook = self.on_tokens
-            stream = lambda tokens, st=st, name=op.name: hook(TokenStream(st, name, tokens))  # noqa: E731
+            stream = functools.partial(self._stream, st, op.name)
         try:
             st._job = self.tree_run.submit(request, on_done=lambda job, st=st: self._on_done(st, job), on_tokens=stream)
         except (ValueError, RuntimeError) as e:
             st.pending = []
             self._fail(st.program, e)
+
+    def _stream(self, st: "State", name: str, tokens) -> None:
+        """The caller's ``on_tokens`` hears a branch's tokens. Its own error, in a batch, stops the batch with it
+        (``callback_error``, as ``on_result``'s) — not raised inside the engine's step, where it would read as a
+        fault of the engine."""
+        try:
+            self.on_tokens(TokenStream(st, name, tokens))
+        except Exception as e:
+            if self.scheduler is None:
+                raise
+            self.callback_error = self.callback_error or e
 
     def _on_done(self, st: "State", job) -> None:
         """A state's job completed: record its value, submit the state's next op."""
@@ -401,6 +413,9 @@ class ProgramRun:
         """The engine failed mid-run (its state may be half updated): free what KV can be freed, the pool's
         memory included (the finished programs' values stay readable), and accept no more ops."""
         self.finished = True
+        for st in self.states:  # (their jobs are gone with the engine's state; results then pickle)
+            if st.program not in self._done:
+                st._job, st.pending = None, []
         kv = self.tree_run.kv if self.tree_run is not None else None
         if kv is not None:
             try:
@@ -794,8 +809,8 @@ def _compute_reduction(name: str, spec: Reduce, children: list[State]) -> tuple[
             info["votes"] = reduce.tally(answers)
             info["winners"] = [i for i, a in enumerate(answers) if a is not None and a == result]
         else:
-            if scores is None:
-                scores = [spec.by(v) for v in values]
+            if scores is None:  # (an incomplete text is not scored: a `by` that parses it could fail on it)
+                scores = [None if i in unmet else spec.by(v) for i, v in enumerate(values)]
             if not unmet:
                 result = reduce.best(values, scores) if spec.kind == "best" else reduce.top_k(values, scores, spec.k)
                 ranked = reduce.ranking(scores)

@@ -32,6 +32,9 @@ __all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "PassP
 
 
 ATTENTION_MODES = ("tree", "flat", "none")
+# prefill tokens a forward pass takes at most for a model with attention sinks (gpt-oss): their LSE pass
+# (PyTorch) holds [tokens, heads, keys] fp32 scores per layer — 512 x 64 heads x 8K keys: 1 GiB
+SINK_PREFILL_TOKENS = 512
 # Engine's parameters that are not options (Engine.load makes them)
 _NOT_OPTIONS = ("self", "model", "tokenizer", "parallel", "workers")
 
@@ -114,7 +117,9 @@ class Engine:
             graphs = f"; CUDA graphs off: {self.graphs_off_reason}" if self.graphs_off_reason else ""
             logger.warning("treegen: %s runs on the generic path (transformers' modules with tree attention; exact, "
                            "slower than the fast path): %s%s", model.config.model_type, model.reason, graphs)
-        self.max_prefill_tokens = max_prefill_tokens
+        # (attention sinks' LSE pass holds a chunk's fp32 scores against every key it sees: chunks of at most 512)
+        self.max_prefill_tokens = min(max_prefill_tokens, SINK_PREFILL_TOKENS) \
+            if getattr(model, "needs_row_lse", False) else max_prefill_tokens
         self.kv_budget_bytes = kv_budget_bytes
         self.max_batch = max_batch
         self.offload = "host" if offload == "auto" and parallel is not None else offload
@@ -123,7 +128,6 @@ class Engine:
         self.slice_tokens = slice_tokens
         # offloaded KV's host memory (pinned on CUDA), kept across runs: pinning is slow (see host_arena)
         self.host_arena = HostArena(pinned=model.device.type == "cuda")
-        self.host_reserve_seconds = self.host_arena.reserve(host_reserve_bytes)
         self.kv_keep = None if kv_keep is None else float(kv_keep)
         self.kv_keep_every, self.kv_keep_history = kv_keep_every, kv_keep_history
         self.parallel = parallel
@@ -153,6 +157,8 @@ class Engine:
         self._stop_strings: StopStrings | None = None
         # many texts decoded at once (stop strings' tails, the texts of the branches a block finishes)
         self.batch_decode = BatchDecoder(tokenizer)
+        # last: pinning takes seconds, spent only once every setting has been accepted
+        self.host_reserve_seconds = self.host_arena.reserve(host_reserve_bytes)
 
     @classmethod
     def check_options(cls, options: dict, where: str = "Engine.load") -> None:

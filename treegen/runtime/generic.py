@@ -145,10 +145,12 @@ class GenericModel:
         self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = set(eos_token_ids) | eos_ids_of(config, getattr(hf_model, "generation_config", None))
         self._probe()
-        if self.needs_row_lse:  # (its LSE pass reads reference plans, which a kept graph's padded plan does not carry)
+        if self.device.type != "cuda":
+            self.graphs_off_reason = None
+        elif self.needs_row_lse:  # (its LSE pass reads reference plans, which a kept graph's padded plan does not carry)
             self.graphs_off_reason = "attention sinks: each row's LSE is a PyTorch pass, not captured"
         else:
-            self.graphs_off_reason = self._capture_probe() if self.device.type == "cuda" else None
+            self.graphs_off_reason = self._capture_probe()
 
     @classmethod
     def from_pretrained(cls, source: str, config, *, dtype: torch.dtype, device: torch.device,

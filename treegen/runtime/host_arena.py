@@ -81,8 +81,8 @@ class HostArena:
 
     def reserve(self, nbytes: int) -> float:
         """Hold at least ``nbytes`` bytes in chunks now (of at most ``max_chunk`` each), so that offloads up to
-        that much allocate nothing — pinning paid at start-up, as vLLM allocates its swap space; returns the
-        seconds it took. RuntimeError naming the sizes when the host cannot allocate it."""
+        that much allocate nothing (but a node's span larger than a chunk: spans never cross chunks) — pinning
+        paid at start-up, as vLLM allocates its swap space; returns the seconds it took. RuntimeError naming the sizes when the host cannot allocate it."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"HostArena.reserve needs a number of bytes >= 0, got {nbytes!r}")
         started = self.grow_seconds

@@ -318,9 +318,11 @@ class Scheduler:
         reserved = self.kv.slots_reserved()
         if reserved + want > total:  # (its gain, and its old range held while it moves)
             return False
-        if self.kv.slots_free() < want and reserved + want > self.budget().slots:
-            # the pool must grow, and the admission's budget is stale: a grown pool is a copy, larger the larger
-            # the pool (seen on an H100: 256 sliced gens of Llama-3-8B, a 41 GiB pool grown by one slice, out of memory)
+        if reserved + want > self.budget().slots:
+            # the budget of now, not the admission's: should the pool grow, it is a copy, larger the larger the pool
+            # (seen on an H100: 256 sliced gens of Llama-3-8B, a 41 GiB pool grown by one slice, out of memory).
+            # Asked whatever the pool's free slots (which differ between tensor-parallel ranks, whose budgets are
+            # agreed by a collective every rank must call alike); a slice's end, not every step
             return False
         self.kv.ensure_free(want, limit=total)
         self.kv.reserve(node, want)

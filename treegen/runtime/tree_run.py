@@ -73,7 +73,11 @@ class PassPlan:
 
     def lse_layer(self, i: int) -> TreeAttentionPlan:
         """Layer ``i``'s plan for :func:`~treegen.kernels.tree_attention.tree_lse_reference` (reference levels)."""
-        return (self.lse_by_window or self.by_window)[self.layer_window[i]]
+        plan = (self.lse_by_window or self.by_window)[self.layer_window[i]]
+        if plan.backend != "reference":  # (its levels are empty: every LSE would read -inf, every output 0)
+            raise RuntimeError("rows' LSEs need reference plans of the pass (PassPlan.lse_by_window), which this "
+                               f"{plan.backend} plan lacks (a padded plan of kept graphs carries none)")
+        return plan
 
     def shape_key(self) -> tuple | None:
         """What a CUDA graph of a forward pass with this plan fixes besides its tables: every window's

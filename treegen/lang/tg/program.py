@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any, Callable, Mapping
 
+from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS
 from treegen.lang.dsl import CompiledProgram, Program
 from treegen.lang.tg import ast
 from treegen.lang.tg.check import ParamSpec, check
@@ -75,14 +76,13 @@ class TgProgram:
         lowering = Lowering(self.file, self.bind(values))
         return Program(_Body(lowering)).compile(tokenizer=tokenizer)
 
-    def run(self, engine, *, seed: int = 0, watch: Callable | None = None, max_program_tokens: int | None = None,
-            **values) -> "TgResult":
+    def run(self, engine, *, seed: int = 0, watch: Callable | None = None,
+            max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS, **values) -> "TgResult":
         """Run on ``engine``. ``watch(tree)`` is called with the run's sharing tree when it starts.
-        ``max_program_tokens``: as in :meth:`treegen.Program.run` (None: its default)."""
+        ``max_program_tokens``: as in :meth:`treegen.Program.run` (None: no limit)."""
         bound = self.bind(values)
         lowering = Lowering(self.file, bound, watch)
-        limit = {} if max_program_tokens is None else {"max_program_tokens": max_program_tokens}
-        root = Program(_Body(lowering)).run(engine, seed=seed, **limit)
+        root = Program(_Body(lowering)).run(engine, seed=seed, max_program_tokens=max_program_tokens)
         assert lowering.root is not None and lowering.root.state is root
         return TgResult(self, lowering.root, lowering.values, seed, engine.tokenizer)
 
