@@ -107,9 +107,10 @@ def timed_run(engine: Engine, *, batch: int, prompt: list[int], new: int, flat: 
 
 
 def measure_treegen(model, mode: str, batch: int, prefix: int, new: int, kv_dtype: str = "auto",
-                    slice_tokens: int | None = None) -> dict:
+                    slice_tokens: int | None = None, host_reserve: int = 0) -> dict:
     engine = Engine(model, IdTokenizer(), attention="tree" if mode == "flat" else mode,
-                    kv_dtype=None if kv_dtype == "auto" else kv_dtype, slice_tokens=slice_tokens)
+                    kv_dtype=None if kv_dtype == "auto" else kv_dtype, slice_tokens=slice_tokens,
+                    host_reserve_bytes=host_reserve)
     prompt = torch.randint(0, model.vocab_size, (prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     flat = mode == "flat"
     timed_run(engine, batch=batch, prompt=prompt, new=8, flat=flat)  # warm-up: compile kernels
@@ -118,6 +119,7 @@ def measure_treegen(model, mode: str, batch: int, prefix: int, new: int, kv_dtyp
     gc.collect()
     torch.cuda.empty_cache()
     return {"mode": mode, "kv_dtype": engine.kv_format.name, "slice_tokens": engine.slice_tokens, **SAMPLING,
+            "host_reserve_bytes": host_reserve, "host_reserve_s": engine.host_reserve_seconds,
             "batch": batch, "prefix": prefix, "new": new,
             "total_s": tn, "prefill_s": t1, "decode_tok_s": batch * (new - 1) / (tn - t1), "memory_waits": waits}
 
@@ -219,6 +221,9 @@ def main() -> None:
     parser.add_argument("--slice-tokens", type=int, nargs="+", default=[0],
                         help="Engine(slice_tokens=) of the tree mode, one run each (0, the default: None, whole "
                              f"reservations; {SLICE_TOKENS} is the measured slice); flat and none run with the first")
+    parser.add_argument("--host-reserve-gib", type=float, default=0.0,
+                        help="host memory each engine pins when made for offloaded KV (Engine(host_reserve_bytes=), "
+                             "outside the timed runs; default 0: a run short of memory pins as it offloads)")
     parser.add_argument("--temperature", type=float, default=0.0, help="the treegen modes' sampling (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the treegen modes' nucleus (1: none)")
     parser.add_argument("--out", default=None)
@@ -246,7 +251,8 @@ def main() -> None:
                 rows.append({"mode": mode, "batch": b, "prefix": p, "new": args.new, "skipped": "KV does not fit"})
             else:
                 try:
-                    rows.append(measure_treegen(model, mode, b, p, args.new, kv_dtype, slice_tokens))
+                    rows.append(measure_treegen(model, mode, b, p, args.new, kv_dtype, slice_tokens,
+                                                int(args.host_reserve_gib * 2**30)))
                 except (MemoryError, torch.cuda.OutOfMemoryError) as e:
                     rows.append({"mode": mode, "kv_dtype": kv_dtype, "batch": b, "prefix": p, "new": args.new,
                                  "skipped": f"out of memory: {str(e)[:200]}"})
