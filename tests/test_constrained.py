@@ -323,6 +323,10 @@ def test_threaded_accept_and_fill_equal_one_matcher_at_a_time(monkeypatch):
     bad = [tokenizer.encode("\n")[0]] * n  # never allowed inside this one-line JSON
     with pytest.raises(RuntimeError, match="branch 0 drew token"):
         masks.accept_and_fill(rows, handles, bad, bitmask, rows)
+    # a stop token is let through only at a dead end (a matcher that allows nothing): mid-JSON it is a bug too
+    eos = sorted(masks.grammars.stop_token_ids)[0]
+    with pytest.raises(RuntimeError, match=f"branch 0 drew token {eos}, which its constraint forbids"):
+        masks.accept_and_fill(rows, handles, [eos] * n, bitmask, rows)
 
 
 def test_a_phase_of_constrained_answers_ends_with_its_matchers(smol, tiny_llama, monkeypatch):

@@ -105,9 +105,15 @@ class TokenMasks:
         is a stop token, which a branch draws at a dead end (:func:`open_dead_ends`): it ends there, unmet."""
         stops = self.grammars.stop_token_ids
         for b, t, ok in zip(branches, tokens, taken):
-            if not ok and t not in stops:
+            if not ok and not (t in stops and self._dead_end(b)):
                 raise RuntimeError(f"branch {b} drew token {t}, which its constraint forbids "
                                    "(its token mask was not applied)")
+
+    def _dead_end(self, branch: int) -> bool:
+        """The branch's matcher allows no token at all (asked only when it refused a stop token: rare)."""
+        row = self.new_bitmask(1)
+        self.matchers[branch].fill_next_token_bitmask(row, 0)
+        return not bool(row.any())
 
     def matched(self, branch: int) -> bool:
         """The branch's text so far is a complete match of its constraint."""
