@@ -126,11 +126,17 @@ def test_random_trees_match_plain_attention(seed, num_heads, num_kv, head_dim):
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "keys-in-chunks"])
 @pytest.mark.parametrize("seed", range(5))
-def test_lse_reference_is_each_rows_log_sum_exp_over_what_it_sees(seed):
+def test_lse_reference_is_each_rows_log_sum_exp_over_what_it_sees(seed, chunked, monkeypatch):
     """``tree_lse_reference`` (values never read) equals the full reference's LSE and plain fp64
     log-sum-exp over each row's root-to-own keys — with windows and soft caps, rows that see no key
-    (-inf, no NaN), GQA."""
+    (-inf, no NaN), GQA; also when a level's scores are made in chunks of keys (a bound of 64 score elements
+    here, 1 GiB in use: long prompts under many rows)."""
+    if chunked:
+        from treegen.kernels import tree_attention as ta
+
+        monkeypatch.setattr(ta, "LSE_SCORE_ELEMENTS", 64)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     parent, length = random_tree(rng, max_depth=rng.randint(1, 4), max_fanout=rng.randint(1, 6), max_len=rng.choice([1, 17, 90]))

@@ -30,6 +30,7 @@ Nothing in this module knows about programs or branches; it sees segments and qu
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -321,6 +322,25 @@ def _attend_level(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_pos: Tensor
     return out, _rows_lse(lse, level, num_heads)
 
 
+# fp32 scores tree_lse_reference holds at once at most (1 GiB): a level with more keys is scored in chunks of keys
+LSE_SCORE_ELEMENTS = 2**28
+
+
+def _key_chunks(level: LevelPlan, score_rows: int) -> list[LevelPlan]:
+    """``level``, or the same level cut into chunks of keys whose scores (``score_rows`` per key) fit
+    ``LSE_SCORE_ELEMENTS``; the chunks are kept on the level (their masks are made once per pass)."""
+    keys = level.kv_slots.shape[1]
+    step = max(1, LSE_SCORE_ELEMENTS // max(1, score_rows))
+    if keys <= step:
+        return [level]
+    cached = level.mask_cache.get("key_chunks")
+    if cached is None or cached[0] != step:
+        parts = [dataclasses.replace(level, kv_slots=level.kv_slots[:, a : a + step], kv_pos=level.kv_pos[:, a : a + step],
+                                     mask_cache={}) for a in range(0, keys, step)]
+        cached = level.mask_cache["key_chunks"] = (step, parts)
+    return cached[1]
+
+
 def tree_lse_reference(q: Tensor, k_cache: Tensor, plan: TreeAttentionPlan, scale: float,
                        k_scale: Tensor | None = None) -> Tensor:
     """Each query row's LSE over every key it sees, ``[num_queries, num_heads]`` fp32 (natural log;
@@ -334,8 +354,12 @@ def tree_lse_reference(q: Tensor, k_cache: Tensor, plan: TreeAttentionPlan, scal
     lead, (num_q, num_heads) = q.shape[:-3], q.shape[-3:-1]
     lse_acc = torch.full((*lead, num_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     for level in plan.levels:
-        scores = _level_scores(q, k_cache, plan.query_pos, level, scale, k_scale, plan.window, plan.softcap)
-        lse = _rows_lse(torch.logsumexp(scores, dim=-1), level, num_heads)
+        lse = None
+        for part in _key_chunks(level, math.prod(lead) * level.query_rows.numel() * num_heads):
+            scores = _level_scores(q, k_cache, plan.query_pos, part, scale, k_scale, plan.window, plan.softcap)
+            part_lse = torch.logsumexp(scores, dim=-1)
+            lse = part_lse if lse is None else torch.logaddexp(lse, part_lse)
+        lse = _rows_lse(lse, level, num_heads)
         lse = lse.reshape(*lead, -1, num_heads).index_select(-2, level.valid_index)
         lse_acc.index_copy_(len(lead), level.valid_rows,
                             torch.logaddexp(lse_acc.index_select(-2, level.valid_rows), lse))

@@ -32,9 +32,6 @@ __all__ = ["ATTENTION_MODES", "Engine", "GenRequest", "GenResult", "Job", "PassP
 
 
 ATTENTION_MODES = ("tree", "flat", "none")
-# prefill tokens a forward pass takes at most for a model with attention sinks (gpt-oss): their LSE pass
-# (PyTorch) holds [tokens, heads, keys] fp32 scores per layer — 512 x 64 heads x 8K keys: 1 GiB
-SINK_PREFILL_TOKENS = 512
 # Engine's parameters that are not options (Engine.load makes them)
 _NOT_OPTIONS = ("self", "model", "tokenizer", "parallel", "workers")
 
@@ -117,9 +114,7 @@ class Engine:
             graphs = f"; CUDA graphs off: {self.graphs_off_reason}" if self.graphs_off_reason else ""
             logger.warning("treegen: %s runs on the generic path (transformers' modules with tree attention; exact, "
                            "slower than the fast path): %s%s", model.config.model_type, model.reason, graphs)
-        # (attention sinks' LSE pass holds a chunk's fp32 scores against every key it sees: chunks of at most 512)
-        self.max_prefill_tokens = min(max_prefill_tokens, SINK_PREFILL_TOKENS) \
-            if getattr(model, "needs_row_lse", False) else max_prefill_tokens
+        self.max_prefill_tokens = max_prefill_tokens
         self.kv_budget_bytes = kv_budget_bytes
         self.max_batch = max_batch
         self.offload = "host" if offload == "auto" and parallel is not None else offload
