@@ -265,6 +265,6 @@ def test_attention_features_are_read_by_the_probe():
                                    "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]})
     model = GenericModel(AutoModelForCausalLM.from_config(oss, dtype=torch.float32))
     assert model.needs_row_lse and model.layer_window == [32, None]
-    gemma2 = _cfg("Gemma2Config", **{**COMMON, "head_dim": 16})  # attn_logit_softcapping=50.0 by default
+    gemma2 = _cfg("Gemma2Config", **{**COMMON, "head_dim": 16}, sliding_window=8)  # attn_logit_softcapping=50.0 by default
     model = GenericModel(AutoModelForCausalLM.from_config(gemma2, dtype=torch.float32))
     assert model.attn_softcap == 50.0 and model.layer_window == [gemma2.sliding_window, None] and not model.needs_row_lse

@@ -67,21 +67,37 @@ def test_sliding_window_models_refuse_swa_by_name(model, tokenizer):
         run.submit(GenRequest(leaf, SamplingParams(max_tokens=4, kv_keep=0.5), key=0))
 
 
-def test_a_window_as_long_as_the_context_does_not_refuse_swa(model, tokenizer):
+def test_a_window_as_long_as_the_context_does_not_refuse_swa(tiny_llama, tokenizer):
     """A sliding window at least as long as the model's longest context never masks a key (Phi-4-mini:
-    262,144 against 131,072 positions): sparse window attention runs, and gives what it gives without it."""
-    windowed = copy.copy(model)
-    windowed.layer_window = [model.max_context, None]
+    262,144 against 131,072 positions): the model has none (``model.effective_window``), so sparse window
+    attention runs, and gives what the same weights give without a window; one position shorter is a window."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from treegen.runtime.model import LlamaFamilyModel
+
+    hf = tiny_llama[0]
+
+    def mistral(window):  # the tiny Llama's weights under a Mistral config with this sliding window
+        cfg = MistralConfig(**{k: getattr(hf.config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                                    "num_hidden_layers", "num_attention_heads",
+                                                                    "num_key_value_heads", "max_position_embeddings")},
+                            sliding_window=window, head_dim=16)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        model.load_state_dict(hf.state_dict())
+        return LlamaFamilyModel.from_hf(model)
+
+    longest = hf.config.max_position_embeddings
+    windowed, plain = mistral(longest), mistral(None)
+    assert windowed.layer_window == [None, None]
     outs = []
-    for m in (model, windowed):
+    for m in (plain, windowed):
         run = Engine(m, tokenizer, kv_keep=0.5).start()
         leaf = run.tree.add_node(run.tree.add_node(None, _ids(8, 0)), _ids(3, 1))
         results, _ = run.execute([GenRequest(leaf, SamplingParams(max_tokens=6, ignore_eos=True), key=0)], [])
         outs.append(results[0].tokens)
     assert outs[0] == outs[1]
-    windowed.layer_window = [model.max_context - 1, None]
-    with pytest.raises(ValueError, match=r"sliding-window layers \(windows \[%d\]\)" % (model.max_context - 1)):
-        Engine(windowed, tokenizer, kv_keep=0.3)
+    with pytest.raises(ValueError, match=r"sliding-window layers \(windows \[%d\]\)" % (longest - 1)):
+        Engine(mistral(longest - 1), tokenizer, kv_keep=0.3)
 
 
 # --- selection -----------------------------------------------------------------------------------------

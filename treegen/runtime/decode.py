@@ -186,6 +186,8 @@ class Decoder:
         """Pause every live branch whose node's range holds no slot past its pending token (a sliced gen at
         the end of its slice: see the scheduler): it leaves the batch and its job waits to be admitted again,
         its tokens and states kept here (``paused``) — unless the scheduler gives it its next slice at once."""
+        if self.run.scheduler.slice_tokens is None:  # (whole reservations: no branch runs out of room)
+            return
         extend = self.run.scheduler.extend
         full = [b for b in self.live if self._room(self.jobs[b]) <= 0 and not extend(self.jobs[b], len(self.out[b]))]
         if not full:

@@ -207,10 +207,7 @@ class Engine:
 
     def check_swa(self, where: str) -> None:
         """Raise ValueError when this engine cannot run sparse window attention (``where`` asked for it)."""
-        longest = getattr(self.model, "max_context", None) or None
-        # (a window at least as long as the longest context the model takes never masks a key: Phi-4-mini's
-        # sliding_window 262,144 against its 131,072 positions)
-        windows = sorted({w for w in self.model.layer_window if w is not None and (longest is None or w < longest)})
+        windows = sorted({w for w in self.model.layer_window if w is not None})
         if windows:
             raise ValueError(f"{where}: sparse window attention is not supported on a model with sliding-window "
                              f"layers (windows {windows}): its compacted KV would sit at the wrong distances "

@@ -33,7 +33,7 @@ import logging
 import torch
 from torch import Tensor
 
-from .model import AttendFn, UnsupportedModelError, eos_ids_of
+from .model import AttendFn, UnsupportedModelError, effective_window, eos_ids_of
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +217,6 @@ class GenericModel:
         # attention sinks (gpt-oss): the runtime plans each pass for rows' LSEs too (PassPlan.lse_layer)
         self.needs_row_lse = True in sinks
         self.attn_scale = next(iter(self._scales.values()))
-        # what the runtime's plans apply per layer (tree attention computes both; see PassPlan in engine.py)
-        self.layer_window = [None if seen[i][4] is None else int(seen[i][4]) for i in range(n)]
         caps = {seen[i][5] for i in range(n)}
         if len(caps) != 1:
             raise UnsupportedModelError(f"model_type={name!r}: layers differ in attention soft-capping {sorted(caps, key=str)}")
@@ -227,6 +225,10 @@ class GenericModel:
         limits = [int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)]
         rope_limit = _rope_context_limit(self.config)
         self.max_context = min(limits + ([rope_limit] if rope_limit else []))
+        # what the runtime's plans apply per layer (tree attention computes both; see PassPlan in engine.py); the
+        # windows the modules pass, to check that they do not change
+        self._windows = [seen[i][4] for i in range(n)]
+        self.layer_window = [effective_window(w, self.max_context) for w in self._windows]
 
     def _capture_probe(self) -> str | None:
         """None when a forward pass of this model can be captured as a CUDA graph, else why not."""
@@ -286,8 +288,8 @@ class GenericModel:
             raise UnsupportedModelError(f"model_type={name!r}: attention sinks of shape {tuple(sinks.shape)}; one "
                                         f"logit per head ({query.shape[1]}) is supported")
         cap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
-        if hasattr(self, "layer_window") and ((None if cap is None else float(cap)) != self.attn_softcap
-                                              or window != self.layer_window[module.layer_idx]):
+        if hasattr(self, "_windows") and ((None if cap is None else float(cap)) != self.attn_softcap
+                                          or window != self._windows[module.layer_idx]):
             raise UnsupportedModelError(f"model_type={name!r}: layer {module.layer_idx} changed its window or soft "
                                         f"cap since loading ({window}, {cap})")
         if attention_mask is not None:

@@ -187,6 +187,13 @@ def check_supported(config) -> None:
         rope_inv_freq(config, key)
 
 
+def effective_window(window, max_context: int) -> int | None:
+    """A layer's sliding window as attention applies it: None for none, and for one at least as long as the
+    longest context the model takes, which never masks a key (Phi-4-mini's 262,144 against its 131,072
+    positions: planned without a window, its plans keep the library kernel)."""
+    return int(window) if window is not None and int(window) < max_context else None
+
+
 def max_context_of(config) -> int:
     """Longest sequence (in tokens) this model can run with plain causal attention.
 
@@ -470,10 +477,7 @@ class LlamaFamilyModel:
         self.layer_types = layer_types_of(config)
         # what ``attend`` must apply per layer: the sliding window of "sliding_attention" layers (keys at
         # key_pos > query_pos - window) and the attention logit soft cap (Gemma 2), see tree_attention
-        # (a window at least as long as the longest context never masks a key — Phi-4-mini's 262,144 against its
-        # 131,072 positions —: none, so its plans keep the library kernel and the unwindowed tree kernel)
-        window = getattr(config, "sliding_window", None)
-        window = int(window) if window is not None and int(window) < self.max_context else None
+        window = effective_window(getattr(config, "sliding_window", None), self.max_context)
         self.layer_window = [window if t == "sliding_attention" else None for t in self.layer_types]
         cap = getattr(config, "attn_logit_softcapping", None) if family.attn_softcap else None
         self.attn_softcap = None if cap is None else float(cap)

@@ -308,21 +308,19 @@ class Scheduler:
         waits and the budget holds the slots it gains and the range it holds while it moves (nothing is evicted
         for it): with memory to spare, slices never end a decode phase. True when its node holds the slice."""
         job.drawn = drawn
-        total, node = self._total, job.request.node
+        node = job.request.node
         seg = self.kv.segments.get(node)
-        if seg is None or self.waiting or total is None or self.slice_tokens is None:
+        if seg is None or self.waiting or self._total is None or self.slice_tokens is None:
             return False
         want = min(self.gen_slots(job, whole=True), seg.capacity + self.slice_tokens)  # (a whole slice more)
         if seg.capacity >= want:
             return True
-        reserved = self.kv.slots_reserved()
-        if reserved + want > total:  # (its gain, and its old range held while it moves)
-            return False
-        if reserved + want > self.budget().slots:
-            # the budget of now, not the admission's: should the pool grow, it is a copy, larger the larger the pool
-            # (seen on an H100: 256 sliced gens of Llama-3-8B, a 41 GiB pool grown by one slice, out of memory).
-            # Asked whatever the pool's free slots (which differ between tensor-parallel ranks, whose budgets are
-            # agreed by a collective every rank must call alike); a slice's end, not every step
+        # the budget of now, not the admission's: should the pool grow, it is a copy, larger the larger the pool
+        # (seen on an H100: 256 sliced gens of Llama-3-8B, a 41 GiB pool grown by one slice, out of memory). Asked
+        # whatever the pool's free slots (which differ between tensor-parallel ranks, whose budgets are agreed by
+        # a collective every rank must call alike); at a slice's end, not every step
+        total = self.budget().slots
+        if total is None or self.kv.slots_reserved() + want > total:  # (its gain, and its old range held while it moves)
             return False
         self.kv.ensure_free(want, limit=total)
         self.kv.reserve(node, want)
