@@ -811,14 +811,11 @@ def _compute_reduction(name: str, spec: Reduce, children: list[State]) -> tuple[
         else:
             if scores is None:  # (an incomplete text is not scored: a `by` that parses it could fail on it)
                 scores = [None if i in unmet else spec.by(v) for i, v in enumerate(values)]
-            if not unmet:
-                result = reduce.best(values, scores) if spec.kind == "best" else reduce.top_k(values, scores, spec.k)
-                ranked = reduce.ranking(scores)
-            else:  # incomplete texts are never picked: best is None when every branch's is
-                reduce.top_k(values, scores, spec.k) if spec.kind == "top_k" else reduce.best(values, scores)  # (checks)
-                ranked = [i for i in reduce.ranking(scores) if i not in unmet]
-                result = ([values[i] for i in ranked[: spec.k]] if spec.kind == "top_k"
-                          else values[ranked[0]] if ranked else None)
+            # (the rules' checks, by name; incomplete texts are never picked: best is None when every branch's is)
+            reduce.top_k(values, scores, spec.k) if spec.kind == "top_k" else reduce.best(values, scores)
+            ranked = [i for i in reduce.ranking(scores) if i not in unmet]
+            result = ([values[i] for i in ranked[: spec.k]] if spec.kind == "top_k"
+                      else values[ranked[0]] if ranked else None)
             info["scores"] = [reduce.score(x) for x in scores]
             info["winners"] = ranked[: 1 if spec.kind == "best" else spec.k]
     except (ValueError, TypeError) as e:

@@ -326,8 +326,7 @@ class KVStore:
             extra = max(short, min(max(self.num_slots, 0 if copying else want - free_slots), limit - self.num_slots))
         copy = self.grow_copy_bytes() if copying else 0  # _grow copies one pool at a time
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached
+            free, total = device_free(self.device)
             extra = growth_on_device(short, extra, per_token=self.bytes_per_token, copy=copy, free=free,
                                      device_total=total, where=str(self.device))
         self._grow(extra)
@@ -646,6 +645,13 @@ class KVStore:
             pool.untyped_storage().resize_(0)
             del pool, grown
         self.free_spans.release(old, new - old)
+
+
+def device_free(device) -> tuple[int, int]:
+    """``(free, total)`` bytes of a CUDA device, ``free`` counting the allocator's cached blocks (its own to
+    reuse), as KV growth and the budget see it."""
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
 
 
 def activation_margin(device_total: int) -> int:

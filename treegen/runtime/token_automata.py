@@ -45,6 +45,7 @@ import torch
 
 from treegen.runtime.constraint import Constraint, Grammars
 from treegen.runtime.regular_grammar import grammar_regex
+from treegen.runtime.token_masks import stop_row
 
 FREE = 0  # the state of a row without an automaton: every token allowed, stays free
 LONGEST_REPETITION = 128  # a counted repetition beyond this many items stays with xgrammar (as constraint._EXPANDED)
@@ -279,9 +280,7 @@ class Automata:
         token = ids[column]
         masks = np.zeros((table.shape[0], self.words), dtype=np.uint32)
         np.bitwise_or.at(masks, (state, token // 32), np.left_shift(np.uint32(1), (token % 32).astype(np.uint32)))
-        stops = np.asarray(self.stop_ids, dtype=np.int64)
-        for f in finals:  # a complete text may end: the stop tokens
-            np.bitwise_or.at(masks[f], stops // 32, np.left_shift(np.uint32(1), (stops % 32).astype(np.uint32)))
+        masks[sorted(finals)] |= stop_row(self.stop_ids, self.words)  # a complete text may end: the stop tokens
         keys = (base + state.astype(np.int64)) * vocab + token
         targets = base + ends[state, column].astype(np.int64)
         self._next.update(zip(keys.tolist(), targets.tolist()))

@@ -174,12 +174,17 @@ def fill_threads() -> int:
     return max(1, min(8, usable_cpus() // 2))
 
 
-def stop_bits(stop_ids, words: int, device=None) -> torch.Tensor:
-    """``[words]`` int32: a bitmask row allowing only ``stop_ids``."""
+def stop_row(stop_ids, words: int) -> np.ndarray:
+    """``[words]`` uint32: a bitmask row allowing only ``stop_ids``."""
     row = np.zeros(words, dtype=np.uint32)
     for t in stop_ids:
         row[t // 32] |= np.uint32(1) << np.uint32(t % 32)
-    return torch.from_numpy(row.view(np.int32)).to(device)
+    return row
+
+
+def stop_bits(stop_ids, words: int, device=None) -> torch.Tensor:
+    """:func:`stop_row` as the int32 tensor the step's bitmasks are."""
+    return torch.from_numpy(stop_row(stop_ids, words).view(np.int32)).to(device)
 
 
 def open_dead_ends(bitmask: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:

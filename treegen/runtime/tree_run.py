@@ -38,7 +38,7 @@ from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, lib
 from treegen.runtime import swa
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.decode import Decoder
-from treegen.runtime.kv_store import KVStore, activation_margin
+from treegen.runtime.kv_store import KVStore, activation_margin, device_free
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
 from treegen.tree.sharing_tree import SharingTree
@@ -361,23 +361,24 @@ class TreeRun:
             dtype=torch.int64).reshape(3, len(rows)).to(device)
         layer_window = tuple(model.layer_window)
 
+        shape = dict(
+            segment_parent=[index.get(tree.parent(s), -1) for s in segments],
+            segment_start=[held[s].start for s in segments],
+            segment_len=[length_of[s] + grow.get(s, 0) for s in segments],
+            segment_pos=[pos[s] + drop[s] for s in segments],
+            query_segment=[index[n] for n, _ in rows],
+            query_pos=query_pos,
+            query_pos_buffer=query_pos_buffer,  # (one tensor: a decode phase advances it in place)
+            device=device,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
+            softcap=model.attn_softcap,
+        )
+
         def plans(backend: str) -> dict:
-            return {window: plan_tree_attention(
-                segment_parent=[index.get(tree.parent(s), -1) for s in segments],
-                segment_start=[held[s].start for s in segments],
-                segment_len=[length_of[s] + grow.get(s, 0) for s in segments],
-                segment_pos=[pos[s] + drop[s] for s in segments],
-                query_segment=[index[n] for n, _ in rows],
-                query_pos=query_pos,
-                query_pos_buffer=query_pos_buffer,  # (one tensor: a decode phase advances it in place)
-                device=device,
-                backend=backend,
-                num_heads=model.num_heads,
-                num_kv_heads=model.num_kv_heads,
-                dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
-                window=window,
-                softcap=model.attn_softcap,
-            ) for window in dict.fromkeys(layer_window)}
+            return {window: plan_tree_attention(**shape, backend=backend, window=window)
+                    for window in dict.fromkeys(layer_window)}
 
         by_window = plans(self.engine.attention_backend)
         lse_plans = None
@@ -406,8 +407,7 @@ class TreeRun:
             return {}
         if kv.device.type == "cuda":
             need = sum(library_copy_bytes(plan.layer(i), kv.layer(i)[0], model.dtype) for i in layers)
-            free, total = torch.cuda.mem_get_info(kv.device)
-            free += torch.cuda.memory_reserved(kv.device) - torch.cuda.memory_allocated(kv.device)
+            free, total = device_free(kv.device)
             if need > free - activation_margin(total):
                 return {}
         return {i: library_copy(plan.layer(i), *kv.layer(i), model.dtype) for i in layers}
