@@ -222,6 +222,23 @@ def test_a_pool_grows_on_a_device_only_as_far_as_the_activations_margin_allows()
     assert activation_margin(16 * gib) == 4 * gib
 
 
+def test_free_device_memory_counts_only_cache_the_allocator_can_give_back(monkeypatch):
+    """At the numbers of an out-of-memory seen on an H100: 14.4 GiB cached but in segments partly in use
+    (inactive split blocks) are not free for a pool; whole unused segments are."""
+    import torch
+
+    from treegen.runtime import kv_store
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(20.5 * gib), int(79.2 * gib)))
+    stats = {"reserved_bytes.all.current": 58 * gib, "allocated_bytes.all.current": 41 * gib,
+             "inactive_split_bytes.all.current": 14 * gib}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    assert kv_store.device_free("cuda:0") == (int(20.5 * gib) + 3 * gib, int(79.2 * gib))
+    stats["inactive_split_bytes.all.current"] = 18 * gib  # (never below what the device reports)
+    assert kv_store.device_free("cuda:0")[0] == int(20.5 * gib)
+
+
 def test_reserving_no_slots_is_refused_by_name():
     _, kv, _ = setup()
     with pytest.raises(ValueError, match=r"reserve\(node 7\) needs a positive length, got 0"):

@@ -623,6 +623,7 @@ class KVStore:
             for name in self._pools():
                 getattr(self, name).untyped_storage().resize_(0)  # (its memory, whoever holds it: see below)
             self.k = self.v = self.k_scale = self.v_scale = self._layer_views = None
+            self._give_back_cache()
             self._allocate_pool(new)
             self.free_spans.release(old, new - old)
             return
@@ -644,14 +645,31 @@ class KVStore:
             # second copy ran out of memory); all of that is stale now (kept graphs are keyed by pool_generation)
             pool.untyped_storage().resize_(0)
             del pool, grown
+        self._give_back_cache()
         self.free_spans.release(old, new - old)
+
+    def _give_back_cache(self) -> None:
+        """Hand the dropped pools' memory back to the device (CUDA), before smaller allocations are carved
+        from it: segments partly reused stay with the allocator, where no later, larger pool can use them."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def device_free(device) -> tuple[int, int]:
-    """``(free, total)`` bytes of a CUDA device, ``free`` counting the allocator's cached blocks (its own to
-    reuse), as KV growth and the budget see it."""
+    """``(free, total)`` bytes of a CUDA device as KV growth and the budget see it: ``free`` counts the
+    allocator's cached blocks that it can give back (whole unused segments), not the free parts of
+    segments partly in use ("inactive split" blocks), which only allocations that fit inside them can reuse
+    — never a pool. (Seen on an H100: pools grown and dropped while activations were carved from the freed
+    segments left 14.4 GiB of such blocks; counted as free, a pool grew past what the device could give.)"""
     free, total = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+    return free + releasable_cache(device), total
+
+
+def releasable_cache(device) -> int:
+    """Bytes the CUDA caching allocator holds unused and could give back to the device."""
+    stats = torch.cuda.memory_stats(device)
+    unused = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+    return max(0, unused - stats.get("inactive_split_bytes.all.current", 0))
 
 
 def activation_margin(device_total: int) -> int:
@@ -660,7 +678,7 @@ def activation_margin(device_total: int) -> int:
     return int(max(0.1 * device_total, 4 * 2**30))
 
 
-# cached blocks counted as free that the allocator may be unable to give back (partly used pages): ~0.4 GiB seen
+# memory counted as free that the allocator may still be unable to give (its rounding, pages of the driver's)
 UNRELEASABLE_CACHE = 2**30
 
 

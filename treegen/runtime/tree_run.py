@@ -501,7 +501,7 @@ class TreeRun:
     # ---------------------------------------------------------------------------------------------
     def kv_budget(self) -> KVBudget:
         """The KV memory this run may use now. On CUDA: its slot pool plus what the device has free
-        (cached blocks included) less a margin for activations — less a copy of the pool's largest
+        (cached blocks it can give back included: :func:`~treegen.runtime.kv_store.device_free`) less a margin for activations — less a copy of the pool's largest
         tensor (keys or values) once KV is written, because a grown pool is a copy made while the old
         one is still held (so admitting work never needs memory the device cannot give); at most ``engine.kv_budget_bytes``
         when set. On the CPU: ``engine.kv_budget_bytes`` (None: no limit)."""
@@ -509,7 +509,7 @@ class TreeRun:
         if kv.device.type != "cuda":
             return KVBudget(engine.kv_budget_bytes, kv.bytes_per_token)
         pool = kv.num_slots * kv.bytes_per_token
-        free, total = torch.cuda.mem_get_info(kv.device)
+        free, total = device_free(kv.device)
         allocated = torch.cuda.memory_allocated(kv.device)
         if not self._reclaimed and free < total // 2 and allocated - engine.idle_allocated - pool > _FINISHED_RUN_BYTES:
             # An earlier run its caller dropped may still hold its KV pool: a run is a reference cycle
@@ -519,9 +519,7 @@ class TreeRun:
             # With the device half full of more than the weights and this pool, collect once per run.
             self._reclaimed = True
             gc.collect()
-            free, total = torch.cuda.mem_get_info(kv.device)
-            allocated = torch.cuda.memory_allocated(kv.device)
-        free += torch.cuda.memory_reserved(kv.device) - allocated
+            free, total = device_free(kv.device)
         room = int(free - activation_margin(total)) - (kv.grow_copy_bytes() if kv.written() else 0)
         reachable = pool + max(0, room)
         if engine.kv_budget_bytes is not None:
