@@ -220,9 +220,9 @@ def main() -> None:
             plot(Path(f))
         return
     if args.cpu_time:
-        import treegen.runtime.decode as decode
+        import treegen.runtime.constrained_steps as constrained_steps
 
-        decode.CLOCK = time.process_time
+        constrained_steps.CLOCK = time.process_time
     if args.host_only:
         return host_only(args)
 

@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="sparse window attention (lossy) for every gen that names no kv_keep: each branch keeps "
                         "this fraction in (0, 1] of its own KV, its recent tokens and those it attended to most "
                         "(default: exact attention)")
+    r.add_argument("--jump-forward", action="store_true",
+                   help="constrained gens start with the text their constraint forces written at once (prefilled, "
+                        "not decoded; tokenized as the tokenizer writes it, not as the model would draw it)")
     r.add_argument("--max-program-tokens", type=_positive, default=None, metavar="N",
                    help="stop a program that generates more than N tokens in all (its own error; the others go on; "
                         "default 1,000,000)")
@@ -222,7 +225,8 @@ def cmd_run(args) -> int:
         return Engine.load(args.model, dtype=dtype, device=args.device, tensor_parallel=args.tp,
                            data_parallel=args.dp, implementation=args.implementation,
                            vocab_parallel={"on": True, "off": False}.get(args.vocab_parallel, "auto"),
-                           kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype, kv_keep=args.kv_keep)
+                           kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype, kv_keep=args.kv_keep,
+                           jump_forward=args.jump_forward)
 
     if batch is not None:
         return _run_batch(args, prog, *batch, load, watch, out, err)

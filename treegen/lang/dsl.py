@@ -38,7 +38,8 @@ from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
 def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         stop: str | list[str] | tuple[str, ...] = (), seed: int | None = None, ignore_eos: bool = False,
         regex: str | None = None, choices: list[str] | tuple[str, ...] | None = None,
-        json_schema: dict | str | None = None, grammar: str | None = None, kv_keep: float | None = None) -> Gen:
+        json_schema: dict | str | None = None, grammar: str | None = None, kv_keep: float | None = None,
+        jump_forward: bool | None = None) -> Gen:
     """Generate text into variable ``name``. Greedy unless ``temperature > 0``; see :class:`SamplingParams`.
 
     At most one constraint on the text, enforced token by token (:mod:`treegen.runtime.constraint`):
@@ -52,12 +53,18 @@ def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: fl
     ``kv_keep``: sparse window attention (lossy, opt-in; :mod:`treegen.runtime.swa`) — the branch keeps
     this fraction in (0, 1] of its own KV: its most recent tokens and the earlier ones it attended to
     most; None (the default) is exact attention, or the engine's ``kv_keep``. The result records it
-    (``state.info[name]["kv_keep"]``)."""
+    (``state.info[name]["kv_keep"]``).
+
+    ``jump_forward`` (a constrained gen): the text its constraint forces from the start (``"The answer is "``
+    of ``regex="The answer is [0-9]+"``) is written at once and prefilled with the prompt instead of decoded a
+    token a step — faster, but tokenized as the tokenizer writes it, not as the model would draw it; those
+    tokens' log-probabilities are 0. None (the default): the engine's ``jump_forward`` (off unless set)."""
     _check_name("gen", name)
     try:
         constraint = Constraint.of(regex=regex, choices=choices, json_schema=json_schema, grammar=grammar)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed, ignore_eos=ignore_eos, constraint=constraint, kv_keep=kv_keep)
+                                stop=stop, seed=seed, ignore_eos=ignore_eos, constraint=constraint, kv_keep=kv_keep,
+                                jump_forward=jump_forward)
     except ValueError as e:
         raise ValueError(f"gen({name!r}): {e}") from None
     return Gen(name, params)

@@ -192,6 +192,7 @@ class Grammars:
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = self._info = None
         self._compiled: dict[Constraint, object] = {}
+        self._forced: dict[Constraint, tuple[int, ...]] = {}
 
     @property
     def mask_width(self) -> int:
@@ -222,6 +223,24 @@ class Grammars:
                 self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                                 stop_token_ids=self.stop_token_ids)
         return self._info
+
+    def forced_prefix(self, constraint: Constraint) -> tuple[int, ...]:
+        """The tokens a text under ``constraint`` starts with whatever the model draws (jump-forward): the
+        string xgrammar says is forced from the start, tokenized as the tokenizer writes it, less its last
+        token (``"The answer is "`` ends in a space the model writes joined to the number: ``" 4"``), up to
+        the first token the constraint's matcher refuses (a tokenization it does not allow). Cached."""
+        forced = self._forced.get(constraint)
+        if forced is None:
+            matcher = self.matcher(constraint)
+            text = matcher.find_jump_forward_string()
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids[:-1] if text else []
+            taken = []
+            for t in ids:
+                if t in self.stop_token_ids or not matcher.accept_token(t):
+                    break
+                taken.append(t)
+            forced = self._forced[constraint] = tuple(taken)
+        return forced
 
     def matcher(self, constraint: Constraint):
         """A fresh xgrammar ``GrammarMatcher`` for one branch (its own state, the shared compiled grammar)."""

@@ -34,19 +34,19 @@ Sampling is counter-based (see :mod:`treegen.runtime.sampler`), so a branch's to
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
 import torch
 
 from treegen.runtime import phase_graphs, swa
+from treegen.runtime.constrained_steps import CONSTRAINED_PARTS, ConstrainedSteps
 from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.phase_graphs import PhaseBuffers, PhaseGraphs
-from treegen.runtime.phase_io import RowSampling, TokenBlock, TokenColumn
-from treegen.runtime.requests import GenResult, Job
-from treegen.runtime.sampler import SamplingParams
-from treegen.runtime.scheduler import REPLAN_FRACTION
+from treegen.runtime.phase_io import RowSampling, TokenBlock
+from treegen.runtime.requests import Job
+from treegen.runtime.scheduler import REPLAN_FRACTION, expected_left
+from treegen.runtime.token_accept import TokenAcceptance
 from treegen.runtime.token_automata import FREE
 from treegen.runtime.token_masks import TokenMasks, open_dead_ends, stop_bits
 
@@ -56,14 +56,9 @@ MIN_CAPTURED_STEPS = 8
 # still generating then: a phase that should end stops this many steps late), one more while it settles a
 # block (see Decoder._steps)
 WATCH_LAG = 1
-# the parts of a constrained step's host time (Decoder.constrained_host; "accept" holds the step's mask fill,
-# done in the same pass, "fill" only a phase's first masks)
-CONSTRAINED_PARTS = ("wait", "accept", "fill", "upload", "settle", "launch", "other")
-# the clock those parts are timed by (a benchmark on a shared CPU may set time.process_time)
-CLOCK = time.perf_counter
 
 
-class Decoder:
+class Decoder(ConstrainedSteps, TokenAcceptance):
     """The generating branches of one :class:`~treegen.runtime.tree_run.TreeRun` (see module doc)."""
 
     # programs resume while the GPU decodes: a block that completes jobs yields before the phase decides
@@ -140,21 +135,25 @@ class Decoder:
             if job in self.paused:
                 joining.append(self.paused.pop(job))
                 continue
-            joining.append(len(self.jobs))
+            b, forced = len(self.jobs), list(job.request.forced)
+            joining.append(b)
             self.jobs.append(job)
-            self.out.append([])
-            self.logprobs.append([])
+            self.out.append(forced)  # (jump-forward: the tokens its constraint forced, on its node already)
+            self.logprobs.append([0.0] * len(forced))
+            self.tokens_done += len(forced)
             constraint = job.request.params.constraint
             automaton = self.run.engine.automaton(constraint)
             # only EOS and max_tokens can end it (no stop string; a constraint's matcher takes the tokens before
             # they are settled, a token automaton's state is walked there): settled on the fast path
             self.plain.append(not job.request.params.stop)
             if automaton is not None:
-                self.state[len(self.jobs) - 1] = automaton.initial
+                self.state[b] = self.run.engine.automata.walk(automaton.initial, forced) if forced else automaton.initial
             elif constraint is not None:
                 if self.masks is None:
                     self.masks = TokenMasks(self.run.engine.grammars)
-                self.masks.add(len(self.jobs) - 1, constraint)
+                self.masks.add(b, constraint)
+                for t in forced:
+                    self.masks.accept([b], [t])
         rows = self.live + joining
         if not rows:
             return
@@ -491,283 +490,6 @@ class Decoder:
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
             self._settle(live, pending)
 
-    def _constrained_steps(self, live: list[int], width: int, forward, pick, bitmask, last, buf, lp_buf,
-                           capturing: bool, graphs: dict, pool):
-        """The steps of a phase with a constrained branch. Its matcher must see every token before the
-        next mask, so each step's tokens come to the host; the step is split in two — the model's
-        ``forward`` and ``pick`` (mask, sample, advance), each a CUDA graph — and while step ``t``'s
-        forward runs the host reads step ``t - 1``'s tokens, advances the matchers (one batched call)
-        and uploads step ``t``'s masks: the GPU waits only for host work longer than a forward. The
-        rest of the host's work (appending tokens, finishing branches) runs every ``sync_every``
-        steps, as in unconstrained phases. A matcher stops at its branch's EOS or ``max_tokens``; its
-        row is then all ones, and the tokens the branch draws after it are dropped when settled.
-        ``last``: the device tensor the step's tokens are left in (the next step's input ids).
-        ``capturing``, ``graphs``, ``pool``: as :meth:`_steps` (graphs ``"forward"`` and ``"pick"``)."""
-        run, masks, eos = self.run, self.masks, self.eos
-        pipelined = self.model.device.type == "cuda"
-        row_of = {b: j for j, b in enumerate(live)}
-        budget = {b: self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in live if b in masks}
-        shortest = min(budget.values(), default=width + 1)  # (steps after which some active branch ends)
-        dirty = False  # a settle or the programs ran since the last advance (jobs may be done)
-        active = [b for b in budget if not self.jobs[b].done]  # matchers still advancing, in row order
-        host = masks.new_bitmask(bitmask.shape[0], pinned=pipelined)  # rows of the others stay all ones
-        parts = self.constrained_host
-        clock = CLOCK
-        # the active branches' matchers and rows, kept beside `active` (no per-branch lookups per step)
-        matchers = masks.handles([masks.matchers[b] for b in active])
-        rows = [row_of[b] for b in active]
-
-        def upload(fill: bool = True) -> None:  # ordered after the step that read the previous masks (same stream)
-            t0 = clock()
-            if fill:  # (a step's own masks are filled with its accepts: advance)
-                masks.fill_rows(host, matchers, rows)
-            t1 = clock()
-            bitmask.copy_(host, non_blocking=pipelined)
-            parts["fill"] += t1 - t0
-            parts["upload"] += clock() - t1
-
-        def advance(t: int, column: "TokenColumn") -> bool:
-            """Step ``t``'s tokens (one per row) into the active matchers, and the next step's masks
-            from them (one pass); those that end leave (their rows become all ones). True when some did."""
-            nonlocal dirty
-            t0 = clock()
-            tokens = column.read()
-            t1 = clock()
-            if dirty:  # branches finished or were cancelled since: their matchers take nothing more
-                keep_only(lambda i, b: not self.jobs[b].done)
-                dirty = False
-            picked = [tokens[j] for j in rows]
-            ending = t + 1 >= shortest or not eos.isdisjoint(picked)
-            goes = [picked[i] not in eos and t + 1 < budget[b] for i, b in enumerate(active)] if ending else None
-            masks.accept_and_fill(active, matchers, picked, host, rows, goes)
-            before = len(active)
-            if ending:
-                keep_only(lambda i, b: goes[i])
-            parts["wait"] += t1 - t0
-            parts["accept"] += clock() - t1
-            return len(active) < before
-
-        def keep_only(keeps) -> None:
-            nonlocal active, matchers, rows, shortest
-            keep = [i for i, b in enumerate(active) if keeps(i, b)]
-            if len(keep) < len(active):
-                host[sorted(set(rows) - {rows[i] for i in keep})] = -1
-                active, matchers, rows = ([x[i] for i in keep] for x in (active, matchers, rows))
-                shortest = min((budget[b] for b in active), default=width + 1)
-
-        def launch(fn) -> None:
-            t0 = clock()
-            fn()
-            parts["launch"] += clock() - t0
-
-        started = time.perf_counter()
-        if capturing and "pick" in graphs:  # kept from an earlier phase of this shape
-            forward, pick = graphs["forward"].replay, graphs["pick"].replay
-            forward()
-            upload()
-        elif capturing:
-            graph, _ = self._graph(forward, pool)  # (if it ran step 0's forward, its logits are not the graph's output)
-            graphs["forward"] = graph
-            graph.replay()  # so run it (again) into that output (rewriting the same KV)
-            upload()
-            forward, pick = graph.replay, self._replayer("pick", pick, graphs, pool or graph.pool())
-        else:
-            forward()
-            upload()
-        run.host_seconds["capture"] += time.perf_counter() - started
-        done_steps, block, step_tokens = 0, None, None
-        first_end = None  # the steps run when a matcher first ended
-        loop_started, known = clock(), sum(parts.values()) - parts["other"]
-        try:
-            for t in range(width):
-                if t:
-                    launch(forward)  # the GPU computes step t while the host works on step t - 1
-                run.forward_passes += 1
-                if t:
-                    ended = advance(t - 1, step_tokens)
-                    if ended and first_end is None:
-                        first_end = t
-                    if block is not None:
-                        before = len(self.live)
-                        t0 = clock()
-                        self._settle(live, block, advance=False)
-                        parts["settle"] += clock() - t0
-                        block, dirty = None, True
-                        if run.scheduler.phase_should_end(len(live), len(self.live), t if capturing else None,
-                                                          expected_left(width, t, first_end)):
-                            return  # (step t's forward wrote KV for tokens that keep none: rewritten when they continue)
-                        if len(self.live) < before:
-                            paused = clock()
-                            yield  # jobs completed: their programs may resume while the GPU runs
-                            loop_started += clock() - paused  # (the programs' time is not the loop's)
-                            dirty = True
-                    # the host knows each step which matchers ended: a phase the scheduler would end on
-                    # that ends now, not at the next block (its other rows count as generating)
-                    if ended and run.scheduler.phase_should_end(
-                            len(live), len(active) + sum(b not in budget and not self.jobs[b].done for b in live),
-                            t if capturing else None, expected_left(width, t, first_end)):
-                        t0 = clock()
-                        if done_steps < t:  # (the steps after the last block)
-                            self._settle(live, TokenBlock(buf, lp_buf, done_steps, t, pipelined), advance=False)
-                        parts["settle"] += clock() - t0
-                        self.early_ends += 1
-                        return
-                    upload(fill=False)
-                launch(pick)
-                self.constrained_steps += 1
-                run.scheduler.tick(1)
-                step_tokens = TokenColumn(last, pipelined)
-                if (t + 1) % self.sync_every == 0 or t + 1 == width:
-                    block, done_steps = TokenBlock(buf, lp_buf, done_steps, t + 1, pipelined), t + 1
-            advance(width - 1, step_tokens)
-            t0 = clock()
-            self._settle(live, block, advance=False)
-            parts["settle"] += clock() - t0
-        finally:
-            parts["other"] += (clock() - loop_started) - (sum(parts.values()) - parts["other"] - known)
-
-    def _settle(self, live: list[int], block: "TokenBlock", advance: bool = True) -> None:
-        """Accept a block of sampled tokens of the phase's branches ``live`` (those still live).
-        ``advance``: the constrained branches' matchers take the tokens (False: they have already)."""
-        tokens, lps = block.read()
-        started = time.perf_counter()
-        if advance:
-            self._advance_matchers(live, tokens)
-        jobs, outs, logprobs, plain, eos, extend = self.jobs, self.out, self.logprobs, self.plain, self.eos, self.tree.extend
-        state, walk = self.state, self.run.engine.automata.walk if self.state else None
-        may_stop = self._may_stop(live, tokens)
-        # (branch, result) of the branches this block ends, in row order (see _accept): they complete after the
-        # loop, their texts decoded at once. (So a completion that cancels another job — a program over its
-        # max_program_tokens — comes after that job's tokens of this block are taken and streamed.)
-        ending: list = []
-        for j, b in enumerate(live):
-            job = jobs[b]
-            if job.done:  # (finished, or cancelled by a callback of an earlier branch)
-                continue
-            # the usual case, inline: a branch that goes on (the part of _accept's first branch that ends nothing)
-            if (plain[b] or j not in may_stop) and job.on_tokens is None:
-                new, out, params = tokens[j], outs[b], job.request.params
-                if len(out) + len(new) < params.max_tokens and (params.ignore_eos or eos.isdisjoint(new)):
-                    out.extend(new)
-                    logprobs[b].extend(lps[j])
-                    extend(job.request.node, new)
-                    self.tokens_done += len(new)
-                    if b in state:  # (a token automaton's branch: its mask allowed every token)
-                        state[b] = walk(state[b], new)
-                    continue
-            self._accept(b, tokens[j], lps[j], j not in may_stop, ending)
-        if ending:  # the texts still to decode in one batched call, then the jobs complete in row order
-            untold = [r for _, r in ending if r.text is None]
-            texts = iter(self.run.engine.batch_decode([r.tokens[:-1] if r.finish_reason == "eos" else r.tokens
-                                                       for r in untold], skip_special_tokens=True))
-            for b, result in ending:
-                if result.text is None:
-                    result = dataclasses.replace(result, text=next(texts))
-                if not jobs[b].done:  # (cancelled by a callback of a job completed before it)
-                    self._complete(b, result)
-        self.live = [b for b in self.live if not self.jobs[b].done]
-        self._report()
-        self.run.host_seconds["accept"] += time.perf_counter() - started
-
-    # ---------------------------------------------------------------------------------------------
-    def _advance_matchers(self, branches: list[int], tokens: list[list[int]]) -> None:
-        """Advance the matchers of the live constrained ``branches`` by their new tokens (one each:
-        a phase with a constrained branch reads its tokens every step), in one batch."""
-        if self.masks is None:
-            return
-        taking = [(b, new) for b, new in zip(branches, tokens) if b in self.masks and not self.jobs[b].done]
-        if any(len(new) != 1 for _, new in taking):
-            raise RuntimeError("a constrained branch was given several tokens at once")
-        self.masks.accept([b for b, _ in taking], [new[0] for _, new in taking])
-
-    def _may_stop(self, branches: list[int], tokens: list[list[int]]) -> set[int]:
-        """The indices ``j`` of ``branches`` whose stop strings may end within their new ``tokens[j]``
-        (:meth:`~treegen.runtime.stop_strings.StopStrings.may_stop`, one batched decode of their texts'
-        tails); the others take their tokens without a stop string check after each."""
-        jobs, outs = self.jobs, self.out
-        asked = [j for j, b in enumerate(branches) if not self.plain[b] and not jobs[b].done]  # (plain: no stop strings)
-        if not asked:
-            return set()
-        maybe = self.run.engine.stop_strings.may_stop([outs[branches[j]] for j in asked], [tokens[j] for j in asked],
-                                                      [jobs[branches[j]].request.params.stop for j in asked])
-        return {j for j, m in zip(asked, maybe) if m}
-
-    def _accept(self, b: int, new: list[int], logprobs: list[float], stop_free: bool = False,
-                ending: list | None = None) -> bool:
-        """Append branch ``b``'s new tokens up to where it finishes; True when it finished (its job
-        is then complete). A constrained branch's matcher has taken them already (``_advance_matchers``).
-        ``stop_free``: no stop string of the branch can end within ``new`` (``_may_stop``), so only EOS and
-        ``max_tokens`` decide where it ends. ``ending``: where a finished branch goes, ``(b, result)``, for
-        the caller to complete — an EOS or ``max_tokens`` result with its text still to decode (None: it
-        completes here)."""
-        job = self.jobs[b]
-        out = self.out[b]
-        before = len(out)
-        result = None
-        masks = self.masks if self.masks is not None and b in self.masks else None
-        state = self.state.get(b)
-        automata = self.run.engine.automata if state is not None else None
-        params = job.request.params
-        if masks is None and automata is None and (stop_free or not params.stop):
-            # only EOS and max_tokens can end it: cut where the first does, take the tokens at once
-            cut = max(0, min(len(new), params.max_tokens - before))
-            ends = before + cut >= params.max_tokens
-            if not params.ignore_eos and not self.eos.isdisjoint(new[:cut]):
-                cut = next(i for i, t in enumerate(new) if t in self.eos) + 1
-                ends = True
-            out.extend(new[:cut])
-            self.logprobs[b].extend(logprobs[:cut])
-            result = None
-            if cut > 0 and ends:
-                result = finished(out, params, self.eos, self.tokenizer, stop_free, text=ending is None)
-        else:  # token by token: a stop string, a matcher or an automaton decides after each one
-            for t, lp in zip(new, logprobs):
-                out.append(t)
-                self.logprobs[b].append(lp)
-                prior, state = state, (automata.walk(state, (t,)) if automata is not None else None)
-                result = finished(out, params, self.eos, self.tokenizer)
-                if result is not None:
-                    if masks is not None:
-                        met = masks.matched(b)
-                        masks.drop(b)
-                    else:  # (a stop token is allowed only where the text is complete)
-                        met = (prior if result.finish_reason == "eos" else state) in automata.final if automata else None
-                    if met is not None:
-                        # EOS where the text is not complete: the constraint had no other token (open_dead_ends)
-                        dead = result.finish_reason == "eos" and not met
-                        result = dataclasses.replace(result, constraint_met=met,
-                                                     finish_reason="dead_end" if dead else result.finish_reason)
-                    break
-        if automata is not None:
-            if result is None:
-                self.state[b] = state
-            else:
-                del self.state[b]
-        self.tree.extend(job.request.node, out[before:])  # one extend per branch per sync
-        self.tokens_done += len(out) - before
-        if job.on_tokens is not None:
-            job.on_tokens(tuple(out))
-        if result is None:
-            return False
-        if ending is not None:
-            ending.append((b, result))
-        else:
-            self._complete(b, result)
-        return True
-
-    def _complete(self, b: int, result: GenResult) -> None:
-        """Branch ``b``'s job is complete with ``result`` (its log-probabilities and KV facts added)."""
-        job = self.jobs[b]
-        self.run.complete(job, dataclasses.replace(result, logprobs=tuple(self.logprobs[b]),
-                                                   kv_keep=job.request.params.kv_keep,
-                                                   kv_dropped=self.kv.dropped(job.request.node)))
-
-    def _report(self) -> None:
-        hook = self.run.engine.on_step
-        if hook is not None:
-            left = sum(self.jobs[b].request.params.max_tokens - len(self.out[b]) for b in [*self.live, *self.paused.values()])
-            hook(len(self.live), self.tokens_done, self.tokens_done + left)
-
     def _kept(self, plan, params, rows: int, width: int, constrained: bool, remaining: list[int], tables=None,
               recorded: int = 0):
         """The kept buffers a phase like this runs in (:mod:`~treegen.runtime.phase_graphs`): an earlier
@@ -833,33 +555,3 @@ class Decoder:
             graph.replay()
 
         return replay
-
-
-def expected_left(width: int, steps: int, first_end: int | None) -> int:
-    """How many more steps a phase of ``width`` steps that has run ``steps`` is expected to run, for the
-    scheduler's choice to shrink it (:meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end`): no
-    more than its width allows, and, once a row has ended (seen ``first_end`` steps in), no more than the
-    steps since — a phase half of whose rows ended within a few steps of the first is one of answers of
-    about one length, whose other half ends about as soon (the spread of the answers' lengths below the
-    median stands for the spread above it). A longer tail is caught later: the estimate grows a step a step."""
-    left = width - steps
-    return left if first_end is None else min(left, steps - first_end)
-
-
-def finished(tokens: list[int], params: SamplingParams, eos: set[int], tokenizer,
-             stop_free: bool = False, text: bool = True) -> GenResult | None:
-    """The :class:`~treegen.runtime.requests.GenResult` of a branch whose generated ``tokens`` end
-    it (stop string, EOS, ``max_tokens``), else None. ``stop_free``: the caller knows that no stop
-    string is in their text (``Decoder._may_stop``), which is then not decoded to look. ``text``
-    False: a result of EOS or ``max_tokens`` has ``text=None`` — the caller decodes it (``tokens``
-    without the EOS, special tokens skipped), with others' at once."""
-    if params.stop and not stop_free:
-        text = tokenizer.decode(tokens)
-        hits = [text.find(s) for s in params.stop if s in text]
-        if hits:
-            return GenResult(tuple(tokens), text[: min(hits)], "stop")
-    if tokens[-1] in eos and not params.ignore_eos:
-        return GenResult(tuple(tokens), tokenizer.decode(tokens[:-1], skip_special_tokens=True) if text else None, "eos")
-    if len(tokens) >= params.max_tokens:
-        return GenResult(tuple(tokens), tokenizer.decode(tokens, skip_special_tokens=True) if text else None, "length")
-    return None

@@ -56,7 +56,9 @@ class Engine:
     names no ``kv_keep`` of its own (None, the default: exact attention; a number in (0, 1]: the fraction
     of a branch's own KV kept, see :mod:`treegen.runtime.swa`); kv_keep_every / kv_keep_history: the
     steps between its compactions and the steps of queries that rank the tokens (defaults
-    ``swa.DEFAULT_EVERY`` / ``swa.DEFAULT_HISTORY``).
+    ``swa.DEFAULT_EVERY`` / ``swa.DEFAULT_HISTORY``). jump_forward: constrained gens that name no
+    ``jump_forward`` of their own start with the text their constraint forces written at once, not decoded
+    (default False; see :class:`~treegen.runtime.sampler.SamplingParams`).
 
     offload: what happens to the KV of idle nodes (no running job reads them: branches that continue
     later, nodes of waiting subtrees) when work does not fit the KV budget (:mod:`treegen.runtime.offload`):
@@ -97,12 +99,13 @@ class Engine:
                  offload_bytes: int | None = None, host_reserve_bytes: int = 0, slice_tokens: int | None = None,
                  kv_keep: float | None = None,
                  kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
-                 token_automata: bool = True, parallel=None, workers=None) -> None:
+                 token_automata: bool = True, jump_forward: bool = False, parallel=None, workers=None) -> None:
         self.check_settings(attention=attention, cuda_graphs=cuda_graphs, max_prefill_tokens=max_prefill_tokens,
                             kv_budget_bytes=kv_budget_bytes, max_batch=max_batch, kv_dtype=kv_dtype, offload=offload,
                             offload_bytes=offload_bytes, host_reserve_bytes=host_reserve_bytes,
                             slice_tokens=slice_tokens, kv_keep=kv_keep, kv_keep_every=kv_keep_every,
-                            kv_keep_history=kv_keep_history, token_automata=token_automata)
+                            kv_keep_history=kv_keep_history, token_automata=token_automata,
+                            jump_forward=jump_forward)
         self.model = model
         self.tokenizer = tokenizer
         self.attention = attention
@@ -125,6 +128,7 @@ class Engine:
         self.host_arena = HostArena(pinned=model.device.type == "cuda")
         self.kv_keep = None if kv_keep is None else float(kv_keep)
         self.kv_keep_every, self.kv_keep_history = kv_keep_every, kv_keep_history
+        self.jump_forward = jump_forward
         self.parallel = parallel
         self.workers = workers  # the tensor-parallel workers this process started (treegen.runtime.workers.Team)
         self.phases_captured = 0  # decode graphs captured by this engine's runs (later ones skip the warm-up)
@@ -172,7 +176,7 @@ class Engine:
                        kv_budget_bytes=None, max_batch=None, kv_dtype=None, offload: str = "auto",
                        offload_bytes=None, host_reserve_bytes: int = 0, slice_tokens=None, kv_keep=None,
                        kv_keep_every: int = swa.DEFAULT_EVERY, kv_keep_history: int = swa.DEFAULT_HISTORY,
-                       token_automata: bool = True) -> None:
+                       token_automata: bool = True, jump_forward: bool = False) -> None:
         """Raise ValueError naming the first setting of :class:`Engine` whose value is bad whatever the model
         (those that depend on it — FP8 on an old GPU, sparse window attention beside sliding windows — are
         checked when the engine is made)."""
@@ -184,7 +188,8 @@ class Engine:
 
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
-        for name, value in (("cuda_graphs", cuda_graphs), ("token_automata", token_automata)):
+        for name, value in (("cuda_graphs", cuda_graphs), ("token_automata", token_automata),
+                            ("jump_forward", jump_forward)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         positive("max_prefill_tokens", max_prefill_tokens, none_ok=False)

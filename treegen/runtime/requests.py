@@ -18,12 +18,14 @@ from treegen.runtime.sampler import SamplingParams
 class GenRequest:
     """Generate into ``node`` (a leaf owned by one branch). ``key``: the branch's random key.
     ``final``: the branch takes nothing more afterwards, so its KV may be freed once it is done
-    (what lets a workload too big for memory run a part at a time)."""
+    (what lets a workload too big for memory run a part at a time). ``forced``: the gen's first tokens,
+    already on ``node`` (jump-forward: what its constraint forces, see ``SamplingParams.jump_forward``)."""
 
     node: int
     params: SamplingParams
     key: int
     final: bool = False
+    forced: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

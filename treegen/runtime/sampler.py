@@ -47,6 +47,12 @@ class SamplingParams:
     kv_keep: not how a token is drawn but how the branch attends — None (exact attention, the default)
     or the fraction in (0, 1] of the branch's own KV that sparse window attention keeps (lossy; see
     :mod:`treegen.runtime.swa`).
+    jump_forward: a constrained gen's text starts with what its constraint forces (``"The answer is "`` of
+    ``regex="The answer is [0-9]+"``, ``{"answer": `` of a JSON schema) written at once — tokenized as the
+    tokenizer writes it, its last token left to the model (it may join what follows), prefilled with the
+    prompt instead of decoded a step a token (:meth:`~treegen.runtime.constraint.Grammars.forced_prefix`);
+    those tokens' log-probabilities are 0 (the constraint allowed nothing else). None: the engine's
+    setting (off unless ``Engine(jump_forward=True)``). Off, greedy text is exactly the model's.
     """
 
     max_tokens: int = 128
@@ -58,6 +64,7 @@ class SamplingParams:
     ignore_eos: bool = False
     constraint: Constraint | None = None
     kv_keep: float | None = None
+    jump_forward: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +86,11 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.kv_keep is not None:
             object.__setattr__(self, "kv_keep", check_kv_keep(self.kv_keep))
+        if self.jump_forward is not None and not isinstance(self.jump_forward, bool):
+            raise ValueError(f"jump_forward must be True, False or None, got {self.jump_forward!r}")
+        if self.jump_forward and self.constraint is None:
+            raise ValueError("jump_forward=True needs a constraint (regex, choices, json_schema or grammar): "
+                             "it writes the text a constraint forces")
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise ValueError(f"constraint must be a Constraint or None, got {type(self.constraint).__name__}")

@@ -617,3 +617,14 @@ def _size(slots: int, budget: KVBudget) -> str:
     """``slots`` KV tokens, and their bytes."""
     n = slots * budget.bytes_per_token
     return f"{slots} tokens ({n / 2**30:.2f} GiB)" if n >= 2**26 else f"{slots} tokens ({n / 2**20:.2f} MiB)"
+
+
+def expected_left(width: int, steps: int, first_end: int | None) -> int:
+    """How many more steps a phase of ``width`` steps that has run ``steps`` is expected to run, for the
+    scheduler's choice to shrink it (:meth:`~treegen.runtime.scheduler.Scheduler.phase_should_end`): no
+    more than its width allows, and, once a row has ended (seen ``first_end`` steps in), no more than the
+    steps since — a phase half of whose rows ended within a few steps of the first is one of answers of
+    about one length, whose other half ends about as soon (the spread of the answers' lengths below the
+    median stands for the spread above it). A longer tail is caught later: the estimate grows a step a step."""
+    left = width - steps
+    return left if first_end is None else min(left, steps - first_end)

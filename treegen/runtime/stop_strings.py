@@ -1,7 +1,7 @@
 """Stop strings found without decoding a branch's whole text at every token.
 
 A ``gen`` with stop strings ends at the first token after which its text — ``tokenizer.decode`` of
-every token it made — contains one of them (:func:`~treegen.runtime.decode.finished`). Checking that
+every token it made — contains one of them (:func:`~treegen.runtime.token_accept.finished`). Checking that
 by decoding the whole text after each token costs time in the text's length per token: a 256-token
 answer decodes ~33K tokens' worth, and 1,024 such branches decoded at 0.14 of the speed of branches
 without stop strings (``benchmarks/bench_stop_strings.py``).

@@ -2,7 +2,7 @@
 
 The host decodes texts in bulk in two places: the stop-string test's text tails, one per branch with
 stop strings per block (:mod:`~treegen.runtime.stop_strings`), and the texts of the branches that a
-block finishes (:meth:`~treegen.runtime.decode.Decoder._settle`: at a phase's end, every branch at
+block finishes (:meth:`~treegen.runtime.token_accept.TokenAcceptance._settle`: at a phase's end, every branch at
 once, while the GPU has nothing queued). A fast tokenizer's Rust backend decodes a batch in one call,
 on several threads; ``transformers``' ``batch_decode`` is a Python loop over ``decode`` (~28 us for a
 128-token text on one core of the development machine, ~4x the Rust batch there). The Rust batch serves

@@ -41,6 +41,7 @@ from treegen.runtime.decode import Decoder
 from treegen.runtime.kv_store import KVStore, activation_margin, device_free
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
+from treegen.runtime.token_automata import FREE
 from treegen.tree.sharing_tree import SharingTree
 
 __all__ = ["PassPlan", "TreeRun"]
@@ -166,6 +167,7 @@ class TreeRun:
                                      "and this model has none")
                 if self.engine.automaton(request.params.constraint) is None:  # (built once, before it runs)
                     self.engine.grammars.compile(request.params.constraint)  # (xgrammar's: compiled once)
+            request = self._jump_forward(request)
             if request.params.kv_keep is None and self.engine.kv_keep is not None:  # the engine's default
                 request = dataclasses.replace(request, params=dataclasses.replace(request.params,
                                                                                   kv_keep=self.engine.kv_keep))
@@ -176,6 +178,23 @@ class TreeRun:
         job = Job(request, on_done=on_done, on_tokens=on_tokens)
         self.scheduler.submit(job)
         return job
+
+    def _jump_forward(self, request: GenRequest) -> GenRequest:
+        """A constrained gen with jump-forward on (its own setting, else the engine's): the tokens its
+        constraint forces from the start (at most ``max_tokens - 1``) go on its node now — prefilled with the
+        prompt — and on the request (``forced``), which the decoder counts as the gen's first tokens."""
+        params = request.params
+        on = self.engine.jump_forward if params.jump_forward is None else params.jump_forward
+        if not on or params.constraint is None or request.forced:
+            return request
+        forced = self.engine.grammars.forced_prefix(params.constraint)[:params.max_tokens - 1]
+        automaton = self.engine.automaton(params.constraint)
+        if automaton is not None and self.engine.automata.walk(automaton.initial, forced) == FREE:
+            forced = ()  # (a tokenization its token automaton does not take: none is forced)
+        if not forced:
+            return request
+        self.tree.extend(request.node, forced)  # (within the context checked: they count in max_tokens)
+        return dataclasses.replace(request, forced=forced)
 
     def busy(self) -> bool:
         """Jobs are waiting, prefilling or decoding."""
