@@ -41,6 +41,12 @@ GPU's forward for constrained decode to run at the unconstrained speed.
     python benchmarks/bench_constrained.py --shape tinyllama-1.1b --batches 64 128 256 512 1024
     python benchmarks/bench_constrained.py --shape llama3-8b --batches 64 128 256 512 1024
     python benchmarks/bench_constrained.py --host-only --vocabs 32000 128256 --batches 256 1024
+    python benchmarks/bench_constrained.py --constraints none answer json_answer choice --jump-forward
+
+``--jump-forward``: the constrained gens start with the text their constraint forces written at once
+(``Engine(jump_forward=True)``: prefilled with the prompt, not decoded); their baseline is the same token work
+as before (each branch as many tokens as its answer, forced ones included), so the ratio says what the
+steps it saves are worth.
 """
 
 from __future__ import annotations
@@ -210,6 +216,9 @@ def main() -> None:
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="instead of the table: profile one run of each --constraints at the first of --batches "
                              "(GPU busy time per step, the GPU's idle gaps, kernel time by name) into FILE (JSON)")
+    parser.add_argument("--jump-forward", action="store_true",
+                        help="constrained gens write the text their constraint forces at once (prefilled, not "
+                             "decoded; rows say jump_forward); the baseline makes as many tokens per branch")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is reported)")
     parser.add_argument("--label", default="", help="a name for this run in the results file (e.g. before/after)")
     parser.add_argument("--out", default=None)
@@ -229,9 +238,9 @@ def main() -> None:
     config = LlamaConfig(**SHAPES[args.shape])
     model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
     tokenizer = PieceTokenizer(config.vocab_size)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, jump_forward=args.jump_forward)
     # the same model with every constraint on xgrammar's matchers: the A/B of what token automata change
-    matchers_only = Engine(model, tokenizer, token_automata=False)
+    matchers_only = Engine(model, tokenizer, token_automata=False, jump_forward=args.jump_forward)
     prompt = torch.randint(3, config.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     chosen = {k: v for k, v in constraints(args.new).items() if k in args.constraints}
     compile_s = compile_all(engine, chosen)
@@ -246,6 +255,7 @@ def main() -> None:
                     rows.append(measure(matchers_only if by == "xgrammar" else engine, name, c, batch, prompt, args.new,
                                         repeats=args.repeats))
                     rows[-1]["served_by"] = by
+                    rows[-1]["jump_forward"] = args.jump_forward and c is not None
                     if name in REALISTIC:  # its baseline: the same token work, each branch as long as its answer
                         base = measure(engine, "none", None, batch, prompt, args.new, lengths=rows[-1].pop("lengths"),
                                        repeats=args.repeats)

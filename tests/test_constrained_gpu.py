@@ -50,9 +50,12 @@ def branches(run, tok, n: int, text: str = "Q: How many cows?\nA: "):
     return [run.tree.add_node(root, tok.encode(f"#{i} ")) for i in range(n)]
 
 
-def test_every_sample_matches_with_cuda_graphs(bf16):
+@pytest.mark.parametrize("jump_forward", [False, True], ids=["decoded", "jump-forward"])
+def test_every_sample_matches_with_cuda_graphs(bf16, jump_forward):
+    """256 constrained branches in captured phases; with jump-forward each text starts with the tokens its
+    constraint forces (prefilled with the prompt) and the run takes fewer forward passes."""
     tok = PieceTokenizer(bf16.vocab_size)
-    engine = Engine(bf16, tok)
+    engine = Engine(bf16, tok, jump_forward=jump_forward)
     run = engine.start()
     leaves = branches(run, tok, 4 * 64)
     requests = [GenRequest(leaf, SamplingParams(max_tokens=64, temperature=1.0, constraint=KINDS[i // 64]), key=i)
@@ -69,6 +72,11 @@ def test_every_sample_matches_with_cuda_graphs(bf16):
         assert value["unit"] in ("cows", "dollars", "apples") and type(value["sure"]) is bool, t
     assert set(texts[128:192]) <= set(CHOICES)
     assert all(re.fullmatch(r"A[0-9][0-9]?|B[+-][0-9]", t) for t in texts[192:])
+    if jump_forward:
+        for i, r in enumerate(results):
+            forced = engine.grammars.forced_prefix(KINDS[i // 64])
+            assert r.tokens[:len(forced)] == forced and r.logprobs[:len(forced)] == (0.0,) * len(forced)
+        assert any(engine.grammars.forced_prefix(k) for k in KINDS)
 
 
 @pytest.mark.parametrize("automata", [True, False], ids=["token-automata", "xgrammar-matchers"])
