@@ -239,6 +239,19 @@ def test_free_device_memory_counts_only_cache_the_allocator_can_give_back(monkey
     assert kv_store.device_free("cuda:0")[0] == int(20.5 * gib)
 
 
+def test_expandable_segments_are_read_from_the_allocator_settings(monkeypatch):
+    """Under expandable segments a grown pool counts a copy of all its old tensors, not only the largest."""
+    from treegen.runtime import kv_store
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert not kv_store.expandable_segments()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
+    assert kv_store.expandable_segments()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert not kv_store.expandable_segments()
+
+
 def test_reserving_no_slots_is_refused_by_name():
     _, kv, _ = setup()
     with pytest.raises(ValueError, match=r"reserve\(node 7\) needs a positive length, got 0"):
