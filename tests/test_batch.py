@@ -321,6 +321,27 @@ def test_cli_run_batch(smol, tmp_path, capsys, monkeypatch):
     assert code == 2 and "inputs.jsonl:2:" in capsys.readouterr()[1]
 
 
+def test_cli_batch_lines_give_a_parameter_without_default(smol, tmp_path, capsys, monkeypatch):
+    """A parameter with no default comes from each --batch line (before: refused before the lines were
+    read, "give it a value (--var ...)"); a line without it names its line."""
+    import json
+
+    from treegen.cli import main
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: smol))
+    prog = tmp_path / "q.tg"
+    prog.write_text('param question: str\n"Q: {question}\\nA:"\ngen a(max_tokens=2)\n')
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("\n".join(json.dumps({"question": q}) for q in QUESTIONS[:2]) + "\n")
+    code = main(["run", str(prog), "--batch", str(inputs), "--json", "-", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert sorted(d["parameters"]["question"] for d in _json_lines(out)) == sorted(QUESTIONS[:2])
+    inputs.write_text(json.dumps({"question": "x"}) + "\n{}\n")
+    code = main(["run", str(prog), "--batch", str(inputs), "--no-progress"])
+    assert code == 2 and "line 2: parameter 'question' has no default" in capsys.readouterr()[1]
+
+
 # a .tg program whose parameter k can make its join fail at run time (top_k needs k >= 1), after its
 # branches were queued: the program fails alone
 FAILS_WITH_K0 = ('param q = "x"\nparam k = 1\n"' + FEW_SHOT.replace("\n", "\\n") + 'Q: {q}\\nA:"\n'

@@ -107,8 +107,10 @@ def test_layouts_that_cannot_run_are_refused_before_loading(checkpoint):
     with pytest.raises(ValueError, match="tensor_parallel must be an integer >= 1"):
         Engine.load(str(checkpoint), tensor_parallel=0)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="NCCL backend, which this torch build lacks|only 0 GPU"):
+        with pytest.raises(ValueError, match="NCCL backend, which this torch build lacks|only 0 GPU|CUDA is not available"):
             Engine.load(str(checkpoint), tensor_parallel=2, device="cuda")
+        with pytest.raises(ValueError, match="device 'cuda': CUDA is not available here"):  # (one GPU needs no NCCL)
+            Engine.load(str(checkpoint), device="cuda")
 
 
 def test_the_command_line_refuses_a_split_the_model_cannot_take(checkpoint, tmp_path, capsys):

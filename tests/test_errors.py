@@ -24,11 +24,14 @@ def test_fork_needs_a_positive_integer(tokenizer, n):
     [
         ({"max_tokens": 0}, r"gen\('x'\): max_tokens must be an integer >= 1, got 0"),
         ({"max_tokens": -5}, r"max_tokens must be an integer >= 1, got -5"),
-        ({"temperature": -0.1}, r"gen\('x'\): temperature must be a number >= 0"),
+        ({"temperature": -0.1}, r"gen\('x'\): temperature must be a finite number >= 0"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, r"top_k must be an integer >= 0"),
         ({"stop": ""}, r"stop must be a non-empty string"),
         ({"seed": "a"}, r"seed must be an integer"),
+        ({"stop": 5}, r"gen\('x'\): stop must be a non-empty string or a list of them, got 5"),
+        ({"temperature": float("inf")}, r"temperature must be a finite number >= 0"),
+        ({"top_p": True}, r"top_p must be in \(0, 1\]"),
     ],
 )
 def test_gen_parameters_are_validated(kwargs, message):
@@ -136,3 +139,16 @@ def test_engine_options_are_refused_before_the_model_loads(options, error, messa
     monkeypatch.setattr(loader, "load_config", never)
     with pytest.raises(error, match=message):
         treegen.Engine.load(**options)
+
+
+def test_a_gen_past_the_context_queued_last_is_raised_not_dropped(smol):
+    """A program whose last op is a gen that can never run (prompt + max_tokens past the model's context):
+    run raises its error (before: it returned with the variable still pending, the error lost)."""
+    @treegen.program
+    def too_long(s):
+        s += "Once upon a time"
+        s += treegen.gen("out", max_tokens=smol.model.max_context)
+
+    with pytest.raises(ValueError, match="past the model's context"):
+        too_long.run(smol)
+

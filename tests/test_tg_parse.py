@@ -148,7 +148,7 @@ SEMANTIC_ERRORS = [
     ("fork x in [] {}", "needs a non-empty list"),
     ('param q = "a"\nfork x in q {}', "needs a list, but 'q' is a string"),
     ("gen x(max_tokens=0)", "gen x: max_tokens must be an integer >= 1, got 0"),
-    ("gen x(temperature=-1)", "temperature must be a number >= 0"),
+    ("gen x(temperature=-1)", "temperature must be a finite number >= 0"),
     ('gen x(top_p="a")', "top_p must be in (0, 1]"),
     ("gen x(maxtokens=3)", "unknown parameter 'maxtokens' for gen (did you mean 'max_tokens'?"),
     ("gen x(seed=1, seed=2)", "seed is given twice"),

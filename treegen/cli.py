@@ -207,7 +207,8 @@ def cmd_run(args) -> int:
 
     prog = _load(args.file)
     values = prog.parse_vars(args.var)
-    prog.bind(values)
+    if not args.batch:  # (with --batch each line binds its values over these: a parameter may come from the lines)
+        prog.bind(values)
     batch = _read_batch(prog, args.batch, values) if args.batch else None
     if args.json and args.json != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         print(f"treegen: error: --json {args.json}: no such folder", file=sys.stderr)

@@ -363,7 +363,8 @@ class ProgramRun:
         if self.scheduler is not None and self.scheduler.in_program():
             self.scheduler.wait()  # the batch submits this program's work and resumes it when done
             return
-        self._error = None
+        # (an error already kept is raised below: a request refused when submitted — a gen past the model's
+        # context queued last, submitted when the program returned — is not lost)
         self.submit()
         while any(st.pending for st in self.states) and self._error is None:
             if not self.tree_run.advance():

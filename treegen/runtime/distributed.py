@@ -150,9 +150,12 @@ def check_layout(tensor_parallel, data_parallel, device: torch.device) -> None:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise DistributedError(f"{name} must be an integer >= 1, got {value!r}")
     if device.type == "cuda":
-        if not dist.is_nccl_available():
-            raise DistributedError("several GPUs need torch.distributed's NCCL backend, which this torch build lacks")
+        if not torch.cuda.is_available():
+            raise DistributedError(f"device {str(device)!r}: CUDA is not available here (torch {torch.__version__}, "
+                                   f"{torch.cuda.device_count()} GPUs); use device='cpu'")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", (tensor_parallel or 1) * (data_parallel or 1)))
+        if local > 1 and not dist.is_nccl_available():
+            raise DistributedError("several GPUs need torch.distributed's NCCL backend, which this torch build lacks")
         have = torch.cuda.device_count()
         if local > have:
             raise DistributedError(f"{local} ranks on this host but only {have} GPU(s): one rank per GPU; "
