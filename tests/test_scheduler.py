@@ -231,11 +231,12 @@ def test_free_device_memory_counts_only_cache_the_allocator_can_give_back(monkey
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(20.5 * gib), int(79.2 * gib)))
-    stats = {"reserved_bytes.all.current": 58 * gib, "allocated_bytes.all.current": 41 * gib,
-             "inactive_split_bytes.all.current": 14 * gib}
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 58 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 41 * gib)
+    split = {"current": 14 * gib}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: {"inactive_split_bytes": {"all": split}})
     assert kv_store.device_free("cuda:0") == (int(20.5 * gib) + 3 * gib, int(79.2 * gib))
-    stats["inactive_split_bytes.all.current"] = 18 * gib  # (never below what the device reports)
+    split["current"] = 18 * gib  # (never below what the device reports)
     assert kv_store.device_free("cuda:0")[0] == int(20.5 * gib)
 
 

@@ -683,10 +683,14 @@ def device_free(device) -> tuple[int, int]:
 
 
 def releasable_cache(device) -> int:
-    """Bytes the CUDA caching allocator holds unused and could give back to the device."""
-    stats = torch.cuda.memory_stats(device)
-    unused = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
-    return max(0, unused - stats.get("inactive_split_bytes.all.current", 0))
+    """Bytes the CUDA caching allocator holds unused and could give back to the device. (The allocator's
+    nested statistics, not ``memory_stats``, which flattens and sorts all of them: the budget asks at every
+    admission.)"""
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if unused <= 0:
+        return 0
+    split = torch.cuda.memory_stats_as_nested_dict(device).get("inactive_split_bytes", {}).get("all", {})
+    return max(0, unused - split.get("current", 0))
 
 
 def activation_margin(device_total: int) -> int:

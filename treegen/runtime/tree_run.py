@@ -167,12 +167,12 @@ class TreeRun:
                                      "and this model has none")
                 if self.engine.automaton(request.params.constraint) is None:  # (built once, before it runs)
                     self.engine.grammars.compile(request.params.constraint)  # (xgrammar's: compiled once)
-            request = self._jump_forward(request)
             if request.params.kv_keep is None and self.engine.kv_keep is not None:  # the engine's default
                 request = dataclasses.replace(request, params=dataclasses.replace(request.params,
                                                                                   kv_keep=self.engine.kv_keep))
             if request.params.kv_keep is not None:
                 self.engine.check_swa(f"gen into node {request.node} with kv_keep={request.params.kv_keep}")
+            request = self._jump_forward(request)  # (last: it writes on the node, once the request is known good)
         elif not isinstance(request, ScoreRequest):
             raise TypeError(f"submit expects a GenRequest or ScoreRequest, got {type(request).__name__}")
         job = Job(request, on_done=on_done, on_tokens=on_tokens)
@@ -185,7 +185,7 @@ class TreeRun:
         prompt — and on the request (``forced``), which the decoder counts as the gen's first tokens."""
         params = request.params
         on = self.engine.jump_forward if params.jump_forward is None else params.jump_forward
-        if not on or params.constraint is None or request.forced:
+        if not on or params.constraint is None:
             return request
         forced = self.engine.grammars.forced_prefix(params.constraint)[:params.max_tokens - 1]
         automaton = self.engine.automaton(params.constraint)
