@@ -127,6 +127,8 @@ def test_calling_a_program_directly_explains_run(tokenizer):
     ({"kv_keep": 2}, ValueError, r"kv_keep=\.\.\.\) must be a number in \(0, 1\]"),
     ({"offload": "off", "host_reserve_bytes": 1}, ValueError, r"no KV goes to the host"),
     ({"cuda_graphs": "yes"}, ValueError, r"cuda_graphs must be True or False"),
+    ({"dtype": "float64x"}, ValueError, r"dtype must be one of float32, bfloat16, float16 .*got 'float64x'"),
+    ({"dtype": "int8"}, ValueError, r"dtype must be one of"),
 ])
 def test_engine_options_are_refused_before_the_model_loads(options, error, message, monkeypatch):
     """A bad option is refused by Engine.load before any weight is read (a large model takes minutes to load)."""
@@ -151,4 +153,14 @@ def test_a_gen_past_the_context_queued_last_is_raised_not_dropped(smol):
 
     with pytest.raises(ValueError, match="past the model's context"):
         too_long.run(smol)
+
+
+def test_a_dtype_may_be_named():
+    import torch
+
+    from treegen.runtime.engine import model_dtype
+
+    assert model_dtype("bfloat16") is torch.bfloat16 and model_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="got torch.int8"):
+        model_dtype(torch.int8)
 

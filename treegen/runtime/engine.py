@@ -273,7 +273,7 @@ class Engine:
         return self._automata
 
     @classmethod
-    def load(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    def load(cls, model: str | None = None, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
              implementation: str = "auto", tensor_parallel: int = 1, data_parallel: int | None = None,
              vocab_parallel: bool | str = "auto", **options) -> "Engine":
         """Load ``model`` (None = the embedded SmolLM2-135M-Instruct; else a local path or hub id) on the
@@ -308,12 +308,14 @@ class Engine:
         way. True without tensor parallel is refused.
 
         A layout the model cannot split into is refused from its config, before any process group is
-        made or weight is read."""
+        made or weight is read. ``dtype``: a floating torch dtype or its name (``"bfloat16"``, as ``treegen run
+        --dtype`` takes it)."""
         from treegen.runtime import distributed
         from treegen.runtime.loader import UnsupportedModelError, implementation_of, load_config, load_model
         from treegen.runtime.shard import check_tensor_parallel, vocab_parallel_for
 
         device = torch.device(device)
+        dtype = model_dtype(dtype)
         cls.check_options(options)  # (before any weight is read or process started)
         distributed.check_layout(tensor_parallel, data_parallel, device)
         vocab_parallel_for(vocab_parallel, tensor_parallel)  # (a bad value: refused before anything runs)
@@ -383,3 +385,16 @@ class Engine:
         where = f", {self.parallel!r}" if self.parallel is not None else ""
         return (f"Engine({self.model!r}, path={self.implementation!r}, attention={self.attention!r} ({backend}), "
                 f"kv={self.kv_format.name}, cuda_graphs={self.cuda_graphs}{graphs}{where})")
+
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_dtype(dtype) -> torch.dtype:
+    """The weights' dtype from a torch dtype or its name; ValueError naming ``dtype`` otherwise."""
+    if isinstance(dtype, str) and dtype in MODEL_DTYPES:
+        return getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2:
+        return dtype
+    raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)} (a torch dtype or its name), got {dtype!r}")
+
