@@ -316,3 +316,16 @@ def test_branches_that_set_a_variable_again_are_joined_while_tracing(tokenizer):
     assert prog.compile(tokenizer=tokenizer).complete
 
 
+
+
+@pytest.mark.parametrize("source, col, message", [
+    ('param n = 0\n"x"\nfork n {\n  gen a(max_tokens=2)\n}\njoin { all = collect(a) }\n', 6,
+     "the number of branches must be an integer from 1 to 4096, but parameter 'n' defaults to 0"),
+    ('param k = 0\n"x"\nfork 2 {\n  gen a(max_tokens=2)\n}\njoin { t = top_k(a, by=a, k=k) }\n', 29,
+     "top_k: k must be an integer >= 1, but parameter 'k' defaults to 0"),
+])
+def test_a_parameter_default_out_of_range_is_a_program_mistake(source, col, message):
+    """`treegen check` (no model) refuses what `show` and `run` would: a count or k whose default is out of range."""
+    with pytest.raises(TgError, match=re.escape(message)) as e:
+        loads(source)
+    assert e.value.pos.col == col

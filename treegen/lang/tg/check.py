@@ -57,14 +57,16 @@ class _Scope:
     vars: dict[str, Type]
     assigned: set[str] = field(default_factory=set)  # set in this branch since its fork
     unjoined: dict[str, Pos] = field(default_factory=dict)  # set in a fork that has no join
+    defaults: dict[str, object] = field(default_factory=dict)  # parameters not set since: their defaults
 
     def set(self, name: str, t: Type) -> None:
         self.vars[name] = t
         self.assigned.add(name)
         self.unjoined.pop(name, None)
+        self.defaults.pop(name, None)
 
     def child(self) -> "_Scope":
-        return _Scope(dict(self.vars), set(), dict(self.unjoined))
+        return _Scope(dict(self.vars), set(), dict(self.unjoined), dict(self.defaults))
 
 
 def literal_value(v: ast.Value, what: str):
@@ -125,7 +127,8 @@ def param_type(spec: ParamSpec) -> Type:
 def check(file: ast.TgFile) -> dict[str, ParamSpec]:
     """Raise :class:`TgError` for the first mistake; return the parameter specs."""
     specs = param_specs(file)
-    scope = _Scope({name: param_type(s) for name, s in specs.items()})
+    scope = _Scope({name: param_type(s) for name, s in specs.items()},
+                   defaults={name: s.default for name, s in specs.items() if not s.required})
     _block([st for st in file.body if not isinstance(st, ast.Param)], scope)
     return specs
 
@@ -188,9 +191,11 @@ def _expect_int(v: ast.Value, scope: _Scope, what: str, low: int, high: int | No
         shown = f"got {v.value!r}" if isinstance(v, ast.Lit) else f"but {v.name!r} is a {t}" \
             if isinstance(v, ast.Var) else "got a list"
         raise TgError(f"wrong type: {what} must be an integer, {shown}", v.pos)
-    if isinstance(v, ast.Lit) and not (low <= v.value and (high is None or v.value <= high)):
+    value = v.value if isinstance(v, ast.Lit) else scope.defaults.get(v.name) if isinstance(v, ast.Var) else None
+    if isinstance(value, int) and not (low <= value and (high is None or value <= high)):
         bound = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise TgError(f"{what} must be an integer {bound}, got {v.value}", v.pos)
+        got = f"got {value}" if isinstance(v, ast.Lit) else f"but parameter {v.name!r} defaults to {value}"
+        raise TgError(f"{what} must be an integer {bound}, {got}", v.pos)
 
 
 def _gen(st: ast.Gen, scope: _Scope) -> None:
