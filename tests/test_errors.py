@@ -164,3 +164,12 @@ def test_a_dtype_may_be_named():
     with pytest.raises(ValueError, match="got torch.int8"):
         model_dtype(torch.int8)
 
+
+def test_a_vote_extract_is_checked_where_it_is_written():
+    """A bad regex is refused when the vote is written, not when the join is read after every gen ran."""
+    with pytest.raises(ValueError, match=r"vote\('x'\): extract is not a valid regular expression"):
+        treegen.vote("x", extract="([")
+    with pytest.raises(TypeError, match=r"vote\('x'\): extract must be a regex, a function .* got int"):
+        treegen.vote("x", extract=5)
+    assert treegen.vote("x", extract=str.upper).extract is str.upper
+
