@@ -223,6 +223,8 @@ def test_parameters_are_checked_when_bound(tokenizer):
     assert lists.parse_vars(['xs=["a", 2]', "t=1"]) == {"xs": ["a", 2], "t": 1.0}
     with pytest.raises(TgError, match=r"'xs' is a list of strings or numbers as JSON"):
         lists.parse_vars(["xs=a,b"])
+    with pytest.raises(TgError, match=r"'xs' is a list of strings or numbers as JSON.*, got '3'"):  # (JSON, no list)
+        lists.parse_vars(["xs=3"])
     with pytest.raises(TgError, match=r"parameter 'xs' has no default: give it a value \(--var xs=\.\.\.\)"):
         lists.bind({})
 

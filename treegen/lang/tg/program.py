@@ -166,7 +166,9 @@ def _from_text(spec: ParamSpec, text: str):
             return float(text.strip())
         if spec.type == "list":
             value = json.loads(text)
-            return _checked(spec, value) if isinstance(value, list) else _checked(spec, None)
+            if not isinstance(value, list):
+                raise ValueError(text)  # (valid JSON, not a list: named as written, below)
+            return _checked(spec, value)
     except (ValueError, json.JSONDecodeError):
         hint = ' as JSON, e.g. --var NAME=\'["a", "b"]\'' if spec.type == "list" else ""
         raise TgError(f"wrong type: parameter {spec.name!r} is {_WORDS[spec.type]}{hint}, got {text!r:.80}",
