@@ -315,7 +315,8 @@ def test_cli_run_batch(smol, tmp_path, capsys, monkeypatch):
     assert sorted(_json_lines(out), key=lambda d: d["index"]) == data
     inputs.write_text('{"problems": ["a"]}\n{"nope": 1}\n')
     code = main(["run", str(example), "--batch", str(inputs), "--no-progress"])
-    assert code == 2 and "line 2: unknown parameter 'nope'" in capsys.readouterr()[1]
+    err = capsys.readouterr()[1]
+    assert code == 2 and "line 2: unknown parameter 'nope'" in err and err.startswith(f"{inputs}:2:1: ")
     inputs.write_text('{"problems": ["a"]}\n[1\n')
     code = main(["run", str(example), "--batch", str(inputs), "--no-progress"])
     assert code == 2 and "inputs.jsonl:2:" in capsys.readouterr()[1]

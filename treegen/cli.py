@@ -276,8 +276,8 @@ def _read_batch(prog, path: str, values: dict) -> tuple[list[dict], list[int]]:
             raise TgError("--batch: each line must be a JSON object of parameter values", Pos(source, i, 1))
         try:
             prog.bind(values | item)
-        except TgError as e:
-            raise TgError(f"--batch {path} line {i}: {e.message}", e.pos) from None
+        except TgError as e:  # (pointed at the input's line, not at the parameter's declaration)
+            raise TgError(f"--batch {path} line {i}: {e.message}", Pos(source, i, 1)) from None
         out.append(values | item)
         numbers.append(i)
     if not out:
