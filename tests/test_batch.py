@@ -473,3 +473,31 @@ def test_cli_run_batch_max_program_tokens(smol, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["run", str(prog), "--max-program-tokens", "0"])
     assert "--max-program-tokens: must be a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_cli_batch_from_standard_input_runs_each_line_as_it_comes(smol, tmp_path, capsys, monkeypatch):
+    """``--batch -``: lines read from a pipe as they come; each result is written when its program is done
+    (the same variables as from a file); a bad line fails its program alone, named by its line."""
+    import io
+    import json
+
+    from treegen.cli import main
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: smol))
+    prog = tmp_path / "q.tg"
+    prog.write_text('param question: str\n"Q: {question}\\nA:"\ngen a(max_tokens=2)\n')
+    lines = [json.dumps({"question": q}) for q in QUESTIONS[:2]]
+    from_file = tmp_path / "in.jsonl"
+    from_file.write_text("\n".join(lines) + "\n")
+    assert main(["run", str(prog), "--batch", str(from_file), "--json", "-", "--no-progress"]) == 0
+    want = sorted(_json_lines(capsys.readouterr()[0]), key=lambda d: d["index"])
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines[0] + "\n\n[1\n" + '{"nope": 1}\n' + lines[1] + "\n"))
+    out_json = tmp_path / "out.jsonl"
+    code = main(["run", str(prog), "--batch", "-", "--json", str(out_json), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    got = {d["index"]: d for d in _json_lines(out_json.read_text())}
+    assert [got[i]["line"] for i in range(4)] == [1, 3, 4, 5]
+    assert got[0]["variables"] == want[0]["variables"] and got[3]["variables"] == want[1]["variables"]
+    assert "line 3: not JSON" in got[1]["error"] and "unknown parameter 'nope'" in got[2]["error"]
+    assert "input <stdin>:3 (index 1) failed" in err and "2 of 4 programs failed" in err

@@ -379,10 +379,10 @@ def test_a_fault_of_the_engine_stops_the_batch_and_keeps_what_finished(engine, m
     done_before: list[int] = []
     advance = TreeRun.advance
 
-    def faulty(self):
+    def faulty(self, until=None):
         if len(done_before) >= 2:
             raise RuntimeError("device lost")
-        return advance(self)
+        return advance(self, until)
 
     monkeypatch.setattr(TreeRun, "advance", faulty)
     with pytest.raises(treegen.EngineFailed, match=r"the engine failed while running the batch: RuntimeError: "

@@ -53,7 +53,7 @@ class ScriptedRun:
     def cancel(self, job):
         self.queue.remove(job)
 
-    def advance(self):
+    def advance(self, until=None):
         """Completes every queued job in one pass."""
         self.forward_passes += 1
         jobs, self.queue = self.queue, []

@@ -72,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", metavar="JSONL",
                    help="run the program once per line of JSONL (a JSON object of parameter values, over the "
                         "--var values) as one workload: shared prompt prefixes are found and stored once; "
-                        "a program that fails is reported and the others finish (exit status 1)")
+                        "a program that fails is reported and the others finish (exit status 1). '-': lines read "
+                        "from standard input as they come (a pipe), each program started when its line arrives and "
+                        "its prompt's prefix read from the programs before it where they share one")
     r.add_argument("--device", default="cpu", help="torch device (default cpu)")
     r.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallel: split the model over N GPUs (under torchrun, one process per GPU; "
@@ -209,7 +211,12 @@ def cmd_run(args) -> int:
     values = prog.parse_vars(args.var)
     if not args.batch:  # (with --batch each line binds its values over these: a parameter may come from the lines)
         prog.bind(values)
-    batch = _read_batch(prog, args.batch, values) if args.batch else None
+    batch = None
+    if args.batch == "-":
+        stream = _StdinBatch(values)
+        batch = stream, stream.lines
+    elif args.batch:
+        batch = _read_batch(prog, args.batch, values)
     if args.json and args.json != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         print(f"treegen: error: --json {args.json}: no such folder", file=sys.stderr)
         return EXIT_USAGE
@@ -251,6 +258,34 @@ def cmd_run(args) -> int:
     err.print(f"[dim]ran in {seconds:.1f} s · {tokens} tokens in the tree"
               + (f" · wrote {args.json}" if args.json else "") + "[/]", highlight=False)
     return EXIT_OK
+
+
+class _StdinBatch:
+    """``--batch -``: JSON Lines read from standard input as they come (a pipe fed by another process):
+    each line's program starts when the line arrives and the engine has room (:mod:`treegen.lang.arrivals`),
+    its result is written as soon as it finishes. A line that is not a JSON object, or whose values do
+    not bind, fails its program alone. ``lines``: the line number of each input taken so far."""
+
+    def __init__(self, values: dict, stream=None) -> None:
+        self.values, self.stream = values, stream if stream is not None else sys.stdin
+        self.lines: list[int] = []
+
+    def __iter__(self):
+        from treegen.lang.tg import TgError
+
+        for i, line in enumerate(self.stream, 1):
+            if not line.strip():
+                continue
+            self.lines.append(i)  # (before the input is handed over: describe(i) reads it)
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield TgError(f"--batch - line {i}: not JSON: {e.msg} (column {e.colno})")
+                continue
+            if not isinstance(item, dict):
+                yield TgError(f"--batch - line {i}: each line must be a JSON object of parameter values")
+                continue
+            yield self.values | item
 
 
 def _read_batch(prog, path: str, values: dict) -> tuple[list[dict], list[int]]:
@@ -331,15 +366,21 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(message.splitlines())}"
 
 
-def _run_batch(args, prog, inputs: list[dict], lines: list[int], load, watch, out, err) -> int:
+def _run_batch(args, prog, inputs, lines: list[int], load, watch, out, err) -> int:
     """``treegen run --batch``: results go to ``--json`` as each program finishes (JSON Lines, finish
-    order); failed programs are reported and the others finish (exit 1); Ctrl-C exits 130."""
+    order); failed programs are reported and the others finish (exit 1); Ctrl-C exits 130. ``inputs``: a
+    list, or the lines of standard input as they come (``lines`` then grows as they are read)."""
     from treegen.lang.batch import ProgramError
     from treegen.lang.tg.program import _clean
     from treegen.render import result_view
 
-    total = len(inputs)
-    where = [f"{args.batch}:{line}" for line in lines]
+    source = "<stdin>" if args.batch == "-" else args.batch
+
+    class _Where:  # input i's place: FILE:LINE (read when asked: standard input's lines come as the run goes)
+        def __getitem__(self, i: int) -> str:
+            return f"{source}:{lines[i]}"
+
+    where = _Where()
     sink = _JsonLines(args.json) if args.json else None
     results: dict = {}  # index -> TgResult, as they finish
     clock: dict = {}
@@ -379,6 +420,7 @@ def _run_batch(args, prog, inputs: list[dict], lines: list[int], load, watch, ou
     except KeyboardInterrupt:  # BatchInterrupted, or Ctrl-C while loading the model
         if sink is not None:
             sink.close()
+        total = len(lines)  # (inputs read so far: standard input's may not all have come)
         done = len(results)
         failed = sum(r.error is not None for r in results.values())
         what = f"{done} of {total} programs had finished" + (f" ({failed} failed)" if failed else "")
@@ -392,6 +434,7 @@ def _run_batch(args, prog, inputs: list[dict], lines: list[int], load, watch, ou
         if sink is not None:
             sink.close()
     seconds = time.perf_counter() - clock.get("start", time.perf_counter())
+    total = len(lines)
     failed = sorted(i for i, r in results.items() if r.error is not None)
     if args.json != "-":
         for i in range(total):

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import greenlet
 
+from treegen.lang.arrivals import Arrivals, arriving
 from treegen.lang.interpreter import ProgramRun, State, TokenStream
 from treegen.runtime.collector import full_collections_paused
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
@@ -65,6 +66,19 @@ class EngineFailed(ProgramError):
         RuntimeError.__init__(self, f"the engine failed while running the batch: {type(error).__name__}: {error}; "
                                     f"{finished} of {len(results)} programs had finished (in .results; the "
                                     f"others' .error is this error)")
+
+
+class InputsFailed(ProgramError):
+    """The iterator of a batch's inputs raised (:mod:`treegen.lang.arrivals`): no more inputs were drawn,
+    the programs already started finished. ``error``: what it raised; ``results``: the started programs'
+    root states, in input order; ``errors``: the programs' own failures, if any."""
+
+    def __init__(self, error: BaseException, results: list) -> None:
+        self.error, self.results = error, results
+        self.errors = {r.program: r.error for r in results if r.error is not None}
+        failed = f" ({len(self.errors)} failed)" if self.errors else ""
+        RuntimeError.__init__(self, f"reading input {len(results)} raised {type(error).__name__}: {error}; the "
+                                    f"{len(results)} programs started before it finished{failed} (in .results)")
 
 
 class BatchInterrupted(KeyboardInterrupt):
@@ -115,11 +129,18 @@ class _Worker:
 
 
 class Cooperative:
-    """Runs program bodies one at a time, each resumed as soon as its own work is done."""
+    """Runs program bodies one at a time, each resumed as soon as its own work is done.
 
-    def __init__(self, bodies: list[Callable[[], None]]) -> None:
+    ``arrivals``: inputs still to come (:mod:`treegen.lang.arrivals`), each turned into a body by
+    ``start(input)`` when the engine has room for it (``rows``: see :meth:`TreeRun.wants_work
+    <treegen.runtime.tree_run.TreeRun.wants_work>`)."""
+
+    def __init__(self, bodies: list[Callable[[], None]], arrivals: Arrivals | None = None,
+                 start: Callable[[Any], Callable[[], None]] | None = None, rows: int = 0) -> None:
         self.workers = [_Worker(i, b) for i, b in enumerate(bodies)]
         self._running: _Worker | None = None  # the program whose body runs now (None: the driver)
+        self.arrivals, self._start, self.rows = arrivals, start, rows
+        self._tree_run = None  # the run's engine loop (set by run)
 
     def in_program(self) -> bool:
         return self._running is not None and greenlet.getcurrent() is self._running.coroutine
@@ -140,6 +161,7 @@ class Cooperative:
 
     def run(self, run) -> None:
         """Run every body to its end over the :class:`~treegen.lang.interpreter.ProgramRun` ``run``."""
+        self._tree_run = run.tree_run
         try:
             run.hold_submissions = True  # the passes see every program's prompt before anything runs
             for w in self.workers:
@@ -157,17 +179,44 @@ class Cooperative:
                     for w in ready:
                         self._resume(run, w)
                     continue
+                if self._draw(run, wait=False):
+                    continue
                 if not any(w.waiting and not w.done for w in self.workers) and not run.tree_run.busy():
+                    if self._draw(run, wait=True):  # nothing runs: wait for the next input, if any is to come
+                        continue
                     return
-                if not run.tree_run.advance():  # the engine ran out of work (a phase may end after its last job)
+                if not run.tree_run.advance(self._arrived) and not self._arrived():
+                    # the engine ran out of work (a phase may end after its last job)
                     stuck = [w.index for w in self.workers if w.waiting and not w.done]
                     if stuck:
                         raise RuntimeError(f"programs {stuck} wait for work the engine does not have (an interpreter bug)")
         finally:
+            if self.arrivals is not None:
+                self.arrivals.close()
             for w in self.workers:  # a paused program ends now (its wait raises _Stopped), not at collection
                 if not w.done and w.coroutine is not None and not w.coroutine.dead:
                     w.stopped = True
                     self._switch(w)
+
+    def _arrived(self) -> bool:
+        """An input has arrived and the engine has room for it (the engine's loop then returns early)."""
+        return self.arrivals is not None and self.arrivals.pending() and self._tree_run.wants_work(self.rows)
+
+    def _draw(self, run, wait: bool) -> bool:
+        """Start the programs of inputs that have arrived while the engine has room for more work (``wait``:
+        block for the first one); True when one started."""
+        started = False
+        while self.arrivals is not None and (wait or run.tree_run.wants_work(self.rows)):
+            got = self.arrivals.take(wait)
+            if not got:
+                break
+            wait = False
+            w = _Worker(len(self.workers), self._start(got[0]))
+            self.workers.append(w)
+            run.arrived(w.index)
+            self._resume(run, w)
+            started = True
+        return started
 
     def _switch(self, w: _Worker) -> None:
         self._running = w
@@ -189,15 +238,28 @@ class Cooperative:
         run.tree_run.host_seconds["programs"] += time.perf_counter() - started
 
 
+# with inputs that arrive as the run goes and no max_batch: a program starts while fewer branches than this
+# decode or wait (see TreeRun.wants_work; memory is the other limit)
+DEFAULT_ARRIVAL_ROWS = 1024
+
+
 @full_collections_paused()  # the whole batch, its roots and results too (pauses of the host otherwise: see the collector)
-def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
+def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
                    share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
                    on_programs: Callable[[int, int], None] | None = None,
                    on_result: Callable[[int, State], None] | None = None,
                    on_tokens: Callable[[TokenStream], None] | None = None,
                    max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS,
                    describe: Callable[[int], str] = str) -> list[State]:
-    """:func:`run_batch` on this process's engine alone (one replica; data parallel runs this on each)."""
+    """:func:`run_batch` on this process's engine alone (one replica; data parallel runs this on each).
+    ``bodies``: a list, or an iterator drawn as the run goes (:mod:`treegen.lang.arrivals`)."""
+    arrivals = None
+    if arriving(bodies):
+        if seeds is not None:
+            raise ValueError("run_batch: seeds is a list per input, and these inputs arrive as the run goes (an "
+                             "iterator); give each program its seed in its input, or pass a list of inputs")
+        arrivals, bodies = Arrivals(bodies), []
+    bodies = list(bodies)
     if seeds is not None and len(seeds) != len(bodies):
         raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
     run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
@@ -212,7 +274,15 @@ def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 
     def program(body, root):
         run.program_returned(root, body(root))
 
-    scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)])
+    def start(body):  # an input that arrived: its program, a new root
+        root = run.root()
+        roots.append(root)
+        if on_programs is not None:
+            on_programs(run.programs_done, len(roots))
+        return functools.partial(program, body, root)
+
+    scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)],
+                            arrivals, start, getattr(engine, "max_batch", None) or DEFAULT_ARRIVAL_ROWS)
     run.scheduler = scheduler
     try:
         scheduler.run(run)
@@ -229,6 +299,8 @@ def run_batch_here(engine, bodies: list[Callable[[State], Any]], *, seed: int = 
     finally:
         run.scheduler = None
     run.finish()
+    if arrivals is not None and arrivals.error is not None:
+        raise InputsFailed(arrivals.error, roots) from arrivals.error
     errors = {r.program: r.error for r in roots if r.error is not None}
     if errors:
         raise ProgramError(errors, roots, describe) from errors[min(errors)]

@@ -25,11 +25,13 @@ import re
 from typing import Any, Callable
 
 from treegen.lang import views
+from treegen.lang.arrivals import arriving
 from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, check_callback, run_batch_here
 from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.constraint import Constraint
+from treegen.runtime.distributed import launched
 from treegen.runtime.sampler import SamplingParams
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 from treegen.tree.sharing_tree import KVShape, SharingTree, TreeStats
@@ -270,7 +272,8 @@ class Program:
         :class:`~treegen.lang.batch.BatchInterrupted` with the programs finished so far.
         """
         with full_collections_paused():  # from the inputs' binding on (run_batch_here pauses the rest)
-            return run_batch(engine, [_bind(self, x) for x in inputs], seed=seed, seeds=seeds,
+            bodies = (_bind_or_fail(self, x) for x in inputs) if arriving(inputs) else [_bind(self, x) for x in inputs]
+            return run_batch(engine, bodies, seed=seed, seeds=seeds,
                              share_prefixes=share_prefixes, min_shared_saving=min_shared_saving,
                              on_programs=on_programs, on_result=on_result, on_tokens=on_tokens,
                              max_program_tokens=max_program_tokens)
@@ -332,6 +335,24 @@ def _bind(program: "Program", x) -> "_Bound":
                     f"got {type(x).__name__}")
 
 
+def _bind_or_fail(program: "Program", x):
+    """:func:`_bind` for an input that arrived while the run goes on: a bad one fails its program alone."""
+    try:
+        return _bind(program, x)
+    except TypeError as e:
+        return _Failing(e)
+
+
+class _Failing:
+    """The body of an input that cannot be run: it raises why, failing its program alone."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __call__(self, s: State):
+        raise self.error
+
+
 class _Bound:
     """A program applied to one input: one body of a batch. It pickles when its program and input do
     (a data-parallel engine started from this process sends it to a replica process)."""
@@ -379,7 +400,21 @@ def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, se
               max_program_tokens: int | None = DEFAULT_MAX_PROGRAM_TOKENS,
               describe: Callable[[int], str] = str) -> list[State]:
     """Run each ``body(state)`` as one program of one batch workload; see :meth:`Program.run_batch`.
-    ``describe(i)``: how errors name program ``i`` (the command line adds its input line)."""
+    ``describe(i)``: how errors name program ``i`` (the command line adds its input line). ``bodies``: a
+    list, or an iterator drawn as the run goes (:mod:`treegen.lang.arrivals`; one replica only)."""
+    parallel = getattr(engine, "parallel", None)
+    if arriving(bodies):
+        if getattr(engine, "replicas", None) is not None or parallel is not None and parallel.dp > 1:
+            raise ValueError("run_batch: inputs that arrive as the run goes (an iterator) need an engine of one replica; "
+                             "data parallel splits a batch known whole by shared prefixes — pass a list")
+        if parallel is not None and parallel.world > 1 and launched():
+            raise ValueError("run_batch: inputs that arrive as the run goes (an iterator) cannot be drawn alike on every "
+                             "rank of a torchrun launch — pass a list (or drive tensor parallel from one process: "
+                             "Engine.load(..., tensor_parallel=N))")
+        return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
+                              min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
+                              on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
+    bodies = list(bodies)
     if seeds is not None and len(seeds) != len(bodies):
         raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
     if getattr(engine, "replicas", None) is not None:  # data parallel from this process: replica processes
@@ -388,7 +423,6 @@ def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, se
         return run_batch_replicas(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
                                   min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
                                   on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
-    parallel = getattr(engine, "parallel", None)
     if parallel is not None and parallel.dp > 1:  # several replicas: each runs whole prefix subtrees
         from treegen.lang.data_parallel import run_batch_data_parallel
 

@@ -24,6 +24,7 @@ from treegen.lang.chat import role_affixes
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Text, as_ops
 from treegen.runtime.requests import GenRequest, ScoreRequest
 from treegen.runtime.sampler import branch_key
+from treegen.tree.passes import match_prefix
 from treegen.tree.sharing_tree import SharingTree
 
 
@@ -161,6 +162,7 @@ class ProgramRun:
         self._users: dict[int, int] = {}
         self._nodes_of: dict[int, set[int]] = {}
         self.hold_submissions = False  # a batch starting: the passes must see every program first
+        self._arriving: set[int] = set()  # programs started after the passes, not yet attached (see attach)
         self.touched: set[int] = set()  # programs whose jobs completed or failed since the driver looked
         self._error: BaseException | None = None  # a job's error, raised by flush (single runs)
         self.callback_error: Exception | None = None  # on_result/on_programs raised (a batch stops)
@@ -291,7 +293,58 @@ class ProgramRun:
         for st in self.states_of.get(program, []) if program is not None else list(self.states):
             self._submit_state(st)
 
+    def arrived(self, program: int) -> None:
+        """``program`` starts while the run is under way (an input that arrived later): its prompt is
+        looked up in the live tree when it first submits work (:meth:`attach`)."""
+        self._arriving.add(program)
+
+    def attach(self, program: int) -> None:
+        """Radix reuse for a program that arrived while the run is under way (the passes, which merge the
+        roots of the programs present at the start, are over): its root node — its prompt up to its first
+        ``gen`` / ``select``, nothing computed yet — moves below the deepest node of the live tree whose path
+        its tokens continue (:func:`~treegen.tree.passes.match_prefix`), keeping only the tokens after it,
+        so KV already computed (or queued) for that prefix is read, not computed again. Where it shares
+        only the first part of a node, that node is split there (:meth:`TreeRun.split`: its slots are
+        divided, nothing recomputed) when the shared part is worth a node of its own by the passes' rule
+        (``min_shared_saving``: shared tokens x branches below it, the new program counted as one). Only
+        nodes some unfinished program still reaches and that have children (so no longer grow) are matched."""
+        self._arriving.discard(program)
+        node = self.roots[program].origin
+        if node is None or self.flat or not self.share_prefixes or self.tree_run is None:
+            return
+        tree, kv = self.tree, self.tree_run.kv
+        if tree.parent(node) is not None or node in kv.segments or node in kv.offloaded:
+            return
+        mine = self._nodes_of.setdefault(program, set())
+        data = tree.graph.nodes
+
+        def usable(n: int) -> bool:
+            return n not in mine and self._users.get(n, 0) > 0 and not data[n]["pruned"] and bool(tree.children(n))
+
+        tokens = tree.tokens(node)
+        match = match_prefix(tree, tokens, usable)
+        parent, matched = match.parent, match.matched
+        if match.partial is not None and self.tree_run.can_split(match.partial):
+            need = self.min_shared_saving
+            if need is None or match.partial_length * (1 + tree.branches_below(match.partial, -(-need // match.partial_length))) >= need:
+                parent = self.tree_run.split(match.partial, match.partial_length)
+                self._users[parent] = self._users[match.partial]
+                for nodes in self._nodes_of.values():
+                    if match.partial in nodes:
+                        nodes.add(parent)
+                matched += match.partial_length
+        if parent is None:
+            return
+        data[node]["tokens"] = tokens[matched:]
+        tree.set_parent(node, parent)
+        for n in tree.path(parent):
+            self._users[n] = self._users.get(n, 0) + 1
+            mine.add(n)
+        self.pass_report["attached_tokens"] = self.pass_report.get("attached_tokens", 0) + matched
+
     def _submit_state(self, st: "State") -> None:
+        if st.program in self._arriving:
+            self.attach(st.program)
         if st._job is not None or st._closed == "pruned":
             return
         st._apply_immediate()

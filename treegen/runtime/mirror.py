@@ -113,6 +113,11 @@ class LeaderRun(TreeRun):
         finally:
             self._quiet -= 1
 
+    def split(self, node: int, length: int) -> int:
+        head = super().split(node, length)  # (the tree goes whole with the next call; the KV's split is an operation)
+        self._log(("kv_split", node, head, length))
+        return head
+
     def _wrap(self, kind: str, index: int, callback):
         if callback is None:
             return None
@@ -157,7 +162,8 @@ class LeaderRun(TreeRun):
             self._quiet -= 1
             self._fingerprint = (self.forward_passes, self._callbacks, outcome)
 
-    def advance(self) -> list[Job]:
+    def advance(self, until=None) -> list[Job]:
+        # (``until`` is not mirrored: rank 0 alone would stop early; the loop runs until a job completes)
         return self._call("advance")
 
     def prefill(self, nodes: list[int]):
@@ -192,6 +198,11 @@ class Mirror:
                 run.cancel(self.jobs[op[1]])
             elif op[0] == "kv_free":
                 run.kv.free(op[1])
+            elif op[0] == "kv_split":
+                _, node, head, length = op
+                run.kv.split(node, head, length)
+                if node in run.scheduler.last_used:
+                    run.scheduler.last_used[head] = run.scheduler.last_used[node]
             elif op[0] == "free":
                 for n in [op[1], *op[2]]:
                     run.kv.free(n)

@@ -29,6 +29,7 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import networkx as nx
 import torch
@@ -133,6 +134,7 @@ class TreeRun:
         self.phase_passes: list[int] = []
         self.phase_capture_seconds: list[float] = []  # host seconds each of them spent capturing (0: replayed kept graphs)
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
+        self.prefill_rows = 0  # token rows those passes ran besides decode rows (new tokens, conditioning tokens)
         # scheduling calls (between decode phases only: host_seconds["schedule"] is spent in these, not spread
         # over every step)
         self.schedule_calls = 0
@@ -200,14 +202,24 @@ class TreeRun:
         """Jobs are waiting, prefilling or decoding."""
         return self._phase is not None or bool(self.decoder.live) or self.scheduler.has_work()
 
-    def advance(self) -> list[Job]:
-        """Run the engine's loop until at least one job completes; returns the jobs that did (their
-        ``on_done`` already called). An empty list: nothing is left to run."""
-        with full_collections_paused():  # (see treegen.runtime.collector)
-            return self._advance()
+    def wants_work(self, rows: int) -> bool:
+        """Whether more work would find room now: fewer than ``rows`` branches decode or wait for admission,
+        and the last admission did not stop for want of memory (what decides when the next input of a batch
+        whose inputs arrive as it runs is started: :mod:`treegen.lang.arrivals`)."""
+        s = self.scheduler
+        return len(self.decoder.live) + len(s.waiting) + len(s.admitted) < rows and not s.memory_blocked
 
-    def _advance(self) -> list[Job]:
+    def advance(self, until: Callable[[], bool] | None = None) -> list[Job]:
+        """Run the engine's loop until at least one job completes; returns the jobs that did (their
+        ``on_done`` already called). An empty list: nothing is left to run — or ``until()`` became true
+        (asked between steps: new work has come, e.g. an input of a batch whose inputs arrive as it runs)."""
+        with full_collections_paused():  # (see treegen.runtime.collector)
+            return self._advance(until)
+
+    def _advance(self, until: Callable[[], bool] | None = None) -> list[Job]:
         while not self._completed:
+            if until is not None and until():
+                break
             if self._phase is not None:
                 try:
                     next(self._phase)
@@ -285,6 +297,7 @@ class TreeRun:
         tree, dec = self.tree, self.decoder
         decode_rows = dec.decode_rows()
         rows = decode_rows + step.rows
+        self.prefill_rows += len(step.rows)
         row_of = {r: j for j, r in enumerate(rows)}
         gens = [j for j in step.ready if j.is_gen]
         scores = [j for j in step.ready if not j.is_gen]
@@ -310,6 +323,27 @@ class TreeRun:
             self.complete(job, [next(means) for _ in job.request.choices])
 
     # ---------------------------------------------------------------------------------------------
+    def can_split(self, node: int) -> bool:
+        """Whether :meth:`split` may divide ``node`` now: a node with children (never generated into) whose KV,
+        if any, is dense and on the device."""
+        return bool(self.tree.children(node)) and self.kv.can_split(node)
+
+    def split(self, node: int, length: int) -> int:
+        """Put a new node holding ``node``'s first ``length`` tokens above it, in the tree and in the KV
+        store (the slots of those tokens become the new node's; nothing is copied or computed again), so
+        that a later program sharing only those tokens can attach below it (radix reuse,
+        :meth:`~treegen.lang.interpreter.ProgramRun.attach`). Returns the new node. Jobs already queued
+        see the new path when they are next looked at (their rows are read from the tree each step); a
+        running decode phase keeps its plan, which reads the same slots as one segment."""
+        if not self.can_split(node):
+            raise RuntimeError(f"node {node} cannot be split now (a leaf, or its KV is on the host or sparse)")
+        head = self.tree.split(node, length)
+        self.kv.split(node, head, length)
+        used = self.scheduler.last_used.get(node)
+        if used is not None:
+            self.scheduler.last_used[head] = used
+        return head
+
     def free(self, node: int) -> None:
         """Drop a node's KV and mark it (and its subtree) pruned."""
         for n in [node, *sorted(nx.descendants(self.tree.graph, node))]:

@@ -84,6 +84,45 @@ def share_prefixes(tree: SharingTree, nodes: list[int]) -> list[int]:
 
 
 @dataclass(frozen=True)
+class PrefixMatch:
+    """Where a sequence of tokens meets a tree (:func:`match_prefix`): the path from a root down to
+    ``parent`` (None: no node) holds its first ``matched`` tokens; ``partial`` (None: none), a child of
+    ``parent`` (a root when ``parent`` is None), starts with the next ``partial_length`` tokens, fewer
+    than it holds (splitting it there would share them too)."""
+
+    parent: int | None
+    matched: int
+    partial: int | None = None
+    partial_length: int = 0
+
+
+def match_prefix(tree: SharingTree, tokens: list[int], usable) -> PrefixMatch:
+    """The radix lookup of a new program's prompt in a live tree: descend from the roots through
+    ``usable(node)`` nodes whose tokens all continue ``tokens``, taking at each level the child that
+    shares the most; stop where a child shares only part of its tokens (``partial``). At least the last
+    of ``tokens`` is left unmatched (what the new node keeps: a node of its own to generate from).
+    Children sharing no first token with ``tokens`` are not compared."""
+    parent, matched = None, 0
+    while matched < len(tokens) - 1:
+        rest = tokens[matched:]
+        best, best_length = None, 0
+        for c in (tree.roots() if parent is None else tree.children(parent)):
+            ct = tree.tokens(c)
+            if not ct or ct[0] != rest[0] or not usable(c):
+                continue
+            length = _common_prefix(ct, rest)
+            if length > best_length:
+                best, best_length = c, length
+        if best is None:
+            break
+        if best_length == len(tree.tokens(best)) and best_length < len(rest):
+            parent, matched = best, matched + best_length
+            continue
+        return PrefixMatch(parent, matched, best, min(best_length, len(rest) - 1))
+    return PrefixMatch(parent, matched)
+
+
+@dataclass(frozen=True)
 class Simplified:
     """What :func:`simplify` did: the nodes dissolved into their children and the KV tokens it copies."""
 

@@ -83,6 +83,7 @@ class SharingTree:
         # networkx's own node-attribute and successor dicts (``graph.nodes[n]`` and ``graph.out_degree``
         # go through view objects, ~1 us a lookup): read by the per-token and per-plan paths below
         self._data, self._succ = graph._node, graph._succ
+        self._roots = {n for n, p in self._parent.items() if p is None}
 
     # building ---------------------------------------------------------------------------------
     def add_node(self, parent: int | None, tokens=(), kind: str = "text") -> int:
@@ -90,6 +91,7 @@ class SharingTree:
         node = self.graph.number_of_nodes()
         self.graph.add_node(node, tokens=list(tokens), kind=kind, pruned=False, gen_budget=0)
         self._parent[node] = None
+        self._roots.add(node)
         if parent is not None:
             self.set_parent(node, parent)
         return node
@@ -101,6 +103,9 @@ class SharingTree:
             self.graph.remove_edge(old, node)
         if parent is not None:
             self.graph.add_edge(parent, node)
+            self._roots.discard(node)
+        else:
+            self._roots.add(node)
         self._parent[node] = parent
 
     def extend(self, node: int, tokens) -> None:
@@ -108,6 +113,19 @@ class SharingTree:
         if self._succ[node]:
             raise ValueError(f"node {node} has children; its tokens are shared and cannot grow")
         self._data[node]["tokens"].extend(tokens)
+
+    def split(self, node: int, length: int) -> int:
+        """Put a new node holding ``node``'s first ``length`` tokens between it and its parent; ``node``
+        keeps the rest (and its id, children and attributes). Returns the new node. Every branch's token
+        sequence is unchanged."""
+        tokens = self._data[node]["tokens"]
+        if not 0 < length < len(tokens):
+            raise ValueError(f"split of node {node}: length must be in 1..{len(tokens) - 1} (it holds {len(tokens)} "
+                             f"tokens), got {length}")
+        head = self.add_node(self._parent[node], tokens[:length])
+        self._data[node]["tokens"] = tokens[length:]
+        self.set_parent(node, head)
+        return head
 
     def prune(self, node: int) -> None:
         """Mark a node and its subtree as finished with (their KV has been freed)."""
@@ -125,6 +143,10 @@ class SharingTree:
 
     def parent(self, node: int) -> int | None:
         return self._parent[node]
+
+    def roots(self) -> list[int]:
+        """Nodes without a parent (pruned ones included), in id order."""
+        return sorted(self._roots)
 
     def children(self, node: int) -> list[int]:
         return sorted(self.graph.successors(node))
@@ -183,10 +205,11 @@ class SharingTree:
         data = self.graph.nodes
         return not data[node]["pruned"] and all(data[c]["pruned"] for c in self.graph.succ[node])
 
-    def branches_below(self, node: int) -> int:
-        """Branches (:meth:`leaves`) in ``node``'s subtree, itself included: one walk of the subtree."""
+    def branches_below(self, node: int, at_most: int | None = None) -> int:
+        """Branches (:meth:`leaves`) in ``node``'s subtree, itself included: one walk of the subtree,
+        which stops once ``at_most`` are found (None: counts them all)."""
         count, stack = 0, [node]
-        while stack:
+        while stack and (at_most is None or count < at_most):
             n = stack.pop()
             count += self._is_branch(n)
             stack += self.graph.succ[n]

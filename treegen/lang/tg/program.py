@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+from treegen.lang.arrivals import arriving
 from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS
 from treegen.lang.dsl import CompiledProgram, Program
 from treegen.lang.tg import ast
@@ -87,11 +88,14 @@ class TgProgram:
         return TgResult(self, lowering.root, lowering.values, seed, engine.tokenizer)
 
 
-    def run_batch(self, engine, inputs: list[Mapping[str, Any]], *, seed: int = 0, watch: Callable | None = None,
+    def run_batch(self, engine, inputs: Iterable[Mapping[str, Any]], *, seed: int = 0, watch: Callable | None = None,
                   on_result: Callable[[int, "TgResult"], None] | None = None,
                   describe: Callable[[int], str] = str, **options) -> list["TgResult"]:
         """Run once per entry of ``inputs`` (parameter values) as one workload; returns the results in
-        input order. Parameters are checked for every input before anything runs.
+        input order. A list of inputs has its parameters checked for every input before anything runs;
+        an iterator is drawn as the run goes (:mod:`treegen.lang.arrivals`: a program starts when its
+        input arrives and the engine has room), and an input whose values do not bind fails its
+        program alone (so does an input that is an exception: what reading it raised).
 
         ``on_result(index, result)``: each program's :class:`TgResult` as soon as that program is done
         (in finish order; a failed one has ``result.error``). ``describe(i)``: how errors name input
@@ -106,23 +110,54 @@ class TgProgram:
 
         if on_result is not None and not callable(on_result):
             raise TypeError(f"run_batch: on_result must be a function (index, result), got {type(on_result).__name__}")
-        bound = [self.bind(values) for values in inputs]
-        lowerings = [Lowering(self.file, b, watch) for b in bound]
-        seeds = options.get("seeds") or [seed] * len(bound)
+        lowerings: list = []  # per input, in input order (an arriving input's when the driver takes it)
+
+        def arrived(values) -> "_Body":  # (drawn in input order: lowerings[i] is input i's)
+            if isinstance(values, Exception):  # what reading this input raised (a line that is not JSON)
+                lowering: Any = _Unbound({}, values)
+            elif not isinstance(values, Mapping):
+                lowering = _Unbound(values, TypeError(f"run_batch: each input must be a mapping of parameter "
+                                                           f"values, got {type(values).__name__}"))
+            else:
+                try:
+                    lowering = Lowering(self.file, self.bind(values), watch)
+                except TgError as e:  # it fails alone; the others run
+                    lowering = _Unbound(values, e)
+            lowerings.append(lowering)
+            return _Body(lowering)
+
+        if arriving(inputs):
+            bodies: Any = (arrived(values) for values in inputs)
+        else:
+            bound = [self.bind(values) for values in inputs]
+            bodies = [_Body(lw) for lw in (Lowering(self.file, b, watch) for b in bound)]
+            lowerings = [b.lowering for b in bodies]
+        seeds = options.get("seeds")
 
         def result(i: int, root) -> "TgResult":
             lw = lowerings[i]
             branch = lw.root if lw.root is not None and lw.root.state is root else Branch(root)  # failed before it began
-            return TgResult(self, branch, lw.values, seeds[i], engine.tokenizer)  # (bound[i], or its copy that ran)
+            return TgResult(self, branch, lw.values, seeds[i] if seeds else seed, engine.tokenizer)
 
         hook = None if on_result is None else lambda i, root: on_result(i, result(i, root))
         try:
-            roots = run_batch(engine, [_Body(lw) for lw in lowerings], seed=seed, on_result=hook, describe=describe,
-                              **options)
+            roots = run_batch(engine, bodies, seed=seed, on_result=hook, describe=describe, **options)
         except (ProgramError, BatchInterrupted) as e:
             e.results = [None if root is None else result(i, root) for i, root in enumerate(e.results)]
             raise
         return [result(i, root) for i, root in enumerate(roots)]
+
+
+class _Unbound:
+    """In place of the lowering of an input that arrived as the run goes and does not bind: running it
+    raises why (its program fails alone); ``values``: what was given."""
+
+    def __init__(self, values, error: Exception) -> None:
+        self.values = dict(values) if isinstance(values, Mapping) else {}
+        self.error, self.root = error, None
+
+    def __call__(self, state) -> None:
+        raise self.error
 
 
 class _Body:
