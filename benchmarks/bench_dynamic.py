@@ -23,6 +23,10 @@ Workloads:
   best mean log-probability (``top_k``), prune the others, expand each kept thought by fork(width/2),
   three levels;
 
+Inputs: a list (every program starts at once and the passes merge their prompts), or with ``--variants
+arriving`` an iterator drawn as the run goes (a program starts when the engine has room, its prompt
+attached to the live tree's prefix by radix lookup: :mod:`treegen.lang.arrivals`).
+
 Reported per case: tokens/s of both (generated tokens / wall time, prefill included), their ratio,
 decode steps, host seconds per decode step by kind (``TreeRun.host_seconds``), the step time of the
 static run (for host time as a fraction of a step) and the GPU busy fraction (NVML utilisation sampled
@@ -200,23 +204,27 @@ def started_at() -> str:
     return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
-def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_up: bool = True) -> dict:
+def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_up: bool = True,
+                    arriving: bool = False) -> dict:
     """The workload run twice with different inputs of the same sizes; the second is measured (only the
     measured one when ``warm_up`` is false). (A smaller warm-up left kernel variants of the full run's
     sizes to compile inside the timed run: measured on an H100, tot at 256 branches took 7.4 s cold and
-    5.9 s warm.)"""
+    5.9 s warm.) ``arriving``: the inputs given as an iterator, drawn as the run goes
+    (:mod:`treegen.lang.arrivals`: each program starts when the engine has room, its prompt attached to
+    the live tree by radix lookup) instead of a list whose programs all start at once."""
+    given = iter if arriving else list
     prog, inputs, total = workload(kind, programs, width, engine.model.vocab_size)
     torch.cuda.synchronize()
     cold = None
     if warm_up:
         start = time.perf_counter()
-        prog.run_batch(engine, workload(kind, programs, width, engine.model.vocab_size, seed=1)[1])  # compile, warm
+        prog.run_batch(engine, given(workload(kind, programs, width, engine.model.vocab_size, seed=1)[1]))  # compile, warm
         torch.cuda.synchronize()
         cold = time.perf_counter() - start
     variants = kernel_variants()
     with Busy() as busy, Collections() as collections:
         start = time.perf_counter()
-        roots = prog.run_batch(engine, inputs)
+        roots = prog.run_batch(engine, given(inputs))
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     tree_run = roots[0]._run.tree_run
@@ -226,6 +234,9 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
     steps = tree_run.forward_passes
     return {"dynamic_s": elapsed, "dynamic_cold_s": cold, "dynamic_tok_s": total / elapsed, "tokens": total, "forward_passes": steps,
             "mixed_steps": tree_run.mixed_steps, "decode_phases": len(tree_run.decode_phases),
+            # token rows prefilled (new tokens, conditioning tokens run again), and prompt tokens later programs
+            # found in the live tree (arriving inputs)
+            "prefill_rows": tree_run.prefill_rows, "attached_tokens": roots[0]._run.pass_report.get("attached_tokens", 0),
             "kv_compactions": tree_run.kv.compactions, "kv_allocations": tree_run.kv.allocations,
             "kv_slots_moved": tree_run.kv.slots_moved,
             # phases captured as CUDA graphs, and phases that replayed graphs kept from an earlier one
@@ -337,7 +348,7 @@ def main() -> None:
                 for variant in args.variants:
                     with VARIANTS[variant]():
                         dynamic[variant].append(measure_dynamic(engine, kind, programs, args.width,
-                                                                  warm_up=k == 0))
+                                                                  warm_up=k == 0, arriving=variant == "arriving"))
                     gc.collect()
                 per_branch = round(dynamic[args.variants[0]][0]["tokens"] / (branches * args.static_forks))
                 static.append(measure_static(engine, branches // args.width, args.width, per_branch,
@@ -389,8 +400,9 @@ def undone(owner, name: str, value):
 # fifo — the scheduler admits waiting work in arrival order (its order before priorities existed);
 # programs-after-phase — a block that completes jobs resumes their programs after the phase's end
 # decision (``Decoder.overlap_programs``); gc-full-collections — Python's full garbage collections run
-# during the batch (``treegen.runtime.collector`` not applied)
-VARIANTS = {"default": contextlib.nullcontext,
+# during the batch (``treegen.runtime.collector`` not applied); arriving — not an engine choice: the inputs
+# given as an iterator, drawn as the run goes (see measure_dynamic)
+VARIANTS = {"default": contextlib.nullcontext, "arriving": contextlib.nullcontext,
             "fifo": lambda: undone(Scheduler, "priority", lambda self, job: (self._submitted,)),
             "programs-after-phase": lambda: undone(Decoder, "overlap_programs", False),
             "gc-full-collections": lambda: undone(collector, "enabled", False)}

@@ -159,6 +159,56 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_dev
         assert root.ret_value == grows.run(engine, **x).ret_value
 
 
+def test_inputs_arriving_while_others_decode_reuse_the_prefix_kv_with_the_tokens_of_each_alone(monkeypatch):
+    """Inputs drawn from an iterator while the batch runs (:mod:`treegen.lang.arrivals`), on the GPU with CUDA
+    graphs: later programs' prompts are attached below the live tree's prefix — a node holding KV split in
+    two while phases decode below it — and every program's greedy tokens equal those of the program run
+    alone (fp32)."""
+    import random
+    import time
+
+    import treegen
+    from treegen.runtime.kv_store import KVStore
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192)
+    engine = Engine(LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cuda"), IdTokenizer())
+    rng = random.Random(1)
+    ids = lambda n: " " + " ".join(str(rng.randrange(1, 1000)) for _ in range(n))  # noqa: E731
+    prefix = ids(400)
+
+    @treegen.program
+    def samples(s, question, lengths):
+        s += prefix + question
+        b = s.fork(len(lengths))
+        b += lambda i: treegen.gen("a", max_tokens=lengths[i], ignore_eos=True)
+        s.join(b)
+        return s["a"]
+
+    inputs = [{"question": ids(rng.randint(1, 30)), "lengths": [rng.randint(20, 200) for _ in range(rng.randint(2, 5))]}
+              for _ in range(16)]
+    splits = []
+    split = KVStore.split
+
+    def spy(kv, node, head, length):
+        splits.append(kv.computed(node) >= length)
+        split(kv, node, head, length)
+
+    def trickle():
+        for k, x in enumerate(inputs):
+            yield x
+            time.sleep(0.5 if k == 0 else 0.05)  # (the first program's prefix has KV when the second comes)
+
+    alone = [samples.run(engine, **x).ret_value for x in inputs]  # (kernels compiled before the batch)
+    monkeypatch.setattr(KVStore, "split", spy)
+    roots = samples.run_batch(engine, trickle())
+    assert any(splits), splits  # a node with the prefix's KV was split for a later program
+    run = roots[0]._run
+    assert run.pass_report["attached_tokens"] >= 10 * 400
+    assert [root.ret_value for root in roots] == alone
+
+
 def test_random_ops_work_after_a_capture_that_failed():
     """A capture that raises part way (here: a host read inside it) must not leave the default CUDA
     generator in capture mode; random ops after it run (the generic path probes capture this way)."""
