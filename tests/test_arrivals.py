@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import treegen
-from treegen.lang.batch import InputsFailed, ProgramError
+from treegen import InputsFailed
+from treegen.lang.batch import ProgramError
 from treegen.runtime.engine import Engine
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.loader import IdTokenizer

@@ -10,6 +10,7 @@ registers the reprs of programs, compiled trees and results (:mod:`treegen.lang.
 from treegen.lang import (
     BatchInterrupted,
     EngineFailed,
+    InputsFailed,
     CompiledProgram,
     ForkGroup,
     Program,
@@ -34,7 +35,7 @@ from treegen.tree import KVShape, SharingTree, TreeStats
 from treegen import display  # noqa: F401  (sits on top of lang; importing it registers lang's views)
 
 __all__ = [
-    "BatchInterrupted", "EngineFailed", "CompiledProgram", "ProgramError", "TokenStream", "Engine", "ForkGroup", "KVShape", "ModelNotFoundError", "Program", "SamplingParams",
+    "BatchInterrupted", "EngineFailed", "InputsFailed", "CompiledProgram", "ProgramError", "TokenStream", "Engine", "ForkGroup", "KVShape", "ModelNotFoundError", "Program", "SamplingParams",
     "SharingTree", "State", "TreeStats", "UnsetVariableError", "UnsupportedModelError", "assistant", "gen",
     "program", "select", "system", "user", "vote", "best", "top_k", "collect", "concat",
 ]

@@ -4,11 +4,11 @@ Layering: lang imports tree and runtime, never the display layer; how its classe
 and terminals is registered from above, in :mod:`treegen.lang.views`.
 """
 
-from treegen.lang.batch import BatchInterrupted, EngineFailed, ProgramError
+from treegen.lang.batch import BatchInterrupted, EngineFailed, InputsFailed, ProgramError
 from treegen.lang.dsl import (CompiledProgram, Program, assistant, best, collect, concat, gen, program, select,
                                system, top_k, user, vote)
 from treegen.lang.interpreter import ForkGroup, State, TokenStream, UnsetVariableError
 
-__all__ = ["BatchInterrupted", "EngineFailed", "CompiledProgram", "ForkGroup", "Program", "ProgramError", "State", "TokenStream",
+__all__ = ["BatchInterrupted", "EngineFailed", "InputsFailed", "CompiledProgram", "ForkGroup", "Program", "ProgramError", "State", "TokenStream",
            "UnsetVariableError", "assistant", "best", "collect", "concat", "gen", "program", "select", "system",
            "top_k", "user", "vote"]
