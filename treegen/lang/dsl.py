@@ -247,7 +247,11 @@ class Program:
         (each with ``ret_value``, what the function returned).
 
         ``inputs``: one entry per program — a dict of keyword arguments, or a tuple/list of positional
-        ones. All programs' states live in one sharing tree and run continuously: each program resumes
+        ones — as a list (every program starts at once), or an iterator drawn as the run goes: a program
+        starts when its input has come and the engine has room, its prompt attached to the live tree's
+        shared prefix (:mod:`treegen.lang.arrivals`; a bad input fails its program alone, an iterator that
+        raises ends the inputs: :class:`~treegen.lang.batch.InputsFailed`). All programs' states live in
+        one sharing tree and run continuously: each program resumes
         as soon as the ``gen`` / ``select`` it waits for is done, while the others keep decoding (see
         :mod:`treegen.lang.batch`). Before anything runs, common token prefixes of the programs'
         prompts become shared nodes (``share_prefixes``) and shared nodes saving fewer than
