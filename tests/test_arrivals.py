@@ -183,6 +183,13 @@ def test_programs_start_only_while_the_engine_has_room(model):  # noqa: F811
     assert max(seen) <= 3  # two branches each: a third program starts only once fewer than 4 rows are busy
 
 
+def test_ready_inputs_fill_the_batch_from_the_first_step(model):  # noqa: F811
+    engine = Engine(model, IdTokenizer(), max_batch=16)
+    roots = samples.run_batch(engine, ({"question": f" {50 + i}", "width": 2, "tokens": 4} for i in range(24)))
+    run = roots[0]._run.tree_run
+    assert run.decode_phases[0] == 16, run.decode_phases  # (taken one a step, it grew 2, 4, 6, ...)
+
+
 def test_a_bad_input_fails_its_program_alone_and_a_failing_iterator_keeps_what_started(engine):
     with pytest.raises(ProgramError) as e:
         samples.run_batch(engine, iter([{"question": " 1"}, 7, {"question": " 2"}]))

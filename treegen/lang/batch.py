@@ -258,7 +258,7 @@ def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: in
         if seeds is not None:
             raise ValueError("run_batch: seeds is a list per input, and these inputs arrive as the run goes (an "
                              "iterator); give each program its seed in its input, or pass a list of inputs")
-        arrivals, bodies = Arrivals(bodies), []
+        arrivals, bodies = Arrivals(bodies, ahead=getattr(engine, "max_batch", None) or DEFAULT_ARRIVAL_ROWS), []
     bodies = list(bodies)
     if seeds is not None and len(seeds) != len(bodies):
         raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
