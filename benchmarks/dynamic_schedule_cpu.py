@@ -34,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import LlamaConfig
 
+import treegen.lang.batch as batch
 import treegen.runtime.decode as decode
 import treegen.runtime.scheduler as scheduler
 from treegen.runtime.engine import Engine
@@ -42,7 +43,8 @@ from treegen.runtime.model import LlamaFamilyModel
 from bench_dynamic import VARIANTS, workload  # benchmarks/
 
 
-def replay(kind: str, branches: int, width: int, oversubscribe: int, kv_budget_bytes: int | None = None) -> dict:
+def replay(kind: str, branches: int, width: int, oversubscribe: int, kv_budget_bytes: int | None = None,
+           arriving: bool = False) -> dict:
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192)
@@ -50,13 +52,14 @@ def replay(kind: str, branches: int, width: int, oversubscribe: int, kv_budget_b
     engine = Engine(model, IdTokenizer(), max_batch=branches, kv_budget_bytes=kv_budget_bytes)
     prog, inputs, total = workload(kind, oversubscribe * branches // width, width, cfg.vocab_size)
     start = time.perf_counter()
-    roots = prog.run_batch(engine, inputs)
+    roots = prog.run_batch(engine, iter(inputs) if arriving else inputs)
     elapsed = time.perf_counter() - start
     run = roots[0]._run.tree_run
     phases = [{"rows": rows, "passes": passes} for rows, passes in zip(run.decode_phases, run.phase_passes)]
     phase_rows = sum(p["rows"] * p["passes"] for p in phases)
     tail = [p for p in phases if p["rows"] < 0.9 * branches]
-    return {"workload": kind, "branches": branches, "width": width, "programs": len(inputs),
+    return {"workload": kind, "branches": branches, "width": width, "programs": len(inputs), "arriving": arriving,
+            "arrival_batches": batch.ARRIVAL_BATCHES if arriving else None,
             "replan_fraction": scheduler.REPLAN_FRACTION, "kv_budget_bytes": kv_budget_bytes, "tokens": total, "forward_passes": run.forward_passes,
             "ideal_passes": round(total / branches), "mixed_steps": run.mixed_steps, "decode_phases": len(phases),
             "tail_passes": sum(p["passes"] for p in tail), "tail_rows_at_most": max((p["rows"] for p in tail), default=0),
@@ -82,22 +85,30 @@ def main() -> None:
     parser.add_argument("--kv-budget-mb", type=float, default=None,
                         help="the engine's KV budget (default: no limit); Llama-3-8B's at 1,024 branches on an H100 "
                              "is about 110 MB of this model's KV (the same tokens)")
+    parser.add_argument("--arriving", type=int, default=None, metavar="BATCHES",
+                        help="the inputs as an iterator drawn as the run goes, programs started while fewer than "
+                             "BATCHES x max_batch branches decode or wait (treegen.lang.batch.ARRIVAL_BATCHES)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.arriving is not None:
+        if args.arriving < 1:
+            parser.error(f"--arriving must be at least 1, got {args.arriving}")
+        batch.ARRIVAL_BATCHES = args.arriving
     if args.replan_fraction is not None:
         if not 0 < args.replan_fraction <= 1:
             parser.error(f"--replan-fraction must be in (0, 1], got {args.replan_fraction}")
         scheduler.REPLAN_FRACTION = decode.REPLAN_FRACTION = args.replan_fraction
     with VARIANTS[args.variant]():
         row = replay(args.workload, args.branches, args.width, args.oversubscribe,
-                     None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20))
+                     None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20), args.arriving is not None)
     row["variant"] = args.variant
     print({k: v for k, v in row.items() if k != "phases"})
     print("phases (rows x passes):", [(p["rows"], p["passes"]) for p in row["phases"]])
     out = Path(args.out or Path(__file__).parent / "results" /
                f"dynamic_schedule_cpu_{args.workload}_{args.branches}"
                f"{'' if args.variant == 'default' else '_' + args.variant}"
-               f"{'' if args.kv_budget_mb is None else f'_budget_{args.kv_budget_mb:g}mb'}.json")
+               f"{'' if args.kv_budget_mb is None else f'_budget_{args.kv_budget_mb:g}mb'}"
+               f"{'' if args.arriving is None else f'_arriving_{args.arriving}'}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "dynamic_schedule_cpu", "device": "cpu", "model": "random Llama, 1 layer, hidden 64",

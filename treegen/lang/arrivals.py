@@ -40,6 +40,7 @@ class Arrivals:
     """An iterator of inputs drawn on a thread, ``ahead`` items at most before :meth:`take`."""
 
     def __init__(self, inputs: Iterable, ahead: int = 1) -> None:
+        self.ahead = ahead
         self._queue: queue.Queue = queue.Queue(maxsize=ahead)
         self._stop = threading.Event()
         self.taken = 0  # inputs handed to the driver
