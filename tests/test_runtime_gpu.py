@@ -118,6 +118,20 @@ def test_workload_larger_than_gpu_memory_runs_in_groups_with_the_same_outputs():
     assert grouped == alone
 
 
+def _small_fp32_engine(seed: int):
+    """A random 3-layer GQA Llama in fp32 on the GPU (IEEE kernels: batch composition cannot flip a greedy
+    choice), token ids as text; a random generator seeded with ``seed``, and ``ids(n)``: n random ids from it,
+    as text."""
+    import random
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192)
+    engine = Engine(LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cuda"), IdTokenizer())
+    rng = random.Random(seed)
+    return engine, rng, lambda n: " " + " ".join(str(rng.randrange(1, 1000)) for _ in range(n))
+
+
 @pytest.mark.parametrize("ends_on_device", [False, True])
 def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_device):
     """Programs that grow as they run, on the GPU with CUDA graphs: new work is prefilled in the same
@@ -125,16 +139,9 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_dev
     and every program's greedy tokens equal those of the program run alone (fp32: IEEE kernels, so
     batch composition cannot flip a greedy choice). ``ends_on_device``: EOS may end a branch, so phases
     watch the device's count of rows still generating and end early, with programs resuming between."""
-    import random
-
     import treegen
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192)
-    engine = Engine(LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cuda"), IdTokenizer())
-    rng = random.Random(0)
-    ids = lambda n: " " + " ".join(str(rng.randrange(1, 1000)) for _ in range(n))  # noqa: E731
+    engine, rng, ids = _small_fp32_engine(seed=0)
     prefix = ids(300)
 
     @treegen.program
@@ -164,18 +171,12 @@ def test_inputs_arriving_while_others_decode_reuse_the_prefix_kv_with_the_tokens
     graphs: later programs' prompts are attached below the live tree's prefix — a node holding KV split in
     two while phases decode below it — and every program's greedy tokens equal those of the program run
     alone (fp32)."""
-    import random
     import time
 
     import treegen
     from treegen.runtime.kv_store import KVStore
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=1000, rope_theta=10000.0, max_position_embeddings=8192)
-    engine = Engine(LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cuda"), IdTokenizer())
-    rng = random.Random(1)
-    ids = lambda n: " " + " ".join(str(rng.randrange(1, 1000)) for _ in range(n))  # noqa: E731
+    engine, rng, ids = _small_fp32_engine(seed=1)
     prefix = ids(400)
 
     @treegen.program
