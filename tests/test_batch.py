@@ -501,3 +501,21 @@ def test_cli_batch_from_standard_input_runs_each_line_as_it_comes(smol, tmp_path
     assert got[0]["variables"] == want[0]["variables"] and got[3]["variables"] == want[1]["variables"]
     assert "line 3: not JSON" in got[1]["error"] and "unknown parameter 'nope'" in got[2]["error"]
     assert "input <stdin>:3 (index 1) failed" in err and "2 of 4 programs failed" in err
+
+
+def test_follow_ups_example_asks_unclear_votes_again_in_the_same_run(smol):
+    """examples/follow_ups.py: problems from a queue drawn as the run goes; every vote below an agreement of
+    1.01 (all of them) is asked again with twice the samples, joining the same run; the few-shot prefix is
+    found in the tree by the later programs; a follow-up samples what it samples alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from follow_ups import FEW_SHOT, PROBLEMS, solve, solve_all
+
+    inputs, roots, attached = solve_all(smol, PROBLEMS, n=2, agree=1.01, max_tokens=5, seed=4)
+    assert len(roots) == 2 * len(PROBLEMS) and [x["n"] for x in inputs] == [2] * 3 + [4] * 3
+    assert sorted(x["question"] for x in inputs[3:]) == sorted(PROBLEMS)
+    assert attached >= (len(roots) - 1) * len(smol.tokenizer(FEW_SHOT, add_special_tokens=False).input_ids) // 2
+    follow_up = inputs[-1]
+    assert roots[-1].ret_value == solve.run(smol, seed=4, **follow_up).ret_value
