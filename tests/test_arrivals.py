@@ -209,3 +209,26 @@ def test_a_bad_input_fails_its_program_alone_and_a_failing_iterator_keeps_what_s
 def test_seeds_need_a_list_of_inputs(engine):
     with pytest.raises(ValueError, match="seeds is a list per input"):
         samples.run_batch(engine, iter([{"question": " 1"}]), seeds=[1])
+
+
+def test_ctrl_c_while_waiting_for_an_input_keeps_the_finished_programs(engine):
+    import _thread
+
+    from treegen.lang.batch import BatchInterrupted
+
+    never = threading.Event()
+
+    def stalled():
+        yield {"question": " 61"}
+        never.wait()  # a producer that never hands over another input
+        yield {"question": " 62"}
+
+    timer = threading.Timer(3.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(BatchInterrupted, match="1 of 1 programs had finished") as e:
+            samples.run_batch(engine, stalled())
+    finally:
+        timer.cancel()
+        never.set()
+    assert len(e.value.results) == 1 and len(e.value.results[0].ret_value) == 3
