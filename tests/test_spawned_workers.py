@@ -147,3 +147,47 @@ def test_a_drop_between_a_callbacks_messages_is_carried_out_and_the_callback_sti
     inbox.put(pickle.dumps(("drop", 1)))
     inbox.put(pickle.dumps(("call", 1)))
     assert _receive(inbox, mirrors) == ("call", 1) and mirrors == {}  # (a run with no KV: just forgotten)
+
+
+def test_inputs_arriving_under_tensor_parallel_split_kv_alike_on_every_rank(checkpoint, monkeypatch):  # noqa: F811
+    """run_batch over an iterator on two ranks driven from this process: a later program's prompt is attached
+    below the first one's prefix, whose node (with KV) is split — an operation the worker mirrors — and every
+    program samples the tokens of one process."""
+    import threading
+
+    from distributed_programs import PROBLEMS, problem
+    from treegen.runtime.kv_store import KVStore
+
+    def run(engine, splits):
+        first = threading.Event()
+
+        def arriving():
+            yield PROBLEMS[0]
+            assert first.wait(60)
+            yield from PROBLEMS[1:]
+
+        def on_tokens(stream):
+            if not first.is_set():
+                first.set()
+                time.sleep(0.5)  # (the input thread hands the next input over before the next step)
+
+        split = KVStore.split
+
+        def spy(kv, node, head, length):
+            splits.append(kv.computed(node) >= length)
+            split(kv, node, head, length)
+
+        with monkeypatch.context() as m:
+            m.setattr(KVStore, "split", spy)
+            roots = problem.run_batch(engine, arriving(), seed=3, on_tokens=on_tokens, min_shared_saving=None)
+        return [{"x": r["x"], "greedy": r["greedy"]} for r in roots]
+
+    alone: list = []
+    want = run(Engine.load(str(checkpoint)), alone)
+    engine = Engine.load(str(checkpoint), tensor_parallel=2)
+    try:
+        splits: list = []
+        assert run(engine, splits) == want
+        assert splits and splits[0], splits  # the first program's prefix node held KV when it was split
+    finally:
+        engine.close()
