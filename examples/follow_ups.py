@@ -43,7 +43,8 @@ def solve(s, question, n=4, max_tokens=40):
 
 def solve_all(engine, problems, *, n=4, agree=0.75, max_tokens=40, seed=0):
     """Every problem, asked again with twice the samples (once) when its vote is not clear; returns
-    ``(inputs, roots)`` in the order the programs started, and the run's attached prompt tokens."""
+    ``(inputs, roots)`` in the order the programs started (program ``i`` drew with seed ``seed + i``), and
+    the run's attached prompt tokens."""
     todo: queue.Queue = queue.Queue()
     for question in problems:
         todo.put({"question": question, "n": n, "max_tokens": max_tokens})
@@ -63,7 +64,9 @@ def solve_all(engine, problems, *, n=4, agree=0.75, max_tokens=40, seed=0):
         if open_programs[0] == 0:
             todo.put(None)
 
-    roots = solve.run_batch(engine, arrived(), seed=seed, on_result=on_result)
+    # one seed per program (a function of its index: these inputs arrive as the run goes), so that a
+    # follow-up draws new samples rather than the first ones again
+    roots = solve.run_batch(engine, arrived(), seeds=lambda i: seed + i, on_result=on_result)
     return inputs, roots, roots[0]._run.pass_report.get("attached_tokens", 0)
 
 

@@ -206,9 +206,21 @@ def test_a_bad_input_fails_its_program_alone_and_a_failing_iterator_keeps_what_s
     assert len(e.value.results) == 1 and len(e.value.results[0].ret_value) == 3
 
 
-def test_seeds_need_a_list_of_inputs(engine):
-    with pytest.raises(ValueError, match="seeds is a list per input"):
+def test_arriving_inputs_take_their_seeds_from_a_function_of_their_index(engine):
+    with pytest.raises(ValueError, match="cannot be a list per input: give a function of the input's index"):
         samples.run_batch(engine, iter([{"question": " 1"}]), seeds=[1])
+    questions = [" 71", " 72", " 71"]
+    roots = samples.run_batch(engine, ({"question": q} for q in questions), seeds=lambda i: 10 + i)
+    for i, q in enumerate(questions):
+        assert roots[i].ret_value == samples.run(engine, question=q, seed=10 + i).ret_value
+    assert roots[0].ret_value != roots[2].ret_value  # the same input, its own seed: other samples
+    with pytest.raises(ProgramError) as e:  # a seed that is not an integer fails its program alone
+        samples.run_batch(engine, ({"question": q} for q in questions), seeds=lambda i: "x" if i == 1 else i)
+    assert list(e.value.errors) == [1] and "the seed of input 1 must be an integer, got 'x'" in str(e.value.errors[1])
+    listed = samples.run_batch(engine, [{"question": q} for q in questions], seeds=lambda i: 10 + i)
+    assert [r.ret_value for r in listed] == [r.ret_value for r in roots]
+    with pytest.raises(TypeError, match="the seed of input 0 must be an integer, got True"):
+        samples.run_batch(engine, [{"question": " 1"}], seeds=[True])
 
 
 def test_ctrl_c_while_waiting_for_an_input_keeps_the_finished_programs(engine):

@@ -518,4 +518,4 @@ def test_follow_ups_example_asks_unclear_votes_again_in_the_same_run(smol):
     assert sorted(x["question"] for x in inputs[3:]) == sorted(PROBLEMS)
     assert attached >= (len(roots) - 1) * len(smol.tokenizer(FEW_SHOT, add_special_tokens=False).input_ids) // 2
     follow_up = inputs[-1]
-    assert roots[-1].ret_value == solve.run(smol, seed=4, **follow_up).ret_value
+    assert roots[-1].ret_value == solve.run(smol, seed=4 + len(roots) - 1, **follow_up).ret_value

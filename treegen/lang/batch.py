@@ -261,15 +261,15 @@ def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: in
     ``bodies``: a list, or an iterator drawn as the run goes (:mod:`treegen.lang.arrivals`)."""
     arrivals = None
     if arriving(bodies):
-        if seeds is not None:
-            raise ValueError("run_batch: seeds is a list per input, and these inputs arrive as the run goes (an "
-                             "iterator); give each program its seed in its input, or pass a list of inputs")
+        if seeds is not None and not callable(seeds):
+            raise ValueError("run_batch: these inputs arrive as the run goes (an iterator), so seeds cannot be a list "
+                             "per input: give a function of the input's index, seeds=lambda i: ...")
         rows = getattr(engine, "max_batch", None)
         rows = rows * ARRIVAL_BATCHES if rows else DEFAULT_ARRIVAL_ROWS
         arrivals, bodies = Arrivals(bodies, ahead=rows), []
     bodies = list(bodies)
-    if seeds is not None and len(seeds) != len(bodies):
-        raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
+    if arrivals is None:
+        seeds = seeds_of(seeds, len(bodies))
     run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
     run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
     run.on_programs = check_callback("run_batch", "on_programs", on_programs, "(done, total)")
@@ -283,7 +283,11 @@ def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: in
         run.program_returned(root, body(root))
 
     def start(body):  # an input that arrived: its program, a new root
-        root = run.root()
+        try:
+            program_seed = None if seeds is None else checked_seed(seeds(len(roots)), len(roots))
+        except Exception as e:  # noqa: BLE001 - the caller's seeds function: this program fails with it, alone
+            body, program_seed = functools.partial(_raise, e), None
+        root = run.root(program_seed)
         roots.append(root)
         if on_programs is not None:
             on_programs(run.programs_done, len(roots))
@@ -313,6 +317,30 @@ def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: in
     if errors:
         raise ProgramError(errors, roots, describe) from errors[min(errors)]
     return roots
+
+
+def checked_seed(value, index: int) -> int:
+    """``value`` as program ``index``'s seed: an int (a bool or anything else is a TypeError naming it)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"run_batch: the seed of input {index} must be an integer, got {value!r}")
+    return value
+
+
+def seeds_of(seeds, count: int) -> list[int] | None:
+    """``run_batch``'s ``seeds`` for ``count`` inputs known whole: None, a list of one per input, or a
+    function of the input's index; a list of ints, checked."""
+    if seeds is None:
+        return None
+    if callable(seeds):
+        return [checked_seed(seeds(i), i) for i in range(count)]
+    seeds = list(seeds)
+    if len(seeds) != count:
+        raise ValueError(f"run_batch: {len(seeds)} seeds for {count} inputs")
+    return [checked_seed(s, i) for i, s in enumerate(seeds)]
+
+
+def _raise(error: BaseException, state) -> None:
+    raise error
 
 
 def check_callback(where: str, name: str, fn, signature: str = "(stream)"):

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from treegen.lang import views
 from treegen.lang.arrivals import arriving
-from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, check_callback, run_batch_here
+from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, check_callback, run_batch_here, seeds_of
 from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.collector import full_collections_paused
@@ -237,7 +237,7 @@ class Program:
             return CompiledProgram(run.tree, False, str(stop), tokenizer=tokenizer, kv_shape=kv_shape)
         return CompiledProgram(run.tree, True, None, tokenizer=tokenizer, kv_shape=kv_shape)
 
-    def run_batch(self, engine, inputs, /, *, seed: int = 0, seeds: list[int] | None = None,
+    def run_batch(self, engine, inputs, /, *, seed: int = 0, seeds: list[int] | Callable[[int], int] | None = None,
                   share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
                   on_programs: Callable[[int, int], None] | None = None,
                   on_result: Callable[[int, State], None] | None = None,
@@ -258,7 +258,8 @@ class Program:
         ``min_shared_saving`` KV token reads per decode step are dissolved (None: keep all; see
         :func:`treegen.tree.passes.simplify`).
 
-        Seeds: program ``i`` uses ``seeds[i]`` if given, else ``seed``; its branches' random keys come
+        Seeds: program ``i`` uses ``seeds[i]`` (or ``seeds(i)``, a function of the index: for inputs that
+        arrive, or one seed per program without a list) if given, else ``seed``; its branches' random keys come
         from that seed and their path from the program's own root, never from ``i``, so a program
         samples the same tokens alone (``run(..., seed=s)``) as inside any batch.
 
@@ -419,8 +420,7 @@ def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, se
                               min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
                               on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
     bodies = list(bodies)
-    if seeds is not None and len(seeds) != len(bodies):
-        raise ValueError(f"run_batch: {len(seeds)} seeds for {len(bodies)} inputs")
+    seeds = seeds_of(seeds, len(bodies))
     if getattr(engine, "replicas", None) is not None:  # data parallel from this process: replica processes
         from treegen.lang.data_parallel import run_batch_replicas
 

@@ -132,12 +132,10 @@ class TgProgram:
             bound = [self.bind(values) for values in inputs]
             bodies = [_Body(lw) for lw in (Lowering(self.file, b, watch) for b in bound)]
             lowerings = [b.lowering for b in bodies]
-        seeds = options.get("seeds")
-
         def result(i: int, root) -> "TgResult":
             lw = lowerings[i]
             branch = lw.root if lw.root is not None and lw.root.state is root else Branch(root)  # failed before it began
-            return TgResult(self, branch, lw.values, seeds[i] if seeds else seed, engine.tokenizer)
+            return TgResult(self, branch, lw.values, root.seed, engine.tokenizer)
 
         hook = None if on_result is None else lambda i, root: on_result(i, result(i, root))
         try:
