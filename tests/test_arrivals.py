@@ -79,8 +79,9 @@ def test_kv_split_divides_the_slots_without_copying():
     kv.split(0, 1, 4)
     assert (kv.segments[1].start, kv.segments[1].capacity, kv.segments[1].computed) == (start, 4, 4)
     assert (kv.segments[0].start, kv.segments[0].capacity, kv.segments[0].computed) == (start + 4, 6, 3)
+    assert not kv.can_split(0, 6) and kv.can_split(0, 5)  # (tokens past the segment's slots have none to give)
     kv.segments[0].dropped = 1  # sparse window attention compacted it: its slots are not in token order
-    assert not kv.can_split(0)
+    assert not kv.can_split(0, 2)
     with pytest.raises(RuntimeError, match="cannot be split"):
         kv.split(0, 2, 2)
 
@@ -244,3 +245,44 @@ def test_ctrl_c_while_waiting_for_an_input_keeps_the_finished_programs(engine):
         timer.cancel()
         never.set()
     assert len(e.value.results) == 1 and len(e.value.results[0].ret_value) == 3
+
+
+@treegen.program
+def pick(s, question):
+    s += PREFIX + question
+    s += treegen.select("c", [" 7 8", " 9"])
+    s += treegen.gen("a", max_tokens=3, ignore_eos=True)
+    return s["c"], s["a"]
+
+
+def test_a_later_program_beside_a_selects_choices_leaves_the_choice_to_its_own_nodes(engine):
+    """The second program's prompt continues the first one's whole prompt, so it is attached below the node
+    whose children are the first one's pending choices (a later id than theirs): the select still scores and
+    keeps its own choices."""
+    inputs = [{"question": " 5"}, {"question": " 5 6 7 8"}]
+    roots = pick.run_batch(engine, iter(inputs), min_shared_saving=None)
+    tree = roots[0]._run.tree
+    assert tree.path(roots[1].origin)[0] == tree.path(roots[0].origin)[0]  # (attached below the first one's prompt)
+    assert [r.ret_value for r in roots] == [pick.run(engine, **x).ret_value for x in inputs]
+
+
+def test_bad_arguments_are_refused_before_any_input_is_drawn(engine):
+    inputs = iter([{"question": " 1"}, {"question": " 2"}])
+    with pytest.raises(TypeError, match="on_result must be a function"):
+        samples.run_batch(engine, inputs, on_result=123)
+    assert next(inputs) == {"question": " 1"}
+
+
+def test_an_on_programs_that_raises_as_an_input_arrives_stops_the_batch_with_its_error(engine):
+    def on_programs(done, total):
+        if total == 2:
+            raise KeyError("progress bar gone")
+
+    with pytest.raises(KeyError, match="progress bar gone"):
+        samples.run_batch(engine, iter([{"question": " 1"}, {"question": " 2"}]), on_programs=on_programs)
+
+
+def test_a_collection_with_a_length_is_known_whole(engine):
+    """(a dict's values, an array, a dataset: not drawn as the run goes — a list of seeds goes with them)"""
+    roots = samples.run_batch(engine, {"a": {"question": " 81"}, "b": {"question": " 82"}}.values(), seeds=[3, 4])
+    assert roots[1].ret_value == samples.run(engine, question=" 82", seed=4).ret_value

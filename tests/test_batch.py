@@ -501,6 +501,8 @@ def test_cli_batch_from_standard_input_runs_each_line_as_it_comes(smol, tmp_path
     assert got[0]["variables"] == want[0]["variables"] and got[3]["variables"] == want[1]["variables"]
     assert "line 3: not JSON" in got[1]["error"] and "unknown parameter 'nope'" in got[2]["error"]
     assert "input <stdin>:3 (index 1) failed" in err and "2 of 4 programs failed" in err
+    code = main(["run", str(prog), "--batch", "-", "--dp", "2", "--no-progress"])
+    assert code == 2 and "--batch - (inputs read as they come) runs on one process" in capsys.readouterr()[1]
 
 
 def test_follow_ups_example_asks_unclear_votes_again_in_the_same_run(smol):

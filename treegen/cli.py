@@ -212,6 +212,10 @@ def cmd_run(args) -> int:
     if not args.batch:  # (with --batch each line binds its values over these: a parameter may come from the lines)
         prog.bind(values)
     batch = None
+    if args.batch == "-" and ((args.dp or 1) > 1 or os.environ.get("WORLD_SIZE", "1") != "1"):
+        print("treegen: error: --batch - (inputs read as they come) runs on one process and one replica: data parallel "
+              "and torchrun launches split a batch known whole — give --batch a file", file=sys.stderr)
+        return EXIT_USAGE
     if args.batch == "-":
         stream = _StdinBatch(values)
         batch = stream, stream.lines
@@ -370,7 +374,7 @@ def _run_batch(args, prog, inputs, lines: list[int], load, watch, out, err) -> i
     """``treegen run --batch``: results go to ``--json`` as each program finishes (JSON Lines, finish
     order); failed programs are reported and the others finish (exit 1); Ctrl-C exits 130. ``inputs``: a
     list, or the lines of standard input as they come (``lines`` then grows as they are read)."""
-    from treegen.lang.batch import ProgramError
+    from treegen.lang.batch import InputsFailed, ProgramError
     from treegen.lang.tg.program import _clean
     from treegen.render import result_view
 
@@ -455,10 +459,11 @@ def _run_batch(args, prog, inputs, lines: list[int], load, watch, out, err) -> i
     if sink is not None and sink.error is not None:
         print(f"treegen: error: --json {args.json}: {sink.error.strerror or sink.error}", file=sys.stderr)
         status = EXIT_FAILURE
-    if failure is not None and not failed:  # (every failed program is reported through on_result)
-        print(f"treegen: error: {failure}", file=sys.stderr)
+    if failure is not None and (not failed or isinstance(failure, InputsFailed)):
+        # (every failed program is reported through on_result; reading the inputs failing is not a program's error)
+        print(f"treegen: error: {failure if not failed else f'reading the inputs: {failure.error}'}", file=sys.stderr)
         status = EXIT_FAILURE
-    elif failed:
+    if failed:
         names = ", ".join(f"{where[i]} (index {i})" for i in failed[:5]) + (", ..." if len(failed) > 5 else "")
         saved = f"; their results {sink.saved}" if sink is not None and sink.error is None else ""
         print(f"treegen: error: {len(failed)} of {total} programs failed: {names}; "

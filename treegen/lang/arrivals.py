@@ -11,10 +11,12 @@ so a few-shot prefix that earlier programs computed is read, not computed again.
 The iterator is drawn on a thread of its own, at most ``ahead`` inputs (the batch's rows) before the
 driver takes them, so an input that is slow to come (a queue waiting for a producer) never stalls the GPU,
 and inputs that are ready fill the batch at once. The thread
-runs only the iterator's ``next``; program code runs on the driver's thread as always. An iterator
+runs only the iterator (with the binding of each input to its program); program code runs on the
+driver's thread as always. An iterator
 that raises ends the inputs: the programs already started finish, then the batch raises
 :class:`~treegen.lang.batch.InputsFailed` with their results. A thread still blocked in ``next`` when
-the batch ends (Ctrl-C, an error) is a daemon and is left there.
+the batch ends (Ctrl-C, an error) is a daemon and is left there; inputs it had drawn but the batch had not
+started (at most ``ahead``) are dropped with it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sized
 
 # how long the driver blocks at a time while it waits for an input (Ctrl-C is seen between waits)
 _WAIT_SECONDS = 0.25
@@ -31,9 +33,10 @@ _PRODUCING_SECONDS = 0.002
 
 
 def arriving(inputs: Iterable) -> bool:
-    """Whether ``inputs`` are drawn as the run goes: an iterator (a generator, ``iter(...)``, a file),
-    not a sequence known whole (a list, a tuple, a range)."""
-    return isinstance(inputs, Iterator) or not isinstance(inputs, Sequence)
+    """Whether ``inputs`` are drawn as the run goes: an iterator (a generator, ``iter(...)``, a file) or an
+    iterable without a length; a collection with one (a list, a tuple, a range, an array, a dataset, a
+    dict's values) is known whole."""
+    return isinstance(inputs, Iterator) or not isinstance(inputs, Sized)
 
 
 class Arrivals:

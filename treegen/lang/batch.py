@@ -259,16 +259,14 @@ def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: in
                    describe: Callable[[int], str] = str) -> list[State]:
     """:func:`run_batch` on this process's engine alone (one replica; data parallel runs this on each).
     ``bodies``: a list, or an iterator drawn as the run goes (:mod:`treegen.lang.arrivals`)."""
-    arrivals = None
+    incoming = None  # inputs that arrive as the run goes (drawn from the time the batch starts)
     if arriving(bodies):
         if seeds is not None and not callable(seeds):
             raise ValueError("run_batch: these inputs arrive as the run goes (an iterator), so seeds cannot be a list "
                              "per input: give a function of the input's index, seeds=lambda i: ...")
-        rows = getattr(engine, "max_batch", None)
-        rows = rows * ARRIVAL_BATCHES if rows else DEFAULT_ARRIVAL_ROWS
-        arrivals, bodies = Arrivals(bodies, ahead=rows), []
+        incoming, bodies = bodies, []
     bodies = list(bodies)
-    if arrivals is None:
+    if incoming is None:
         seeds = seeds_of(seeds, len(bodies))
     run = ProgramRun(tokenizer=engine.tokenizer, engine=engine, seed=seed, max_program_tokens=max_program_tokens)
     run.share_prefixes, run.min_shared_saving = share_prefixes, min_shared_saving
@@ -290,9 +288,16 @@ def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: in
         root = run.root(program_seed)
         roots.append(root)
         if on_programs is not None:
-            on_programs(run.programs_done, len(roots))
+            try:
+                on_programs(run.programs_done, len(roots))
+            except Exception as e:  # the caller's own code: the batch stops with its error (as in _finish_program)
+                run.callback_error = run.callback_error or e
         return functools.partial(program, body, root)
 
+    arrivals = None
+    if incoming is not None:  # (made last: nothing is drawn from the caller's iterator before the batch can start)
+        rows = getattr(engine, "max_batch", None)
+        arrivals = Arrivals(incoming, ahead=rows * ARRIVAL_BATCHES if rows else DEFAULT_ARRIVAL_ROWS)
     scheduler = Cooperative([functools.partial(program, body, root) for body, root in zip(bodies, roots)],
                             arrivals, start, arrivals.ahead if arrivals is not None else 0)
     run.scheduler = scheduler

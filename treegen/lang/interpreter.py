@@ -306,8 +306,9 @@ class ProgramRun:
         so KV already computed (or queued) for that prefix is read, not computed again. Where it shares
         only the first part of a node, that node is split there (:meth:`TreeRun.split`: its slots are
         divided, nothing recomputed) when the shared part is worth a node of its own by the passes' rule
-        (``min_shared_saving``: shared tokens x branches below it, the new program counted as one). Only
-        nodes some unfinished program still reaches and that have children (so no longer grow) are matched."""
+        (``min_shared_saving`` against shared tokens x (branches below it with the new program - 1)). Only
+        nodes some unfinished program still reaches and that have children (so no longer grow) are matched: a
+        program that generates straight after its prompt, without a fork, shares it with no later program."""
         self._arriving.discard(program)
         node = self.roots[program].origin
         if node is None or self.flat or not self.share_prefixes or self.tree_run is None:
@@ -324,9 +325,9 @@ class ProgramRun:
         tokens = tree.tokens(node)
         match = match_prefix(tree, tokens, usable)
         parent, matched = match.parent, match.matched
-        if match.partial is not None and self.tree_run.can_split(match.partial):
-            need = self.min_shared_saving
-            if need is None or match.partial_length * (1 + tree.branches_below(match.partial, -(-need // match.partial_length))) >= need:
+        if match.partial is not None and self.tree_run.can_split(match.partial, match.partial_length):
+            need = self.min_shared_saving  # the passes' rule, (branches - 1) x tokens, the new program one more branch
+            if need is None or match.partial_length * tree.branches_below(match.partial, -(-need // match.partial_length)) >= need:
                 parent = self.tree_run.split(match.partial, match.partial_length)
                 self._users[parent] = self._users[match.partial]
                 for nodes in self._nodes_of.values():
@@ -383,7 +384,7 @@ class ProgramRun:
             self._fail(st.program, job.error)
             return
         op = st.pending.pop(0)
-        st._complete(op, job.result)
+        st._complete(op, job.result, job.request)
         if isinstance(op, Gen):
             used = self._tokens[st.program] = self._tokens.get(st.program, 0) + len(job.result.tokens)
             if self.max_program_tokens is not None and used > self.max_program_tokens:
@@ -596,7 +597,7 @@ class State:
             return GenRequest(leaf, op.params, key, final=final)
         return ScoreRequest(self.node if self.node is not None else self._leaf(), self._add_choices(op))
 
-    def _complete(self, op, result) -> None:
+    def _complete(self, op, result, request) -> None:
         tree = self._run.tree
         if isinstance(op, Gen):
             tree.graph.nodes[self.node]["gen_budget"] -= op.params.max_tokens
@@ -610,7 +611,7 @@ class State:
             if result.kv_keep is not None:  # generated with sparse window attention (lossy)
                 self.info[op.name].update(kv_keep=result.kv_keep, kv_dropped=result.kv_dropped)
             return
-        request_choices = tree.children(self.node)[-len(op.choices):]
+        request_choices = list(request.choices)  # (not the node's last children: a later program may sit beside them)
         best = max(range(len(op.choices)), key=lambda i: (result[i], -i))
         for i, node in enumerate(request_choices):
             if i != best:

@@ -338,26 +338,28 @@ class KVStore:
                                      device_total=total, where=str(self.device))
         self._grow(extra)
 
-    def can_split(self, node: int) -> bool:
-        """Whether :meth:`split` can divide ``node``'s KV: it is wholly on the device (or has none), and
-        dense (sparse window attention's compacted slots are not in token order)."""
+    def can_split(self, node: int, length: int) -> bool:
+        """Whether :meth:`split` can divide ``node``'s KV after ``length`` tokens: it is wholly on the device (or
+        has none), dense (sparse window attention's compacted slots are not in token order), and its segment
+        holds slots past ``length`` (a node extended past its range has tokens without slots)."""
         seg = self.segments.get(node)
-        return node not in self.offloaded and node not in self.to_recompute and (seg is None or not seg.dropped)
+        if node in self.offloaded or node in self.to_recompute:
+            return False
+        return seg is None or not seg.dropped and 0 < length < seg.capacity
 
     def split(self, node: int, head: int, length: int) -> None:
         """The tree put ``head`` above ``node`` with ``node``'s first ``length`` tokens
         (:meth:`SharingTree.split <treegen.tree.sharing_tree.SharingTree.split>`): the first ``length``
         slots of ``node``'s segment become ``head``'s, nothing is copied (a segment's slots hold its
         tokens in order)."""
-        if not self.can_split(node):
-            raise RuntimeError(f"node {node}'s KV cannot be split (on the host, dropped, or sparse): see can_split")
+        if not self.can_split(node, length):
+            raise RuntimeError(f"node {node}'s KV cannot be split after {length} tokens (on the host, dropped, sparse, "
+                               f"or no slots there): see can_split")
         if head in self.segments or head in self.offloaded:
             raise RuntimeError(f"node {head} already holds KV; split needs a new node")
         seg = self.segments.get(node)
         if seg is None:
             return
-        if not 0 < length < seg.capacity:
-            raise ValueError(f"split of node {node}: {length} slots of a segment of {seg.capacity}")
         self.segments[head] = Segment(seg.start, length, min(seg.computed, length))
         seg.start, seg.capacity, seg.computed = seg.start + length, seg.capacity - length, max(0, seg.computed - length)
 

@@ -207,7 +207,7 @@ class TreeRun:
         and the last admission did not stop for want of memory (what decides when the next input of a batch
         whose inputs arrive as it runs is started: :mod:`treegen.lang.arrivals`)."""
         s = self.scheduler
-        return len(self.decoder.live) + len(s.waiting) + len(s.admitted) < rows and not s.memory_blocked
+        return len(self.decoder.live) + len(s.waiting) + len(s.admitted) < rows and not (s.memory_blocked and s.waiting)
 
     def advance(self, until: Callable[[], bool] | None = None) -> list[Job]:
         """Run the engine's loop until at least one job completes; returns the jobs that did (their
@@ -323,10 +323,11 @@ class TreeRun:
             self.complete(job, [next(means) for _ in job.request.choices])
 
     # ---------------------------------------------------------------------------------------------
-    def can_split(self, node: int) -> bool:
-        """Whether :meth:`split` may divide ``node`` now: a node with children (never generated into) whose KV,
-        if any, is dense and on the device."""
-        return bool(self.tree.children(node)) and self.kv.can_split(node)
+    def can_split(self, node: int, length: int) -> bool:
+        """Whether :meth:`split` may divide ``node`` after its first ``length`` tokens now: a node with children
+        (never generated into) whose KV, if any, is dense, on the device and holds slots past ``length``."""
+        return bool(self.tree.children(node)) and 0 < length < len(self.tree.tokens(node)) and \
+            self.kv.can_split(node, length)
 
     def split(self, node: int, length: int) -> int:
         """Put a new node holding ``node``'s first ``length`` tokens above it, in the tree and in the KV
@@ -335,8 +336,9 @@ class TreeRun:
         :meth:`~treegen.lang.interpreter.ProgramRun.attach`). Returns the new node. Jobs already queued
         see the new path when they are next looked at (their rows are read from the tree each step); a
         running decode phase keeps its plan, which reads the same slots as one segment."""
-        if not self.can_split(node):
-            raise RuntimeError(f"node {node} cannot be split now (a leaf, or its KV is on the host or sparse)")
+        if not self.can_split(node, length):
+            raise RuntimeError(f"node {node} cannot be split after {length} tokens now (a leaf, its KV on the host, "
+                               f"sparse or without slots there, or the length out of its range)")
         head = self.tree.split(node, length)
         self.kv.split(node, head, length)
         used = self.scheduler.last_used.get(node)
