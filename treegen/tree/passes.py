@@ -106,12 +106,13 @@ def match_prefix(tree: SharingTree, tokens: list[int], usable) -> PrefixMatch:
     while matched < len(tokens) - 1:
         rest = tokens[matched:]
         best, best_length = None, 0
-        for c in (tree.roots() if parent is None else tree.children(parent)):
+        # (the roots unsorted: a run of many programs that share nothing has as many; ties go to the lowest id)
+        for c in (tree.root_set() if parent is None else tree.children(parent)):
             ct = tree.tokens(c)
             if not ct or ct[0] != rest[0] or not usable(c):
                 continue
             length = _common_prefix(ct, rest)
-            if length > best_length:
+            if length > best_length or length == best_length and best is not None and c < best:
                 best, best_length = c, length
         if best is None:
             break

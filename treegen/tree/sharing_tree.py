@@ -148,6 +148,10 @@ class SharingTree:
         """Nodes without a parent (pruned ones included), in id order."""
         return sorted(self._roots)
 
+    def root_set(self) -> frozenset[int]:
+        """:meth:`roots` unordered (no sort: a radix lookup over thousands of roots)."""
+        return frozenset(self._roots)
+
     def children(self, node: int) -> list[int]:
         return sorted(self.graph.successors(node))
 
