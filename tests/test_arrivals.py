@@ -229,13 +229,17 @@ def test_ctrl_c_while_waiting_for_an_input_keeps_the_finished_programs(engine):
 
     from treegen.lang.batch import BatchInterrupted
 
+    import signal
+
     never = threading.Event()
 
     def stalled():
         yield {"question": " 61"}
-        never.wait()  # a producer that never hands over another input
+        never.wait(60)  # a producer that hands over no other input (for a minute: the test fails, not hangs)
         yield {"question": " 62"}
 
+    # Ctrl-C as the terminal sends it (a process started in the background, as CI may, ignores SIGINT)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(3.0, _thread.interrupt_main)
     timer.start()
     try:
@@ -244,6 +248,7 @@ def test_ctrl_c_while_waiting_for_an_input_keeps_the_finished_programs(engine):
     finally:
         timer.cancel()
         never.set()
+        signal.signal(signal.SIGINT, handler)
     assert len(e.value.results) == 1 and len(e.value.results[0].ret_value) == 3
 
 
