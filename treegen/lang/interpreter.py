@@ -306,7 +306,7 @@ class ProgramRun:
         so KV already computed (or queued) for that prefix is read, not computed again. Where it shares
         only the first part of a node, that node is split there (:meth:`TreeRun.split`: its slots are
         divided, nothing recomputed) when the shared part is worth a node of its own by the passes' rule
-        (``min_shared_saving`` against shared tokens x (branches below it with the new program - 1)). Only
+        (``min_shared_saving`` against shared tokens x (branches below it, the new program's too, - 1)). Only
         nodes some unfinished program still reaches and that have children (so no longer grow) are matched: a
         program that generates straight after its prompt, without a fork, shares it with no later program."""
         self._arriving.discard(program)
@@ -326,8 +326,11 @@ class ProgramRun:
         match = match_prefix(tree, tokens, usable)
         parent, matched = match.parent, match.matched
         if match.partial is not None and self.tree_run.can_split(match.partial, match.partial_length):
-            need = self.min_shared_saving  # the passes' rule, (branches - 1) x tokens, the new program one more branch
-            if need is None or match.partial_length * tree.branches_below(match.partial, -(-need // match.partial_length)) >= need:
+            # the passes' rule on the tree as it would be: (branches below it - 1) x tokens, the new program's own
+            # branches (its forks before its first work) counted
+            need, length = self.min_shared_saving, match.partial_length
+            if need is None or length * (tree.branches_below(match.partial, -(-need // length)) +
+                                         tree.branches_below(node) - 1) >= need:
                 parent = self.tree_run.split(match.partial, match.partial_length)
                 self._users[parent] = self._users[match.partial]
                 for nodes in self._nodes_of.values():
