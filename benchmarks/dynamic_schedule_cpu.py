@@ -13,7 +13,9 @@ a gen's first token, drawn in a mixed step, is counted too, so it reads a little
 admits waiting work in arrival order (the order before the scheduler's priorities; see bench_dynamic's
 ``VARIANTS``). With ``--kv-budget-mb`` the engine's KV budget is that small, so admission waits for memory
 and evicts idle KV as a large model's run does on a GPU (reported: ``offload``, the bytes moved and
-nodes dropped, and ``memory_waits``; the host time of the copies themselves is a GPU's to measure).
+nodes dropped, and ``memory_waits``; the host time of the copies themselves is a GPU's to measure). With
+``--arriving N`` the inputs are an iterator drawn as the run goes (:mod:`treegen.lang.arrivals`), programs
+started while fewer than N x max_batch branches decode or wait.
 
     python benchmarks/dynamic_schedule_cpu.py --workload tot --branches 256
 """
