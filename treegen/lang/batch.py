@@ -250,7 +250,8 @@ ARRIVAL_BATCHES = 2
 
 
 @full_collections_paused()  # the whole batch, its roots and results too (pauses of the host otherwise: see the collector)
-def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
+def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: int = 0,
+                   seeds: list[int] | Callable[[int], int] | None = None,
                    share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
                    on_programs: Callable[[int, int], None] | None = None,
                    on_result: Callable[[int, State], None] | None = None,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from treegen.lang import views
 from treegen.lang.arrivals import arriving
@@ -397,7 +397,8 @@ def _find(module: str | None, qualname: str | None):
     return obj
 
 
-def run_batch(engine, bodies: list[Callable[[State], Any]], *, seed: int = 0, seeds: list[int] | None = None,
+def run_batch(engine, bodies: Iterable[Callable[[State], Any]], *, seed: int = 0,
+              seeds: list[int] | Callable[[int], int] | None = None,
               share_prefixes: bool = True, min_shared_saving: int | None = DEFAULT_MIN_SHARED_SAVING,
               on_programs: Callable[[int, int], None] | None = None,
               on_result: Callable[[int, State], None] | None = None,
