@@ -14,7 +14,6 @@ the other programs keep decoding. The run ends when the queue says so (``None``)
 import argparse
 import queue
 import time
-from collections import Counter
 
 from rich.console import Console
 from rich.table import Table
@@ -34,11 +33,9 @@ def solve(s, question, n=4, max_tokens=40):
     s += FEW_SHOT + f"Q: {question}\nA:"
     samples = s.fork(n)
     samples += treegen.gen("reasoning", max_tokens=max_tokens, stop="\n", temperature=0.7, top_p=0.95)
-    s.join(samples)
-    answers = [extract_answer(r) for r in s["reasoning"]]
-    counted = Counter(a for a in answers if a is not None)
-    answer, votes = counted.most_common(1)[0] if counted else (None, 0)
-    return {"answer": answer, "agreement": votes / n}
+    s.join(samples, answer=treegen.vote("reasoning", extract=extract_answer))
+    answer = s["answer"]
+    return {"answer": answer, "agreement": s.info["answer"]["votes"].get(answer, 0) / n}
 
 
 def solve_all(engine, problems, *, n=4, agree=0.75, max_tokens=40, seed=0):
