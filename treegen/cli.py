@@ -22,8 +22,9 @@ import threading
 import time
 import traceback
 
+from treegen.runtime.engine import MODEL_DTYPES
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-_DTYPES = ("bfloat16", "float16", "float32")  # model dtypes (KV bytes come from treegen.kernels.kv_quant)
 _MODEL_HELP = "a local Hugging Face checkpoint directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
 
 
@@ -45,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
                        help="set a parameter (repeatable); lists as JSON: --var items='[\"a\", \"b\"]'")
         q.add_argument("--model", default=None, metavar="M", help=_MODEL_HELP)
-        q.add_argument("--dtype", choices=_DTYPES, default="float32",
+        q.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="precision of the model (and of its KV cache unless --kv-dtype) (default float32)")
         q.add_argument("--kv-dtype", choices=["auto", "int8", "fp8"], default="auto",
                        help="how the KV cache is stored: auto (the model's dtype), int8 or fp8 (8 bits a value "

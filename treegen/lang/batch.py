@@ -185,7 +185,7 @@ class Cooperative:
                     if self._draw(run, wait=True):  # nothing runs: wait for the next input, if any is to come
                         continue
                     return
-                if not run.tree_run.advance(self._arrived) and not self._arrived():
+                if not run.tree_run.advance(self._arrived if self.arrivals is not None else None) and not self._arrived():
                     # the engine ran out of work (a phase may end after its last job)
                     stuck = [w.index for w in self.workers if w.waiting and not w.done]
                     if stuck:
@@ -285,7 +285,7 @@ def run_batch_here(engine, bodies: Iterable[Callable[[State], Any]], *, seed: in
         try:
             program_seed = None if seeds is None else checked_seed(seeds(len(roots)), len(roots))
         except Exception as e:  # noqa: BLE001 - the caller's seeds function: this program fails with it, alone
-            body, program_seed = functools.partial(_raise, e), None
+            body, program_seed = FailingBody(e), None
         root = run.root(program_seed)
         roots.append(root)
         if on_programs is not None:
@@ -345,8 +345,15 @@ def seeds_of(seeds, count: int) -> list[int] | None:
     return [checked_seed(s, i) for i, s in enumerate(seeds)]
 
 
-def _raise(error: BaseException, state) -> None:
-    raise error
+class FailingBody:
+    """The body of an input that cannot be run (it does not bind, its seed is bad): it raises why, failing
+    its program alone."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __call__(self, state) -> None:
+        raise self.error
 
 
 def check_callback(where: str, name: str, fn, signature: str = "(stream)"):

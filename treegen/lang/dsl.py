@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 
 from treegen.lang import views
 from treegen.lang.arrivals import arriving
-from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, check_callback, run_batch_here, seeds_of
+from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, FailingBody, check_callback, run_batch_here, seeds_of
 from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.collector import full_collections_paused
@@ -345,17 +345,7 @@ def _bind_or_fail(program: "Program", x):
     try:
         return _bind(program, x)
     except TypeError as e:
-        return _Failing(e)
-
-
-class _Failing:
-    """The body of an input that cannot be run: it raises why, failing its program alone."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-    def __call__(self, s: State):
-        raise self.error
+        return FailingBody(e)
 
 
 class _Bound:
@@ -408,6 +398,9 @@ def run_batch(engine, bodies: Iterable[Callable[[State], Any]], *, seed: int = 0
     """Run each ``body(state)`` as one program of one batch workload; see :meth:`Program.run_batch`.
     ``describe(i)``: how errors name program ``i`` (the command line adds its input line). ``bodies``: a
     list, or an iterator drawn as the run goes (:mod:`treegen.lang.arrivals`; one replica only)."""
+    options = dict(seed=seed, share_prefixes=share_prefixes, min_shared_saving=min_shared_saving,
+                   on_programs=on_programs, on_result=on_result, on_tokens=on_tokens,
+                   max_program_tokens=max_program_tokens, describe=describe)
     parallel = getattr(engine, "parallel", None)
     if arriving(bodies):
         if getattr(engine, "replicas", None) is not None or parallel is not None and parallel.dp > 1:
@@ -417,27 +410,18 @@ def run_batch(engine, bodies: Iterable[Callable[[State], Any]], *, seed: int = 0
             raise ValueError("run_batch: inputs that arrive as the run goes (an iterator) cannot be drawn alike on every "
                              "rank of a torchrun launch — pass a list (or drive tensor parallel from one process: "
                              "Engine.load(..., tensor_parallel=N))")
-        return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
-                              min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
-                              on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
+        return run_batch_here(engine, bodies, seeds=seeds, **options)
     bodies = list(bodies)
     seeds = seeds_of(seeds, len(bodies))
     if getattr(engine, "replicas", None) is not None:  # data parallel from this process: replica processes
         from treegen.lang.data_parallel import run_batch_replicas
 
-        return run_batch_replicas(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
-                                  min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
-                                  on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
+        return run_batch_replicas(engine, bodies, seeds=seeds, **options)
     if parallel is not None and parallel.dp > 1:  # several replicas: each runs whole prefix subtrees
         from treegen.lang.data_parallel import run_batch_data_parallel
 
-        return run_batch_data_parallel(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
-                                       min_shared_saving=min_shared_saving, on_programs=on_programs,
-                                       on_result=on_result, on_tokens=on_tokens,
-                                       max_program_tokens=max_program_tokens, describe=describe)
-    return run_batch_here(engine, bodies, seed=seed, seeds=seeds, share_prefixes=share_prefixes,
-                          min_shared_saving=min_shared_saving, on_programs=on_programs, on_result=on_result,
-                          on_tokens=on_tokens, max_program_tokens=max_program_tokens, describe=describe)
+        return run_batch_data_parallel(engine, bodies, seeds=seeds, **options)
+    return run_batch_here(engine, bodies, seeds=seeds, **options)
 
 
 def program(fn: Callable[..., Any]) -> Program:
