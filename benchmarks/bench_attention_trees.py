@@ -7,7 +7,9 @@ other shapes; this benchmark generates them (deterministic, seeded):
 * ``uneven``     — a prefix over problems of random length with skewed (geometric) fan-out;
 * ``heavy``      — one heavy subtree (a long document, half the leaves) beside many light problems;
 * ``wide``       — a short prefix directly over all leaves, leaf lengths 16 … 512 (wide and shallow);
-* ``deep``       — a chain of 5 levels with fan-out 2 … 4 and short nodes (deep merges).
+* ``deep``       — a chain of 5 levels with fan-out 2 … 4 and short nodes (deep merges);
+* ``decode``     — one 2K prompt over every leaf, leaves of 1 … 64 tokens (N samples of a prompt mid-generation:
+  the end-to-end benchmark's tree).
 
 Each case: one decode query per leaf, bf16, the runtime's plan (planned once, not timed), timed as a
 CUDA-graph replay (``triton.testing.do_bench`` median, L2 flushed). Baseline: FlashAttention (torch SDPA,
@@ -44,7 +46,7 @@ from plotting import pyplot, save  # benchmarks/
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from treegen.kernels.tree_attention_triton import SUPPORTED_HEAD_DIMS
 
-TREES = ("multilevel", "uneven", "heavy", "wide", "deep")
+TREES = ("multilevel", "uneven", "heavy", "wide", "deep", "decode")
 HEADS = ("32/8x128", "9/3x64", "32/32x128", "16/8x256", "24/8x128")  # Llama-3/Qwen3, SmolLM2, MHA, Gemma 3, Phi
 
 
@@ -124,6 +126,10 @@ def make_tree(kind: str, leaves: int, seed: int = 0) -> Forest:
         for node in frontier:
             for _ in range(per):
                 f.add(node, rng.randint(16, 128))
+    elif kind == "decode":  # N samples of one 2K prompt mid-generation: the prompt over every leaf of 1..64 tokens
+        root = f.add(-1, 2048)
+        for _ in range(leaves):
+            f.add(root, rng.randint(1, 64))
     else:
         raise ValueError(f"unknown tree class {kind!r}; choose from {TREES}")
     return f
