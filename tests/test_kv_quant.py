@@ -135,6 +135,7 @@ def assert_8bit_plan_matches(tree, plan, name):
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.usefixtures("short_library_chunks")
 def test_library_segment_of_an_8bit_cache_is_dequantized_for_it(name, fuse):
     """The large shared middle node goes to the library kernel (its PyTorch reference on the CPU), which
     reads the 8-bit cache's keys dequantized; merged with the Triton partials as usual."""
@@ -145,6 +146,7 @@ def test_library_segment_of_an_8bit_cache_is_dequantized_for_it(name, fuse):
 
 
 @pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.usefixtures("short_library_chunks")
 def test_library_tail_of_an_8bit_cache_is_attended_by_the_fused_leaves(name):
     """A 1,537-key root under 64 branches: three library chunks read by row, and the one key past them
     attended by each fused leaf's program from the 8-bit cache (its scale applied like any other key)."""
@@ -159,6 +161,7 @@ def test_library_tail_of_an_8bit_cache_is_attended_by_the_fused_leaves(name):
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.usefixtures("short_library_chunks")
 def test_library_copy_is_read_instead_of_the_cache(name, fuse):
     """A decode phase dequantizes its library segment once (``library_copy``) and passes it to every call:
     the result equals the per-call dequantization's, and the cache's own bytes of the segment are not read
@@ -292,7 +295,8 @@ def test_decode_phase_dequantizes_its_library_segment_once(model64, tokenizer, m
     from treegen.runtime.tree_run import TreeRun
 
     monkeypatch.setattr(planning, "library_available", lambda device, dtype: True)
-    for name, value in (("_LIBRARY_MIN_ROWS", 4), ("_LIBRARY_MIN_KEYS", 16), ("_LIBRARY_MIN_CHUNK", 8)):
+    for name, value in (("_LIBRARY_MIN_ROWS", 4), ("_LIBRARY_MIN_KEYS", 16), ("_LIBRARY_MIN_CHUNK", 8),
+                        ("_LIBRARY_MIN_PROGRAMS", 0)):
         monkeypatch.setattr(triton_plan, name, value)
     made = []
     copies = TreeRun.library_copies

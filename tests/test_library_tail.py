@@ -21,6 +21,9 @@ from treegen.kernels.row_paths import row_paths
 from treegen.kernels.tree_attention import plan_tree_attention, tree_attention
 from triton_plan_reference import reference_paths, reference_plan_triton
 
+# small trees with several library chunks of ~512 keys (the planner's own chunks hold 2,048 and fill half a wave)
+pytestmark = pytest.mark.usefixtures("short_library_chunks")
+
 
 def library_tree(rng, *, group, lib_len, middle, multi_rows):
     """Leaves (enough rows x heads for the library) below one long segment every query row reads: the root, or

@@ -320,6 +320,7 @@ def test_leaf_merging_many_chunks_of_a_long_root_matches_plain_attention():
     tree.check(torch.randn(5, 8, 64), torch.randn(tree.slots, 2, 64), torch.randn(tree.slots, 2, 64), plan)
 
 
+@pytest.mark.usefixtures("short_library_chunks")
 def test_library_segment_is_the_large_shared_one_cut_into_chunks():
     """A 2051-key root read by 300 branches x 2 query heads per KV head goes to the library kernel:
     ~one wave of 128-row tiles (5 tiles x 2 KV heads -> 13 chunks, at most 2051 / 512 rounded = 4). Unfused,
@@ -352,6 +353,7 @@ def test_library_segment_is_the_large_shared_one_cut_into_chunks():
     assert few.plan(8, 1, library=True).triton.library is None  # 4 tiles would need 32 chunks (over 8)
 
 
+@pytest.mark.usefixtures("short_library_chunks")
 def test_library_segment_for_any_group(monkeypatch):
     """Where cuDNN is available, a large shared prefix goes to it for 4 query heads per KV head and for
     3 or 6 (Phi-4-mini's 24/8: folded into the rows, see test_folded_heads_give_the_gqa_partials) — a
@@ -399,6 +401,7 @@ def test_folded_heads_give_the_gqa_partials(heads, kv_heads):
 
 
 @pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.usefixtures("short_library_chunks")
 def test_library_partials_read_by_row_match_plain_attention(fuse):
     """A 1537-key root under 64 branches (8/1 heads): three 512-key library chunks (not a power of two)
     and a one-key tail. Fused, each leaf reads its three library partials by its row; the leaves' rows
@@ -424,6 +427,7 @@ def library_below_the_root_tree() -> DecodeTree:
 
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.usefixtures("short_library_chunks")
 def test_library_segment_below_the_root_matches_plain_attention(fuse, dtype):
     """The library segment is a middle node (1101 keys) read by 70 of the 75 branches, not the first
     ones: its query rows are gathered, its two 550-key chunks' partials read through the library
@@ -673,6 +677,7 @@ def test_leaves_packed_into_shared_tiles_match_plain_attention(case):
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
+@pytest.mark.usefixtures("short_library_chunks")
 def test_packed_leaves_merge_a_library_segment_by_row_and_reload_into_padded_plans():
     """Leaves sharing tiles below a prefix the library kernel takes (its partials merged by row, its one key past
     the chunks attended by every packed tile), leaves of 1-3

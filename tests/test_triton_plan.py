@@ -178,3 +178,71 @@ def test_launch_order_with_fused_leaves_and_two_wide_heights(root_last):
     got = plan_triton(paths=paths, **common)
     assert got.fused_merge and [w.block_m for w in got.launches] == ([64, 128, 16] if root_last else [128, 64, 16])
     assert_same_plan(got, reference_plan_triton(rows_of=rows_of, paths=ref_paths, path_local=ref_local, **common))
+
+
+def test_shared_chunks_fit_one_wave_when_that_is_no_slower():
+    """Phi-4-mini's decode tree (24/8 heads: 42 branches a 128-row tile) over 256 leaves below a 2K prompt: the
+    balanced chunks (960, 960 and 128 keys x 56 tile programs = 168 programs) become 2 of 1,024 (112, one wave);
+    with ``one_wave=False`` the 168 stay. A long segment beside many short ones keeps its chunks: one wave would
+    put the whole long segment in one program."""
+    from treegen.kernels import triton_plan as tp
+
+    def decode_plan(leaves, **knobs):
+        parent, length = [-1] + [0] * leaves, [2048] + [32] * leaves
+        start = [0] + [2048 + 32 * i for i in range(leaves)]
+        qseg, qpos = list(range(1, leaves + 1)), [2048 + 31] * leaves
+        paths = row_paths(parent, qseg, query_pos=qpos, segment_pos=[0] + [2048] * leaves, segment_len=length)
+        plan = plan_triton(segment_start=start, segment_len=length, segment_pos=[0] + [2048] * leaves, paths=paths,
+                           num_kv_heads=8, group=3, device="cpu", **knobs)
+        wide = plan.launches[0].work
+        return wide.shape[0] * 8, sorted({int(k) for k in (wide[:, 3] - wide[:, 2])})
+
+    assert decode_plan(256) == (112, [1024])
+    assert decode_plan(256, one_wave=False) == (168, [128, 960])
+    assert decode_plan(1024) == (200, [2048])  # 25 tiles x 8 heads: over a wave already with one chunk each
+    keys, programs = np.array([8192, 512]), np.array([8, 120])
+    assert tp._one_wave_chunk(1024, keys, programs, 64) == 1024
+    assert tp._makespan(keys, programs, 1024) < tp._makespan(keys, programs, 8192)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_wave_chunk_is_the_shortest_that_fits(seed):
+    """Against a search of every chunk: the rule lengthens the chunks to the shortest multiple of the key block
+    whose programs fit one wave, exactly when there is one, the plan's own chunks do not fit, and its estimated
+    time is within the slack of theirs."""
+    from treegen.kernels import triton_plan as tp
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(1, 9000, size=rng.integers(1, 6))
+    programs = rng.integers(1, 60, size=len(keys))
+    chunk = int(rng.integers(8, 40)) * 64
+
+    def count(c):
+        return int((-(-keys // c) * programs).sum())
+
+    fitting = [c for c in range(chunk, int(keys.max()) + 64, 64) if count(c) <= tp._SMS]
+    shortest = fitting[0] if fitting else None
+    wanted = chunk if count(chunk) <= tp._SMS or shortest is None or tp._makespan(keys, programs, shortest) > \
+        tp._ONE_WAVE_SLACK * tp._makespan(keys, programs, chunk) else shortest
+    assert tp._one_wave_chunk(chunk, keys, programs, 64) == wanted
+
+
+def test_the_library_takes_chunks_of_2k_that_make_half_a_wave():
+    """The measured rule (triton_plan's _LIBRARY_MIN_CHUNK, _LIBRARY_MIN_PROGRAMS): cuDNN takes a shared prompt
+    in chunks of ~2,048 keys whose tiles make at least half a wave; shorter chunks or fewer tiles stay with the
+    Triton kernels. (chunks, keys each) or None, for leaves x prompt keys x heads."""
+
+    def library(leaves, prefix, heads, kv_heads):
+        parent, length = [-1] + [0] * leaves, [prefix] + [32] * leaves
+        start, pos = [0] + [prefix + 32 * i for i in range(leaves)], [0] + [prefix] * leaves
+        qseg = list(range(1, leaves + 1))
+        plan = plan_triton(segment_start=start, segment_len=length, segment_pos=pos, num_kv_heads=kv_heads,
+                           group=heads // kv_heads, device="cpu", library=True, paths=row_paths(parent, qseg))
+        return (plan.library.chunks, plan.library.chunk_len) if plan.library is not None else None
+
+    assert library(512, 2048, 32, 8) == (1, 2048)  # 128 tiles
+    assert library(256, 2048, 32, 8) is None  # 64 tiles: two chunks of 1,024 measured even, one is half a wave
+    assert library(256, 2048, 16, 4) is None  # 32 tiles: four chunks of 512 measured slower
+    assert library(1024, 2048, 16, 4) == (1, 2048)
+    assert library(256, 16384, 8, 1) == (8, 2048)  # 16 tiles
+    assert library(1024, 4096, 8, 1) == (2, 2048)
+    assert library(64, 16384, 8, 1) is None  # 4 tiles: 8 chunks make 32 programs

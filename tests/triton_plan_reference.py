@@ -10,11 +10,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from treegen.kernels import triton_plan as _planner
 from treegen.kernels.library_attention import LibrarySegment, folds_heads
-from treegen.kernels.triton_plan import (_FUSED_LEAF_MAX_KEYS, _LIBRARY_MAX_CHUNKS, _LIBRARY_MAX_FOLDED_CHUNKS,
-                                         _LIBRARY_MIN_CHUNK, _LIBRARY_MIN_KEYS, _LIBRARY_MIN_ROWS,
+from treegen.kernels.triton_plan import (_FUSED_LEAF_MAX_KEYS,
+                                         _LIBRARY_MIN_KEYS, _LIBRARY_MIN_ROWS,
                                          _LIBRARY_MIN_SHARE, _MIN_MID_PROGRAMS, _SMS, TritonPlan, WorkList,
-                                         _launch_shape, _pdl_default, _tma_default)
+                                         _launch_shape, _one_wave_chunk, _pdl_default, _tma_default)
 
 # planning: marks a segment whose path is being walked (met again on the walk: a cycle)
 _ON_CHAIN: list = []
@@ -77,11 +78,13 @@ def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, nu
     if work[s] < _LIBRARY_MIN_SHARE * sum(work.values()):
         return None  # the other shared segments' launch would run after it, not beside it
     tiles = -(-len(rows_of[s]) * group // 128) * num_kv_heads
-    most = _LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS
-    rounded = (segment_len[s] + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK
-    by_length = most if rounded > most >= segment_len[s] // _LIBRARY_MIN_CHUNK else rounded
+    # (the limits read from the planner's module when called: tests may raise them)
+    most = _planner._LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _planner._LIBRARY_MAX_CHUNKS
+    min_chunk = _planner._LIBRARY_MIN_CHUNK
+    rounded = (segment_len[s] + min_chunk // 2) // min_chunk
+    by_length = most if rounded > most >= segment_len[s] // min_chunk else rounded
     chunks = max(1, min(round(_SMS / tiles), by_length))
-    if chunks > (_LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS):
+    if chunks > most or chunks * tiles < _planner._LIBRARY_MIN_PROGRAMS:
         return None
     rows = rows_of[s]
     every = rows == list(range(len(paths)))
@@ -113,6 +116,7 @@ def reference_plan_triton(
     pdl: int | None = None,
     mid_tiles: bool | None = None,
     half_partials: bool = True,
+    one_wave: bool = True,
 ) -> TritonPlan:
     """The planner before numpy: one Python iteration per item and per partial a row merges."""
     if group > 128:
@@ -142,6 +146,10 @@ def reference_plan_triton(
         target_programs = _SMS
     chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
     chunk = -(-chunk // block_n) * block_n
+    if one_wave:
+        wide = [s for s in segs if tile_m[s] != 16]
+        chunk = _one_wave_chunk(chunk, np.array([segment_len[s] - key_begin[s] for s in wide], dtype=np.int64),
+                                np.array([tiles[s] * num_kv_heads for s in wide], dtype=np.int64), block_n)
     # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
     narrow = sum(1 for s in segs if tile_m[s] == 16) * num_kv_heads
     seg_chunk = {s: 2 * block_n if tile_m[s] == 16 and narrow < 2 * _SMS else chunk for s in segs}

@@ -10,6 +10,7 @@ partials each query row merges, and optionally the one large shared segment give
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -28,17 +29,29 @@ _SMS = 132
 _FUSED_LEAF_MAX_KEYS = 512
 # a shared segment goes to the library kernel (library_attention.py) when it is read by at least this many
 # query rows x heads per KV head and has at least this many keys; its keys are cut into chunks of at least
-# about _LIBRARY_MIN_CHUNK (the length over it, rounded: a 2,047-key prefix gets the 4 chunks of a 2,048-key one,
-# not 3) so that ~one wave of 128-row tiles fills an H100's 132 SMs (measured best: see there)
+# about _LIBRARY_MIN_CHUNK (the length over it, rounded: an 8,191-key prefix gets the 4 chunks of an 8,192-key
+# one, not 3) so that ~one wave of 128-row tiles fills an H100's 132 SMs, and it goes there only when those
+# chunks x tiles make at least _LIBRARY_MIN_PROGRAMS (half a wave). cuDNN beat the Triton kernels where its
+# chunks held 2,048 keys or more and made a wave, and lost or tied with chunks of 512-1,024 or half a wave
+# (one H100 and one H200, bf16, a call each; profile_attention_trees_decode_library_h100.json over a 2K prompt's
+# decode tree, attention_h100/h200.json's paper grid, 8/1 heads unless named, cuDNN vs all-Triton us):
+#   won: 1 chunk of 2K x 128-256 tiles (32/8 heads at 512 and 1,024 leaves 77.7 vs 81.0 and 133.0 vs 144.2;
+#        16/4 at 1,024 77.6 vs 81.1; 32/32 at 512 155.0 vs 157.7); 2 of 2K or 8K x 64 tiles (1,024 x 4K
+#        48.3 vs 52.7, x 16K 123 vs 149; 32/8 256 x 4K 59.6 vs 62.7); 8 of 2K x 16 tiles (256 x 16K 45.1 vs 48.2);
+#   lost or tied: 2 of 1K x 64 tiles (32/8 at 256 leaves 54.0 vs 52.6), 4 of 512 (16/4 at 128 and 256 leaves
+#        34.1 vs 31.1 and 42.4 vs 34.2; 32/8 at 128 42.5 vs 34.6; 8/1 at 64 and 128 22.9 vs 21.0, 23.8 vs 21.6),
+#        8 of 512 x 4 and 16 tiles (64 and 256 x 4K 24.4 vs 21.0, 26.6 vs 26.0; H100: 24.1 vs 24.8, 27.5 vs 29.1).
+# (The chunk was 512 and there was no wave rule before the leaves were packed and launched as dependents.)
 _LIBRARY_MIN_ROWS = 512
 _LIBRARY_MIN_KEYS = 1024
-_LIBRARY_MIN_CHUNK = 512
+_LIBRARY_MIN_CHUNK = 2048
+_LIBRARY_MIN_PROGRAMS = _SMS // 2
 # ... and only when it holds this share of all shared-segment work (rows x keys). Measured on an H100, 8/1
 # heads: 16 roots of 2560 keys x 64 branches, one of them by cuDNN: 76 us vs 49 all-Triton; a 2K root over
 # 16 problems of 512 keys (80% of the work): 56 vs 55 us
 _LIBRARY_MIN_SHARE = 0.9
 # ... and when at most this many chunks fill the GPU: each is a partial every row merges. 64 branches x 8/1
-# heads under a 16K root needs 32: 38 us vs 32 all-Triton; 8 (64 x 4K): 23 vs 26 us
+# heads under a 16K root needs 32: 38 us vs 32 all-Triton
 _LIBRARY_MAX_CHUNKS = 8
 # ... at most this many for a group cuDNN gets folded into its rows (library_attention.folds_heads), measured
 # on Phi-4-mini (24/8) only, on an H200 (bench_library_ab.py, profile_step.py): at batch 256 x 2K its prefix
@@ -60,6 +73,12 @@ _MIN_MID_PROGRAMS = _SMS // 2
 # fused leaves share 16-row tiles (several leaves a program) only while that leaves this many programs (~4 an SM;
 # fewer, and one leaf a program, all in parallel, measured faster: see _leaf_pack)
 _MIN_PACKED_PROGRAMS = 4 * _SMS
+# a shared-segment program's fixed work (its query tile, its partial's store, its start) in keys of its loop, for
+# the estimate of :func:`_makespan`
+_PROGRAM_OVERHEAD_KEYS = 128
+# ... and how much longer than the plan's own chunks that estimate may be for chunks that fit one wave
+# (see _one_wave_chunk: one wave lets the next launch start beside it)
+_ONE_WAVE_SLACK = 1.1
 
 
 @dataclass(frozen=True)
@@ -180,7 +199,7 @@ class TritonPlan:
 
 def _chunks_by_length(length: int, most: int) -> int:
     """The most chunks a library segment of ``length`` keys is cut into: about ``_LIBRARY_MIN_CHUNK`` keys each,
-    the length over it rounded (2,047 keys: 4, as 2,048), but where rounding up passes the group's chunk limit
+    the length over it rounded (8,191 keys: 4, as 8,192), but where rounding up passes the group's chunk limit
     ``most`` and the floor does not, the limit (rounding must not decline a segment the floor took)."""
     rounded = (length + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK
     return most if rounded > most >= length // _LIBRARY_MIN_CHUNK else rounded
@@ -188,7 +207,8 @@ def _chunks_by_length(length: int, most: int) -> int:
 
 def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_len, group, num_kv_heads, device):
     """The shared segment with the most work among those large enough for the library kernel, cut into
-    chunks for ~one wave of 128-row tiles; None if there is none or it is not most of the shared work.
+    chunks for ~one wave of 128-row tiles; None if there is none, it is not most of the shared work, or its
+    chunks x tiles do not make half a wave.
     Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask).
     ``segs``: the segments with keys that rows read (ascending), ``count``: rows reading each, ``own``:
     whether it is some row's own segment (both [num_segments])."""
@@ -206,7 +226,7 @@ def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_l
     tiles = -(-num_rows * group // 128) * num_kv_heads
     most = _LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS
     chunks = max(1, min(round(_SMS / tiles), _chunks_by_length(int(segment_len[s]), most)))
-    if chunks > most:
+    if chunks > most or chunks * tiles < _LIBRARY_MIN_PROGRAMS:
         return None
     every = num_rows == paths.num_rows  # (a segment's rows are distinct: all of them, in order)
     rows_of_s = None if every else torch.from_numpy(np.sort(paths.row[paths.seg == s])).to(device)
@@ -240,6 +260,7 @@ def plan_triton(
     mid_tiles: bool | None = None,
     half_partials: bool = True,
     pack_leaves: int | None = None,
+    one_wave: bool = True,
 ) -> TritonPlan:
     """Build the work tables. ``paths``: which segments each query row reads (:func:`~treegen.kernels.
     row_paths.row_paths`). Every table is computed with numpy over all segments, items and partials at
@@ -271,7 +292,9 @@ def plan_triton(
     by few rows in the wide tiles, so that the leaves fuse the merge — uneven trees 113 -> 96 us, deep
     95 -> 122; 64-row wide tiles for every shared segment — deep 95 -> 87 us, heavy 102 -> 135.)
     ``pack_leaves``: at most this many fused leaf items share one 16-row tile (None: as many as fit while
-    enough programs remain, see :func:`_leaf_pack`; 1: one item a tile)."""
+    enough programs remain, see :func:`_leaf_pack`; 1: one item a tile). ``one_wave``: the shared segments' key
+    chunks made longer where that fits their programs in one wave of the GPU in no more time (see
+    :func:`_one_wave_chunk`)."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
     if pack_leaves is not None and pack_leaves < 1:
@@ -314,8 +337,10 @@ def plan_triton(
         target_programs = _SMS
     chunk = max(8 * block_n, -(-total // max(target_programs, 1)))
     chunk = -(-chunk // block_n) * block_n
-    # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
     narrow = m == 16
+    if one_wave:
+        chunk = _one_wave_chunk(chunk, keys[~narrow], tiles[~narrow] * num_kv_heads, block_n)
+    # few narrow (single-branch) segments cannot fill the GPU with one program each: cut them finer
     seg_chunk = np.where(narrow & (int(narrow.sum()) * num_kv_heads < 2 * _SMS), 2 * block_n, chunk)
     # fused merge: the narrow segments are exactly the queries' own ones (an ancestor in the narrow
     # launch would run alongside its descendants), each read by its own queries only and short enough
@@ -414,6 +439,45 @@ def plan_triton(
         pdl=_pdl_default(device) if pdl is None else pdl,
         half_partials=half_partials,
     )
+
+
+def _makespan(keys: np.ndarray, programs: np.ndarray, chunk: int) -> int:
+    """Estimated time, in keys, of the shared segments' programs when their keys are cut into chunks of ``chunk``
+    (the last one of a segment shorter): ``programs[i]`` programs (row tiles x KV heads) for each chunk of
+    segment ``i`` of ``keys[i]`` keys, each costing its keys plus ``_PROGRAM_OVERHEAD_KEYS``, started longest first
+    on ``_SMS`` SMs (one program each: a 128-row program fills an SM's registers), each on the first SM free."""
+    n = _ceil_div(keys, chunk)
+    last = keys - (n - 1) * chunk
+    costs = np.sort(np.concatenate([np.repeat(chunk, int(((n - 1) * programs).sum())),
+                                    np.repeat(last, programs)]))[::-1] + _PROGRAM_OVERHEAD_KEYS
+    if len(costs) <= _SMS:
+        return int(costs[0]) if len(costs) else 0
+    free = [0] * _SMS  # (a heap of the SMs' finish times: only called with at most ~2 waves of programs)
+    for cost in costs.tolist():
+        heapq.heapreplace(free, free[0] + cost)
+    return max(free)
+
+
+def _one_wave_chunk(chunk: int, keys: np.ndarray, programs: np.ndarray, block_n: int) -> int:
+    """``chunk``, or the shortest longer one (a multiple of ``block_n``) that fits the shared segments' programs
+    (``programs[i]`` for each chunk of segment ``i`` of ``keys[i]`` keys) in one wave of ``_SMS``, when that
+    wave's :func:`_makespan` is at most ``_ONE_WAVE_SLACK`` times as long. One wave takes fewer partials to merge,
+    and lets the leaves' launch that follows start beside it on the SMs it leaves free (a programmatic dependent
+    launch starts once every program of the launch before has started), which the estimate does not count:
+    Phi-4-mini's 24/8 heads over 256 leaves below a 2K prompt, 56 tile programs x 3 chunks of 960, 960 and 128
+    keys = 168 programs (estimate 1,088) against 2 chunks of 1,024 = 112 (estimate 1,152): the shared launch
+    22.5 -> 26.2 us, but the call 54.2 -> 49.3 us on an H100 (``profile_attention_trees_decode_variants_h100.json``)."""
+    keys, programs = keys[keys > 0], programs[keys > 0]
+    if not len(keys) or int((_ceil_div(keys, chunk) * programs).sum()) <= _SMS or int(programs.sum()) > _SMS:
+        return chunk
+    lo, hi = chunk, -(-int(keys.max()) // block_n) * block_n  # hi fits: one chunk a segment
+    while hi - lo > block_n:  # the shortest chunk (multiple of block_n) whose programs fit one wave
+        mid = (lo + hi) // 2 // block_n * block_n
+        if int((_ceil_div(keys, mid) * programs).sum()) <= _SMS:
+            hi = mid
+        else:
+            lo = mid
+    return hi if _makespan(keys, programs, hi) <= _ONE_WAVE_SLACK * _makespan(keys, programs, chunk) else chunk
 
 
 def _launch_shape(block_m: int, items: np.ndarray, num_kv_heads: int, block_n: int, num_stages: int,
