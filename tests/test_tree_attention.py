@@ -189,6 +189,7 @@ def test_triton_kernels_match_plain_attention(seed, num_heads, num_kv, head_dim,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("library", [False, True])
+@pytest.mark.usefixtures("short_library_chunks")
 def test_merge_launch_fetching_partials_four_at_a_time_matches_plain_attention(dtype, library):
     """16 heads x 128: the merge launch fetches a row's partials four at a time. A 2,000-key root (cut into
     key chunks, or given to the library kernel in chunks) over a chain of six short segments, then 160 leaves:
