@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from bench_dynamic import VARIANTS, now, workload  # benchmarks/
 from bench_end_to_end import SHAPES, config_of
 from treegen.lang.batch import Cooperative
-from treegen.lang.interpreter import ProgramRun
+from treegen.lang.program_run import ProgramRun
 from treegen.runtime import decode, kv_store, phase_graphs, phase_io, tree_run
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer

@@ -331,7 +331,7 @@ def test_program_busy_answers_like_a_full_scan_under_any_order_of_completions():
     (in order, reversed, shuffled) and states queued anew, it answers exactly as scanning every state would."""
     from types import SimpleNamespace
 
-    from treegen.lang.interpreter import ProgramRun
+    from treegen.lang.program_run import ProgramRun
 
     rng = random.Random(0)
     for order in ("in_order", "reversed", "shuffled"):

@@ -359,7 +359,7 @@ def ipython():
 
 def test_formatters_fill_in_only_where_classes_have_no_html_hook(ipython):
     from treegen.lang.dsl import CompiledProgram, Program
-    from treegen.lang.interpreter import State
+    from treegen.lang.state import State
 
     printers = ipython.display_formatter.formatters["text/html"].type_printers
     for cls in (Program, CompiledProgram, State):

@@ -168,7 +168,7 @@ join {
 
 
 def test_every_reduction_is_the_same_ir_node_in_both_front_ends(tokenizer, monkeypatch):
-    from treegen.lang.interpreter import State
+    from treegen.lang.state import State
 
     joins = []
     real_join = State.join

@@ -121,7 +121,7 @@ def _html_formatters(ipython) -> None:
     from treegen.display.html import compiled_html, program_html, result_html
     from treegen.display.text import compiled_text, program_text, result_text
     from treegen.lang.dsl import CompiledProgram, Program
-    from treegen.lang.interpreter import State
+    from treegen.lang.state import State
 
     classes = [(Program, program_html, program_text), (CompiledProgram, compiled_html, compiled_text),
                (State, result_html, result_text)]

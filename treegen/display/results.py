@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from treegen.display._view import clip, decode
-from treegen.lang.interpreter import _Joined, _Pending, _Reduced
+from treegen.lang.state import _Joined, _Pending, _Reduced
 
 # info keys the views render specially (gen, select, join, join reduction: see treegen.lang.ir.Reduce);
 # anything else is shown as key=value

@@ -44,7 +44,7 @@ def show(obj, engine=None, *, tokenizer=None, kv_shape=None, limits: Limits = Li
     excerpts and KV bytes.
     """
     from treegen.lang.dsl import CompiledProgram, Program
-    from treegen.lang.interpreter import State
+    from treegen.lang.state import State
     from treegen.tree.sharing_tree import SharingTree
 
     if engine is not None:

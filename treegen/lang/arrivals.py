@@ -5,7 +5,7 @@ passes merge their prompts (:mod:`treegen.lang.batch`). An iterator — a genera
 lines read from a pipe, follow-up questions that finished programs ask — is drawn **as the run goes**:
 the driver starts the next input's program whenever the engine has room for more work
 (:meth:`~treegen.runtime.tree_run.TreeRun.wants_work`) and waits for one only when nothing else runs.
-Its prompt then meets the live tree by radix lookup (:meth:`~treegen.lang.interpreter.ProgramRun.attach`),
+Its prompt then meets the live tree by radix lookup (:meth:`~treegen.lang.program_run.ProgramRun.attach`),
 so a few-shot prefix that earlier programs computed is read, not computed again.
 
 The iterator is drawn on a thread of its own, at most ``ahead`` inputs (the batch's rows) before the

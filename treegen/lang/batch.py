@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable
 import greenlet
 
 from treegen.lang.arrivals import Arrivals, arriving
-from treegen.lang.interpreter import ProgramRun, State, TokenStream
+from treegen.lang.program_run import ProgramRun
+from treegen.lang.state import State, TokenStream
 from treegen.runtime.collector import full_collections_paused
 from treegen.tree.passes import DEFAULT_MIN_SHARED_SAVING
 
@@ -160,7 +161,7 @@ class Cooperative:
         self.workers[program].stopped = True
 
     def run(self, run) -> None:
-        """Run every body to its end over the :class:`~treegen.lang.interpreter.ProgramRun` ``run``."""
+        """Run every body to its end over the :class:`~treegen.lang.program_run.ProgramRun` ``run``."""
         self._tree_run = run.tree_run
         try:
             run.hold_submissions = True  # the passes see every program's prompt before anything runs

@@ -29,7 +29,8 @@ import pickle
 from typing import Callable
 
 from treegen.lang.batch import EngineFailed, ProgramError, run_batch_here
-from treegen.lang.interpreter import ProgramRun, StopTrace
+from treegen.lang.program_run import ProgramRun
+from treegen.lang.state import StopTrace
 
 BALANCE = 1.1  # the most loaded replica may carry this times its even share before a unit is split
 
@@ -244,7 +245,7 @@ _RESULT, _TOKENS = b"R", b"T"  # the first byte of what a replica emits: a finis
 
 class ReplicaTokenStream:
     """What ``on_tokens`` hears from a data-parallel replica: as a
-    :class:`~treegen.lang.interpreter.TokenStream`, but the branch's state stays in its replica process,
+    :class:`~treegen.lang.state.TokenStream`, but the branch's state stays in its replica process,
     so it carries the state's ``program`` (index in the batch) and ``path`` instead."""
 
     def __init__(self, program: int, path: tuple, name: str, tokens: tuple[int, ...], tokenizer) -> None:

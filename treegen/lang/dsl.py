@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterable
 from treegen.lang import views
 from treegen.lang.arrivals import arriving
 from treegen.lang.batch import DEFAULT_MAX_PROGRAM_TOKENS, ProgramError, FailingBody, check_callback, run_batch_here, seeds_of
-from treegen.lang.interpreter import ProgramRun, State, StopTrace, TokenStream
+from treegen.lang.program_run import ProgramRun
+from treegen.lang.state import State, StopTrace, TokenStream
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Seq, as_ops
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.constraint import Constraint
@@ -268,7 +269,7 @@ class Program:
         programs are done — a program is done when its function has returned and every ``gen`` /
         ``select`` it queued has run (e.g. the ``programs`` bar of the display package's ``progress(engine)``);
         ``on_result(index, root)``: each program's result as soon as it is done (failed: ``root.error``);
-        ``on_tokens(stream)``: a :class:`~treegen.lang.interpreter.TokenStream` each time a branch's
+        ``on_tokens(stream)``: a :class:`~treegen.lang.state.TokenStream` each time a branch's
         new tokens are seen (its ``tokens`` so far, ``text``, ``state``, ``name``).
 
         Faults: a program that raises, or generates more than ``max_program_tokens`` tokens in all

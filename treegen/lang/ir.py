@@ -78,7 +78,7 @@ class Reduce:
     ``sep``, e.g. to become a new prompt). The rules are those of :mod:`treegen.lang.reduce`.
 
     Both front ends build these nodes (``treegen.vote(...)`` etc. in Python, ``join { x = vote(...) }``
-    in ``.tg``) and pass them to :meth:`State.join <treegen.lang.interpreter.State.join>`, which records
+    in ``.tg``) and pass them to :meth:`State.join <treegen.lang.state.State.join>`, which records
     each on the fork node of the sharing tree (attribute ``reductions``: ``{"name", "kind", "source",
     "by"}``, ``by`` a variable name, ``"logprob"``, a function's name or None) and computes it when
     first read, or when the program finishes. How it was decided is then in ``state.info[name]``::

@@ -7,7 +7,7 @@ hooks (``Program.__repr__``/``_repr_html_``, ``CompiledProgram``'s, ``State._rep
 
 Kinds: ``"program"`` (a :class:`~treegen.lang.dsl.Program`), ``"compiled"`` (a
 :class:`~treegen.lang.dsl.CompiledProgram`), ``"result"`` (a finished
-:class:`~treegen.lang.interpreter.State`). With no view registered, :func:`html` and :func:`text`
+:class:`~treegen.lang.state.State`). With no view registered, :func:`html` and :func:`text`
 return None: notebooks then show the plain text, and the classes fall back to a short repr of their own.
 """
 

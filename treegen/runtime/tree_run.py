@@ -333,7 +333,7 @@ class TreeRun:
         """Put a new node holding ``node``'s first ``length`` tokens above it, in the tree and in the KV
         store (the slots of those tokens become the new node's; nothing is copied or computed again), so
         that a later program sharing only those tokens can attach below it (radix reuse,
-        :meth:`~treegen.lang.interpreter.ProgramRun.attach`). Returns the new node. Jobs already queued
+        :meth:`~treegen.lang.program_run.ProgramRun.attach`). Returns the new node. Jobs already queued
         see the new path when they are next looked at (their rows are read from the tree each step); a
         running decode phase keeps its plan, which reads the same slots as one segment."""
         if not self.can_split(node, length):

@@ -24,7 +24,7 @@ are described in :mod:`treegen.lang.tg.parser`, types in :mod:`treegen.lang.tg.c
 :mod:`treegen.lang.reduce`.
 
 Layers: ``treegen.lark`` (grammar) -> :mod:`.parser` (AST of :mod:`.ast`, includes) -> :mod:`.check`
-(scopes, types, ranges) -> :mod:`.lower` (drives the :class:`~treegen.lang.interpreter.State` API,
+(scopes, types, ranges) -> :mod:`.lower` (drives the :class:`~treegen.lang.state.State` API,
 the IR the Python DSL uses) -> :mod:`.program` (parameters, compile, run, JSON).
 """
 

@@ -2,7 +2,7 @@
 
 The parser builds it (:mod:`treegen.lang.tg.parser`), the checker types it
 (:mod:`treegen.lang.tg.check`), and the lowering walks it, driving the same
-:class:`~treegen.lang.interpreter.State` API the Python DSL uses (:mod:`treegen.lang.tg.lower`).
+:class:`~treegen.lang.state.State` API the Python DSL uses (:mod:`treegen.lang.tg.lower`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from treegen.lang.dsl import gen as make_gen
 from treegen.lang.dsl import select as make_select
 from treegen.lang.dsl import top_k as make_top_k
 from treegen.lang.dsl import vote as make_vote
-from treegen.lang.interpreter import State, StopTrace
+from treegen.lang.state import State, StopTrace
 from treegen.lang.ir import Reduce, RoleBegin, RoleEnd
 from treegen.lang.tg import ast
 from treegen.lang.tg.check import MAX_BRANCHES, REDUCTIONS, literal_value
