@@ -211,7 +211,8 @@ def run_kv_quant_point(*, batch, prefix, suffix, heads, kv, head_dim, formats=("
             (k, ks), (v, vs) = quantize_reference(k16, f), quantize_reference(v16, f)
         else:
             k, v, ks, vs = k16, v16, None, None
-        plan = plan_tree_attention(**common, dtype=q.dtype)  # as the runtime plans (8-bit: a large prefix dequantized for cuDNN)
+        # as the runtime plans (8-bit: a large prefix dequantized for cuDNN, by the rule measured for 8-bit caches)
+        plan = plan_tree_attention(**common, dtype=q.dtype, kv_quantized=f.quantized)
         ms = bench(lambda: tree_attention(q, k, v, plan, head_dim**-0.5, ks, vs))
         triton_only = plan_tree_attention(**common, dtype=None)
         triton_ms = bench(lambda: tree_attention(q, k, v, triton_only, head_dim**-0.5, ks, vs))

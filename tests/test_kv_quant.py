@@ -295,8 +295,7 @@ def test_decode_phase_dequantizes_its_library_segment_once(model64, tokenizer, m
     from treegen.runtime.tree_run import TreeRun
 
     monkeypatch.setattr(planning, "library_available", lambda device, dtype: True)
-    for name, value in (("_LIBRARY_MIN_ROWS", 4), ("_LIBRARY_MIN_KEYS", 16), ("_LIBRARY_MIN_CHUNK", 8),
-                        ("_LIBRARY_MIN_PROGRAMS", 0)):
+    for name, value in (("_LIBRARY_MIN_ROWS", 4), ("_LIBRARY_MIN_KEYS", 16), ("_LIBRARY_MIN_CHUNK_8BIT", 8)):
         monkeypatch.setattr(triton_plan, name, value)
     made = []
     copies = TreeRun.library_copies

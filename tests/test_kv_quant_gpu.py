@@ -136,7 +136,6 @@ def test_real_shape_with_8bit_kv_matches_plain_attention_and_decodes_with_graphs
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.usefixtures("short_library_chunks")  # (1,100 keys x 40 tiles: the planner's own rule keeps them)
 def test_phase_copy_of_the_library_segment_gives_the_per_call_tokens(name, monkeypatch):
     """Llama-3-8B dimensions (2 layers), bf16, an 8-bit cache: 160 branches (640 rows x heads) below a 1,100-key
     prompt give it to cuDNN; the decode phases (CUDA graphs) read each layer's copy made once a phase

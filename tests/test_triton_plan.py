@@ -107,6 +107,7 @@ def test_row_paths_and_plans_equal_the_reference_planner(seed):
     assert paths.local.tolist() == [i for loc in ref_local for i in loc]
     for knobs in ({}, {"fuse_merge": False}, {"mid_tiles": True}, {"mid_tiles": False}, {"longest_first": False},
                   {"target_programs": 7, "block_n": 16}, {"library": True}, {"library": True, "fuse_merge": False},
+                  {"library": True, "quantized_cache": True},
                   {"leaf_shape": (16, 2, 1)}):
         for group, kv_heads in ((1, 8), (3, 3), (4, 8), (8, 1)):
             common = dict(segment_start=start, segment_len=length, segment_pos=pos, num_kv_heads=kv_heads,
@@ -231,12 +232,12 @@ def test_the_library_takes_chunks_of_2k_that_make_half_a_wave():
     in chunks of ~2,048 keys whose tiles make at least half a wave; shorter chunks or fewer tiles stay with the
     Triton kernels. (chunks, keys each) or None, for leaves x prompt keys x heads."""
 
-    def library(leaves, prefix, heads, kv_heads):
+    def library(leaves, prefix, heads, kv_heads, **knobs):
         parent, length = [-1] + [0] * leaves, [prefix] + [32] * leaves
         start, pos = [0] + [prefix + 32 * i for i in range(leaves)], [0] + [prefix] * leaves
         qseg = list(range(1, leaves + 1))
         plan = plan_triton(segment_start=start, segment_len=length, segment_pos=pos, num_kv_heads=kv_heads,
-                           group=heads // kv_heads, device="cpu", library=True, paths=row_paths(parent, qseg))
+                           group=heads // kv_heads, device="cpu", library=True, paths=row_paths(parent, qseg), **knobs)
         return (plan.library.chunks, plan.library.chunk_len) if plan.library is not None else None
 
     assert library(512, 2048, 32, 8) == (1, 2048)  # 128 tiles
@@ -246,3 +247,6 @@ def test_the_library_takes_chunks_of_2k_that_make_half_a_wave():
     assert library(256, 16384, 8, 1) == (8, 2048)  # 16 tiles
     assert library(1024, 4096, 8, 1) == (2, 2048)
     assert library(64, 16384, 8, 1) is None  # 4 tiles: 8 chunks make 32 programs
+    # an 8-bit cache keeps the rule measured for it: chunks of ~512 keys, however few programs
+    assert library(256, 2048, 16, 4, quantized_cache=True) == (4, 512)
+    assert library(256, 2048, 32, 8, quantized_cache=True) == (2, 1024)

@@ -64,7 +64,7 @@ def reference_paths(segment_parent, segment_pos, segment_len, query_segment, que
     return rows_of, paths, path_local
 
 
-def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device):
+def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device, quantized=False):
     """The shared segment with the most work among those large enough for the library kernel, cut into
     chunks for ~one wave of 128-row tiles; None if there is none or it is not most of the shared work.
     Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask)."""
@@ -80,11 +80,12 @@ def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, nu
     tiles = -(-len(rows_of[s]) * group // 128) * num_kv_heads
     # (the limits read from the planner's module when called: tests may raise them)
     most = _planner._LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _planner._LIBRARY_MAX_CHUNKS
-    min_chunk = _planner._LIBRARY_MIN_CHUNK
+    min_chunk = _planner._LIBRARY_MIN_CHUNK_8BIT if quantized else _planner._LIBRARY_MIN_CHUNK
+    min_programs = 0 if quantized else _planner._LIBRARY_MIN_PROGRAMS
     rounded = (segment_len[s] + min_chunk // 2) // min_chunk
     by_length = most if rounded > most >= segment_len[s] // min_chunk else rounded
     chunks = max(1, min(round(_SMS / tiles), by_length))
-    if chunks > most or chunks * tiles < _planner._LIBRARY_MIN_PROGRAMS:
+    if chunks > most or chunks * tiles < min_programs:
         return None
     rows = rows_of[s]
     every = rows == list(range(len(paths)))
@@ -117,14 +118,15 @@ def reference_plan_triton(
     mid_tiles: bool | None = None,
     half_partials: bool = True,
     one_wave: bool = True,
+    quantized_cache: bool = False,
 ) -> TritonPlan:
     """The planner before numpy: one Python iteration per item and per partial a row merges."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
     segs = sorted(s for s in rows_of if segment_len[s] > 0)
     key_begin = {s: 0 for s in segs}  # keys before this are the library kernel's
-    lib = _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device) \
-        if library else None
+    lib = _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device,
+                           quantized_cache) if library else None
     if lib is not None:
         key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
         if key_begin[lib[0]] == segment_len[lib[0]]:

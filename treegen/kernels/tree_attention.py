@@ -135,6 +135,7 @@ def plan_tree_attention(
     softcap: float | None = None,
     query_pos_buffer: Tensor | None = None,
     triton_options: dict | None = None,
+    kv_quantized: bool = False,
 ) -> TreeAttentionPlan:
     """Build the index tensors for tree attention.
 
@@ -162,6 +163,8 @@ def plan_tree_attention(
         as the plan's own instead of a new copy (plans of one forward pass with different windows share
         it, and a decode phase advances it in place); planning reads positions from ``query_pos`` only,
         never from the device.
+    kv_quantized: the plan is for an 8-bit cache (its large shared segment goes to cuDNN, dequantized, by the rule
+        measured for such caches: ``quantized_cache`` of :func:`~treegen.kernels.triton_plan.plan_triton`).
     triton_options: tuning knobs passed to :func:`~treegen.kernels.triton_plan.plan_triton`
         (``target_programs``, ``block_n``, ``num_stages``, ``library`` to force the library segment
         on or off); the defaults were measured on an H100.
@@ -197,7 +200,7 @@ def plan_tree_attention(
         plain = window is None and softcap is None  # the library kernel computes plain causal attention
         group = num_heads // num_kv_heads
         options = {"library": plain and dtype is not None and library_available(device, dtype),
-                   **(triton_options or {})}
+                   "quantized_cache": kv_quantized, **(triton_options or {})}
         return TreeAttentionPlan(
             num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),
             triton=plan_triton(segment_start=segment_start, segment_len=segment_len, segment_pos=segment_pos,

@@ -46,6 +46,11 @@ _LIBRARY_MIN_ROWS = 512
 _LIBRARY_MIN_KEYS = 1024
 _LIBRARY_MIN_CHUNK = 2048
 _LIBRARY_MIN_PROGRAMS = _SMS // 2
+# ... but over an 8-bit cache, chunks of at least this many keys however few programs they make (the rule before the
+# one above, kept for it): there cuDNN reads the segment dequantized once a phase while the Triton kernels convert
+# every key they read, and all-Triton measured slower (Llama-3-8B shape, FP8, 2,047-key prompt, one H100: 10.91 vs
+# 10.16 ms a decode step at 256 branches, 29.66 vs 26.43 at 1,024; not re-measured since)
+_LIBRARY_MIN_CHUNK_8BIT = 512
 # ... and only when it holds this share of all shared-segment work (rows x keys). Measured on an H100, 8/1
 # heads: 16 roots of 2560 keys x 64 branches, one of them by cuDNN: 76 us vs 49 all-Triton; a 2K root over
 # 16 problems of 512 keys (80% of the work): 56 vs 55 us
@@ -197,21 +202,25 @@ class TritonPlan:
         self.merge_ptr[n:].copy_(plan.merge_ptr[-1:].expand(self.merge_ptr.numel() - n))
 
 
-def _chunks_by_length(length: int, most: int) -> int:
-    """The most chunks a library segment of ``length`` keys is cut into: about ``_LIBRARY_MIN_CHUNK`` keys each,
-    the length over it rounded (8,191 keys: 4, as 8,192), but where rounding up passes the group's chunk limit
-    ``most`` and the floor does not, the limit (rounding must not decline a segment the floor took)."""
-    rounded = (length + _LIBRARY_MIN_CHUNK // 2) // _LIBRARY_MIN_CHUNK
-    return most if rounded > most >= length // _LIBRARY_MIN_CHUNK else rounded
+def _chunks_by_length(length: int, most: int, min_chunk: int) -> int:
+    """The most chunks a library segment of ``length`` keys is cut into: about ``min_chunk`` keys each, the
+    length over it rounded (2,048-key chunks: 8,191 keys get 4, as 8,192), but where rounding up passes the
+    group's chunk limit ``most`` and the floor does not, the limit (rounding must not decline a segment the floor
+    took)."""
+    rounded = (length + min_chunk // 2) // min_chunk
+    return most if rounded > most >= length // min_chunk else rounded
 
 
-def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_len, group, num_kv_heads, device):
+def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_len, group, num_kv_heads, device,
+                     quantized: bool = False):
     """The shared segment with the most work among those large enough for the library kernel, cut into
     chunks for ~one wave of 128-row tiles; None if there is none, it is not most of the shared work, or its
     chunks x tiles do not make half a wave.
     Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask).
     ``segs``: the segments with keys that rows read (ascending), ``count``: rows reading each, ``own``:
-    whether it is some row's own segment (both [num_segments])."""
+    whether it is some row's own segment (both [num_segments]). ``quantized``: the cache is 8-bit (chunks of
+    ``_LIBRARY_MIN_CHUNK_8BIT``, no wave minimum)."""
+    min_chunk, min_programs = (_LIBRARY_MIN_CHUNK_8BIT, 0) if quantized else (_LIBRARY_MIN_CHUNK, _LIBRARY_MIN_PROGRAMS)
     shared = segs[~own[segs]]
     rows = count[shared]
     fits = (rows * group >= _LIBRARY_MIN_ROWS) & (segment_len[shared] >= _LIBRARY_MIN_KEYS)
@@ -225,8 +234,8 @@ def _library_segment(segs, count, own, paths: RowPaths, segment_start, segment_l
     num_rows = int(count[s])
     tiles = -(-num_rows * group // 128) * num_kv_heads
     most = _LIBRARY_MAX_FOLDED_CHUNKS if folds_heads(group) else _LIBRARY_MAX_CHUNKS
-    chunks = max(1, min(round(_SMS / tiles), _chunks_by_length(int(segment_len[s]), most)))
-    if chunks > most or chunks * tiles < _LIBRARY_MIN_PROGRAMS:
+    chunks = max(1, min(round(_SMS / tiles), _chunks_by_length(int(segment_len[s]), most, min_chunk)))
+    if chunks > most or chunks * tiles < min_programs:
         return None
     every = num_rows == paths.num_rows  # (a segment's rows are distinct: all of them, in order)
     rows_of_s = None if every else torch.from_numpy(np.sort(paths.row[paths.seg == s])).to(device)
@@ -261,6 +270,7 @@ def plan_triton(
     half_partials: bool = True,
     pack_leaves: int | None = None,
     one_wave: bool = True,
+    quantized_cache: bool = False,
 ) -> TritonPlan:
     """Build the work tables. ``paths``: which segments each query row reads (:func:`~treegen.kernels.
     row_paths.row_paths`). Every table is computed with numpy over all segments, items and partials at
@@ -294,7 +304,8 @@ def plan_triton(
     ``pack_leaves``: at most this many fused leaf items share one 16-row tile (None: as many as fit while
     enough programs remain, see :func:`_leaf_pack`; 1: one item a tile). ``one_wave``: the shared segments' key
     chunks made longer where that fits their programs in one wave of the GPU in no more time (see
-    :func:`_one_wave_chunk`)."""
+    :func:`_one_wave_chunk`). ``quantized_cache``: the plan is for an 8-bit cache (the library segment's rule
+    measured for it, ``_LIBRARY_MIN_CHUNK_8BIT``)."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
     if pack_leaves is not None and pack_leaves < 1:
@@ -308,8 +319,8 @@ def plan_triton(
     own = np.zeros(n, dtype=bool)
     own[paths.own] = True
     key_begin = np.zeros(n, dtype=np.int64)  # keys before this are the library kernel's
-    lib = _library_segment(segs, count, own, paths, seg_start, seg_len, group, num_kv_heads, device) \
-        if library else None
+    lib = _library_segment(segs, count, own, paths, seg_start, seg_len, group, num_kv_heads, device,
+                           quantized_cache) if library else None
     if lib is not None:
         key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
         if key_begin[lib[0]] == seg_len[lib[0]]:

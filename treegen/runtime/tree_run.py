@@ -428,6 +428,7 @@ class TreeRun:
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
             dtype=model.dtype,  # the queries' dtype (an 8-bit cache's large shared segment is dequantized to it)
+            kv_quantized=kv.format.quantized,
             softcap=model.attn_softcap,
         )
 
