@@ -83,8 +83,9 @@ def tokenizer():
 @pytest.fixture
 def short_library_chunks(monkeypatch):
     """The library segment cut into chunks of ~512 keys however few tiles they make, as the planner did before its
-    measured limits (``triton_plan._LIBRARY_MIN_CHUNK`` 2,048, ``_LIBRARY_MIN_PROGRAMS`` half a wave): for tests of
-    how several chunks are cut, merged and read by row on small trees — the same code serves the planner's."""
+    measured limits (``triton_plan._LIBRARY_MIN_CHUNK`` 2,048, ``_LIBRARY_MIN_PROGRAMS`` half a wave) and still does
+    over an 8-bit cache: for tests of how several chunks are cut, merged and read by row on small trees — the same
+    code serves the planner's."""
     from treegen.kernels import triton_plan
     monkeypatch.setattr(triton_plan, "_LIBRARY_MIN_CHUNK", 512)
     monkeypatch.setattr(triton_plan, "_LIBRARY_MIN_PROGRAMS", 0)
