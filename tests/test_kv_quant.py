@@ -63,7 +63,7 @@ def test_fp8_on_a_gpu_without_fp8_names_its_compute_capability(monkeypatch):
     assert kv_format("int8", torch.bfloat16, "cuda").storage == torch.int8
 
 
-def quantized_cache(slots, num_kv, head_dim, name):
+def kv_quantized(slots, num_kv, head_dim, name):
     fmt = kv_format(name, torch.float32)
     k8, ks = quantize_reference(torch.randn(slots, num_kv, head_dim), fmt)
     v8, vs = quantize_reference(torch.randn(slots, num_kv, head_dim), fmt)
@@ -88,7 +88,7 @@ def test_tree_attention_over_an_8bit_cache_matches_plain_attention_over_its_valu
     start, pos, slots = layout(parent, length, rng)
     query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=rng.choice([0, 5]))
     q = torch.randn(len(query_pos), num_heads, head_dim).to(dtype)
-    k8, v8, ks, vs = quantized_cache(slots, num_kv, head_dim, name)
+    k8, v8, ks, vs = kv_quantized(slots, num_kv, head_dim, name)
     plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
                                query_segment=query_segment, query_pos=query_pos, backend=backend,
                                num_heads=num_heads, num_kv_heads=num_kv, dtype=k8.dtype,
@@ -109,7 +109,7 @@ def test_bf16_queries_over_an_fp8_cache_beyond_fp16_range():
     parent, length = random_tree(rng, max_depth=3, max_fanout=3, max_len=40)
     start, pos, slots = layout(parent, length, rng)
     query_segment, query_pos = make_queries(parent, length, pos, rng, prefill_rows=3)
-    k8, v8, ks, vs = quantized_cache(slots, 2, 64, name)
+    k8, v8, ks, vs = kv_quantized(slots, 2, 64, name)
     ks, vs = ks * 1e-4, vs  # scores of order |q| * 1e-4 * 8 (a soft, not one-hot, softmax)
     plan = plan_tree_attention(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
                                query_segment=query_segment, query_pos=query_pos, backend="triton",
@@ -126,7 +126,7 @@ def test_bf16_queries_over_an_fp8_cache_beyond_fp16_range():
 def assert_8bit_plan_matches(tree, plan, name):
     """The plan's attention over an 8-bit cache of random values equals plain attention over its dequantized values."""
     q = torch.randn(len(tree.leaves), 8, 64)
-    k8, v8, ks, vs = quantized_cache(tree.slots, 1, 64, name)
+    k8, v8, ks, vs = kv_quantized(tree.slots, 1, 64, name)
     got = tree_attention(q, k8, v8, plan, 0.125, ks, vs)
     want = ground_truth(q, dequantize_reference(k8, ks), dequantize_reference(v8, vs), tree.parent, tree.start,
                         tree.length, tree.pos, tree.leaves, tree.query_pos, 0.125)
@@ -172,7 +172,7 @@ def test_library_copy_is_read_instead_of_the_cache(name, fuse):
     plan = tree.plan(8, 1, library=True, fuse_merge=fuse)
     lib = plan.triton.library
     q = torch.randn(len(tree.leaves), 8, 64)
-    k8, v8, ks, vs = quantized_cache(tree.slots, 1, 64, name)
+    k8, v8, ks, vs = kv_quantized(tree.slots, 1, 64, name)
     per_call = tree_attention(q, k8, v8, plan, 0.125, ks, vs)
     copy = library_copy(plan, k8, v8, ks, vs, q.dtype)
     assert copy[0].shape == (lib.chunks * lib.chunk_len, 1, 64) and copy[0].dtype == q.dtype
@@ -206,7 +206,7 @@ def test_dequantize_kernel_rounds_like_the_reference(name):
 
 
 def test_8bit_cache_inputs_are_checked():
-    k8, v8, ks, vs = quantized_cache(10, 2, 64, "int8")
+    k8, v8, ks, vs = kv_quantized(10, 2, 64, "int8")
     plan = plan_tree_attention(segment_parent=[-1], segment_start=[0], segment_len=[10], segment_pos=[0],
                                query_segment=[0], query_pos=[9])
     q = torch.randn(1, 4, 64)

@@ -107,7 +107,7 @@ def test_row_paths_and_plans_equal_the_reference_planner(seed):
     assert paths.local.tolist() == [i for loc in ref_local for i in loc]
     for knobs in ({}, {"fuse_merge": False}, {"mid_tiles": True}, {"mid_tiles": False}, {"longest_first": False},
                   {"target_programs": 7, "block_n": 16}, {"library": True}, {"library": True, "fuse_merge": False},
-                  {"library": True, "quantized_cache": True},
+                  {"library": True, "kv_quantized": True},
                   {"leaf_shape": (16, 2, 1)}):
         for group, kv_heads in ((1, 8), (3, 3), (4, 8), (8, 1)):
             common = dict(segment_start=start, segment_len=length, segment_pos=pos, num_kv_heads=kv_heads,
@@ -248,5 +248,5 @@ def test_the_library_takes_chunks_of_2k_that_make_half_a_wave():
     assert library(1024, 4096, 8, 1) == (2, 2048)
     assert library(64, 16384, 8, 1) is None  # 4 tiles: 8 chunks make 32 programs
     # an 8-bit cache keeps the rule measured for it: chunks of ~512 keys, however few programs
-    assert library(256, 2048, 16, 4, quantized_cache=True) == (4, 512)
-    assert library(256, 2048, 32, 8, quantized_cache=True) == (2, 1024)
+    assert library(256, 2048, 16, 4, kv_quantized=True) == (4, 512)
+    assert library(256, 2048, 32, 8, kv_quantized=True) == (2, 1024)

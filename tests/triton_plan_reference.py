@@ -67,7 +67,8 @@ def reference_paths(segment_parent, segment_pos, segment_len, query_segment, que
 def _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device, quantized=False):
     """The shared segment with the most work among those large enough for the library kernel, cut into
     chunks for ~one wave of 128-row tiles; None if there is none or it is not most of the shared work.
-    Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask)."""
+    Only ancestors of every row reading it qualify (no row's own segment: those need the causal mask).
+    ``quantized``: an 8-bit cache (its own chunk size, no wave minimum)."""
     own = {path[-1] for path in paths}
     fits = [s for s in segs if s not in own and len(rows_of[s]) * group >= _LIBRARY_MIN_ROWS
             and segment_len[s] >= _LIBRARY_MIN_KEYS]
@@ -118,7 +119,7 @@ def reference_plan_triton(
     mid_tiles: bool | None = None,
     half_partials: bool = True,
     one_wave: bool = True,
-    quantized_cache: bool = False,
+    kv_quantized: bool = False,
 ) -> TritonPlan:
     """The planner before numpy: one Python iteration per item and per partial a row merges."""
     if group > 128:
@@ -126,7 +127,7 @@ def reference_plan_triton(
     segs = sorted(s for s in rows_of if segment_len[s] > 0)
     key_begin = {s: 0 for s in segs}  # keys before this are the library kernel's
     lib = _library_segment(segs, rows_of, paths, segment_start, segment_len, group, num_kv_heads, device,
-                           quantized_cache) if library else None
+                           kv_quantized) if library else None
     if lib is not None:
         key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
         if key_begin[lib[0]] == segment_len[lib[0]]:

@@ -164,7 +164,7 @@ def plan_tree_attention(
         it, and a decode phase advances it in place); planning reads positions from ``query_pos`` only,
         never from the device.
     kv_quantized: the plan is for an 8-bit cache (its large shared segment goes to cuDNN, dequantized, by the rule
-        measured for such caches: ``quantized_cache`` of :func:`~treegen.kernels.triton_plan.plan_triton`).
+        measured for such caches: ``kv_quantized`` of :func:`~treegen.kernels.triton_plan.plan_triton`).
     triton_options: tuning knobs passed to :func:`~treegen.kernels.triton_plan.plan_triton`
         (``target_programs``, ``block_n``, ``num_stages``, ``library`` to force the library segment
         on or off); the defaults were measured on an H100.
@@ -200,7 +200,7 @@ def plan_tree_attention(
         plain = window is None and softcap is None  # the library kernel computes plain causal attention
         group = num_heads // num_kv_heads
         options = {"library": plain and dtype is not None and library_available(device, dtype),
-                   "quantized_cache": kv_quantized, **(triton_options or {})}
+                   "kv_quantized": kv_quantized, **(triton_options or {})}
         return TreeAttentionPlan(
             num_queries=len(query_pos), query_pos=query_pos_t, backend=backend, levels=(),
             triton=plan_triton(segment_start=segment_start, segment_len=segment_len, segment_pos=segment_pos,

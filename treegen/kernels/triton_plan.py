@@ -270,7 +270,7 @@ def plan_triton(
     half_partials: bool = True,
     pack_leaves: int | None = None,
     one_wave: bool = True,
-    quantized_cache: bool = False,
+    kv_quantized: bool = False,
 ) -> TritonPlan:
     """Build the work tables. ``paths``: which segments each query row reads (:func:`~treegen.kernels.
     row_paths.row_paths`). Every table is computed with numpy over all segments, items and partials at
@@ -304,7 +304,7 @@ def plan_triton(
     ``pack_leaves``: at most this many fused leaf items share one 16-row tile (None: as many as fit while
     enough programs remain, see :func:`_leaf_pack`; 1: one item a tile). ``one_wave``: the shared segments' key
     chunks made longer where that fits their programs in one wave of the GPU in no more time (see
-    :func:`_one_wave_chunk`). ``quantized_cache``: the plan is for an 8-bit cache (the library segment's rule
+    :func:`_one_wave_chunk`). ``kv_quantized``: the plan is for an 8-bit cache (the library segment's rule
     measured for it, ``_LIBRARY_MIN_CHUNK_8BIT``)."""
     if group > 128:
         raise ValueError(f"{group} query heads per KV head is more than the 128 supported")
@@ -320,7 +320,7 @@ def plan_triton(
     own[paths.own] = True
     key_begin = np.zeros(n, dtype=np.int64)  # keys before this are the library kernel's
     lib = _library_segment(segs, count, own, paths, seg_start, seg_len, group, num_kv_heads, device,
-                           quantized_cache) if library else None
+                           kv_quantized) if library else None
     if lib is not None:
         key_begin[lib[0]] = lib[1].chunks * lib[1].chunk_len
         if key_begin[lib[0]] == seg_len[lib[0]]:
