@@ -280,12 +280,16 @@ def main() -> None:
                 cells.append(f"{r['tok_s']:,.0f} ({r.get('ratio_to_none', float('nan')):.2f})" if r and "tok_s" in r else "-")
             print(f"| {b} | {p} | " + " | ".join(cells) + " |")
 
-    print(f"\n## {args.shape}, bf16, {args.new} new tokens — decode tokens/s (total s incl. prefill)\n")
+    first = f"KV {args.kv_dtypes[0]}" + (f", slice {args.slice_tokens[0]}" if len(args.slice_tokens) > 1 else "")
+    print(f"\n## {args.shape}, bf16 weights, {first}, {args.new} new tokens — decode tokens/s (total s incl. prefill)\n")
     baselines = ["hf", "hf_loop"] if args.hf_batches else []
     print("| batch | prefix | " + " | ".join(baselines + args.modes) + " | tree / none | tree / hf | tree / hf_loop |")
     print("|---|---|" + "---|" * (len(baselines + args.modes) + 3))
     for b, p in sorted({(r["batch"], r["prefix"]) for r in rows}):
-        by = {r["mode"]: r for r in rows if r["batch"] == b and r["prefix"] == p}
+        by = {}  # each mode's first run: the first KV format and slice asked for (the tree mode runs one per format)
+        for r in rows:
+            if r["batch"] == b and r["prefix"] == p:
+                by.setdefault(r["mode"], r)
         cell = lambda m: (f"{by[m]['decode_tok_s']:,.0f} ({by[m]['total_s']:.2f})" if m in by and "decode_tok_s" in by[m]  # noqa: E731
                           else ("does not fit" if m in by else "-"))
         ratio = lambda a, c: (f"{by[a]['decode_tok_s'] / by[c]['decode_tok_s']:.2f}"  # noqa: E731
