@@ -71,6 +71,34 @@ def test_check_reports_errors_on_stderr_with_exit_status_2(capsys, tmp_path):
     assert code == 2 and err.strip() == f"{tmp_path / 'missing.tg'}: no such file"
 
 
+def test_check_takes_var_and_reports_values_the_program_cannot_use(capsys, tmp_path):
+    """`check --var` (as `run` takes it): a value given for a count, k, a gen argument or a list to fork over
+    that the program cannot use is an error at file:line:col of its use, exit 2 (it said ok)."""
+    prog = tmp_path / "p.tg"
+    prog.write_text('param n: int\nparam k = 1\nparam m = 4\nparam xs: list = ["a"]\n"Q"\n'
+                    'fork n {\n  gen a(max_tokens=m)\n}\njoin { t = top_k(a, by=a, k=k) }\n'
+                    'fork x in xs {\n  gen b(max_tokens=2)\n}\njoin\n')
+    code, out, err = run_cli(capsys, "check", prog)
+    assert code == 0 and out.startswith(f"{prog}: ok") and err == ""  # n has no default: known when run
+    code, out, err = run_cli(capsys, "check", prog, "--var", "n=3", "--var", "k=2")
+    assert code == 0 and out.startswith(f"{prog}: ok")
+    for var, where, message in [
+            ("n=0", "6:6", "the number of branches must be an integer from 1 to 4096, but parameter 'n' is given as 0"),
+            ("n=5000", "6:6", "the number of branches must be an integer from 1 to 4096, but parameter 'n' is given as 5000"),
+            ("k=0", "9:29", "top_k: k must be an integer >= 1, but parameter 'k' is given as 0"),
+            ("m=0", "7:20", "gen a: max_tokens must be an integer >= 1, got 0 (parameter 'm' is given as 0)"),
+            ("xs=[]", "10:11", "fork x in ... needs a list of 1 to 4096 items, but parameter 'xs' is given as []"),
+            ("nn=1", "1:1", "unknown parameter 'nn'; this program takes n, k, m, xs"),
+            ("k=two", "2:1", "wrong type: parameter 'k' is an integer, got 'two'")]:
+        extra = ["--var", "n=2"] if not var.startswith("n=") else []
+        code, out, err = run_cli(capsys, "check", prog, "--var", var, *extra)
+        assert code == 2 and out == "", var
+        assert err.split("\n")[0] == f"{prog}:{where}: {message}", var
+    code, out, err = run_cli(capsys, "run", prog, "--var", "n=0", "--no-progress")  # run refuses it the same way
+    assert code == 2 and err.split("\n")[0] == f"{prog}:6:6: the number of branches must be an integer from 1 to " \
+        "4096, but parameter 'n' is given as 0"
+
+
 def test_help_and_usage_errors(capsys):
     for argv in (["--help"], ["check", "--help"], ["show", "--help"], ["run", "--help"]):
         with pytest.raises(SystemExit) as e:

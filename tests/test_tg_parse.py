@@ -329,3 +329,21 @@ def test_a_parameter_default_out_of_range_is_a_program_mistake(source, col, mess
     with pytest.raises(TgError, match=re.escape(message)) as e:
         loads(source)
     assert e.value.pos.col == col
+
+
+@pytest.mark.parametrize("source, col, message", [
+    ('param m = 0\n"x"\ngen a(max_tokens=m)\n', 18,
+     "gen a: max_tokens must be an integer >= 1, got 0 (parameter 'm' defaults to 0)"),
+    ('param t = -1\n"x"\ngen a(temperature=t)\n', 19, "gen a: temperature"),
+    ('param r = "(a"\n"x"\ngen a(regex=r)\n', 13, "gen a: "),
+    ('param xs: list = []\n"x"\nfork x in xs {\n  gen a(max_tokens=2)\n}\njoin\n', 11,
+     "fork x in ... needs a list of 1 to 4096 items, but parameter 'xs' defaults to []"),
+    ('param cs: list = [""]\n"x"\nselect c from cs\n', 15,
+     "select needs a non-empty list of non-empty strings, but parameter 'cs' defaults to ['']"),
+])
+def test_a_parameter_default_a_gen_fork_or_select_cannot_use_is_a_program_mistake(source, col, message):
+    """A parameter's default read by a gen argument, a fork over a list or a select is checked there as a
+    literal written there would be (it was checked only when lowered, so `treegen check` said ok)."""
+    with pytest.raises(TgError, match=re.escape(message)) as e:
+        loads(source)
+    assert e.value.pos.col == col

@@ -1,6 +1,6 @@
 """The ``treegen`` command line: check, show and run ``.tg`` programs.
 
-    treegen check FILE...                         parse and validate (no model)
+    treegen check FILE... [--var k=v ...]          parse and validate (no model)
     treegen show FILE [--var k=v ...] [--model M]  the compiled sharing tree and its KV bytes
     treegen run FILE [--var k=v ...] [--model M] [--seed S] [--json OUT]
     treegen run FILE --batch INPUTS.jsonl ...       one program per line of parameter values, one workload
@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="parse and validate .tg files (no model)",
                        description="Parse and validate .tg files, with their includes; no model is loaded.")
     c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                   help="check with this parameter value (repeatable, as run takes it; for every FILE): a value the "
+                        "program cannot use (a fork count of 0, ...) is an error where it is used")
     c.set_defaults(func=cmd_check)
 
     def common(q):
@@ -167,6 +170,7 @@ def cmd_check(args) -> int:
     for path in args.files:
         try:
             prog = _load(path)
+            prog.check_values(prog.parse_vars(args.var))
         except TgError as e:
             print(e, file=sys.stderr)
             status = EXIT_USAGE
@@ -188,6 +192,7 @@ def cmd_show(args) -> int:
     prog = _load(args.file)
     values = prog.parse_vars(args.var)
     prog.bind(values)  # report parameter mistakes before loading anything
+    prog.check_values(values)
     tokenizer = load_tokenizer(args.model)
     fmt = kv_format(None if args.kv_dtype == "auto" else args.kv_dtype, getattr(torch, args.dtype))
     kv = KVShape.from_config(load_config(args.model), fmt.bytes_per_value, fmt.scale_bytes)
@@ -212,6 +217,7 @@ def cmd_run(args) -> int:
     values = prog.parse_vars(args.var)
     if not args.batch:  # (with --batch each line binds its values over these: a parameter may come from the lines)
         prog.bind(values)
+    prog.check_values(values)  # (a value the program cannot use: reported where it is used, before loading)
     batch = None
     if args.batch == "-" and ((args.dp or 1) > 1 or os.environ.get("WORLD_SIZE", "1") != "1"):
         print("treegen: error: --batch - (inputs read as they come) runs on one process and one replica: data parallel "

@@ -3,8 +3,9 @@
 Every variable has a type: a base (``str``, ``int``, ``float``) and a list depth. ``gen`` and
 ``select`` set ``str`` values in the current branch; a fork's ``join`` brings every variable its
 branches set back as a list (depth + 1); reductions turn lists back into values. Text may only read
-single values (depth 0). Values only known at run time (parameters given on the command line) are
-checked again when they are bound or used (:mod:`treegen.lang.tg.lower`).
+single values (depth 0). Where a parameter is read, its known value (the default, or the value given:
+``check(file, values)``, as ``treegen check --var``) is checked like a literal there; values only
+known at run time are checked again when they are bound or used (:mod:`treegen.lang.tg.lower`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class _Scope:
     vars: dict[str, Type]
     assigned: set[str] = field(default_factory=set)  # set in this branch since its fork
     unjoined: dict[str, Pos] = field(default_factory=dict)  # set in a fork that has no join
-    defaults: dict[str, object] = field(default_factory=dict)  # parameters not set since: their defaults
+    defaults: dict[str, object] = field(default_factory=dict)  # parameters not set since: their known values
+    given: frozenset = frozenset()  # those of them given (not defaults)
 
     def set(self, name: str, t: Type) -> None:
         self.vars[name] = t
@@ -66,7 +68,16 @@ class _Scope:
         self.defaults.pop(name, None)
 
     def child(self) -> "_Scope":
-        return _Scope(dict(self.vars), set(), dict(self.unjoined), dict(self.defaults))
+        return _Scope(dict(self.vars), set(), dict(self.unjoined), dict(self.defaults), self.given)
+
+    def known(self, v: ast.Value):
+        """``(value, how it reads in a message)`` of a parameter read by ``v`` whose value is known
+        before running (its default, or the value given), else None."""
+        if not isinstance(v, ast.Var) or v.name not in self.defaults:
+            return None
+        value = self.defaults[v.name]
+        how = "is given as" if v.name in self.given else "defaults to"
+        return value, f"parameter {v.name!r} {how} {value!r:.80}"
 
 
 def literal_value(v: ast.Value, what: str):
@@ -124,11 +135,16 @@ def param_type(spec: ParamSpec) -> Type:
     return Type(spec.type)
 
 
-def check(file: ast.TgFile) -> dict[str, ParamSpec]:
-    """Raise :class:`TgError` for the first mistake; return the parameter specs."""
+def check(file: ast.TgFile, values: dict | None = None) -> dict[str, ParamSpec]:
+    """Raise :class:`TgError` for the first mistake; return the parameter specs. ``values``: parameter
+    values given (bound: names and types already checked, see ``TgProgram.bind``), checked where they
+    are used in their defaults' place (a count of 0 given for ``fork n`` is an error at ``n``)."""
     specs = param_specs(file)
-    scope = _Scope({name: param_type(s) for name, s in specs.items()},
-                   defaults={name: s.default for name, s in specs.items() if not s.required})
+    values = values or {}
+    known = {name: s.default for name, s in specs.items() if not s.required} | \
+        {name: v for name, v in values.items() if name in specs}
+    scope = _Scope({name: param_type(s) for name, s in specs.items()}, defaults=known,
+                   given=frozenset(values))
     _block([st for st in file.body if not isinstance(st, ast.Param)], scope)
     return specs
 
@@ -191,10 +207,11 @@ def _expect_int(v: ast.Value, scope: _Scope, what: str, low: int, high: int | No
         shown = f"got {v.value!r}" if isinstance(v, ast.Lit) else f"but {v.name!r} is a {t}" \
             if isinstance(v, ast.Var) else "got a list"
         raise TgError(f"wrong type: {what} must be an integer, {shown}", v.pos)
-    value = v.value if isinstance(v, ast.Lit) else scope.defaults.get(v.name) if isinstance(v, ast.Var) else None
+    known = scope.known(v)
+    value = v.value if isinstance(v, ast.Lit) else known[0] if known else None
     if isinstance(value, int) and not (low <= value and (high is None or value <= high)):
         bound = f"from {low} to {high}" if high is not None else f">= {low}"
-        got = f"got {value}" if isinstance(v, ast.Lit) else f"but parameter {v.name!r} defaults to {value}"
+        got = f"got {value}" if isinstance(v, ast.Lit) else f"but {known[1]}"
         raise TgError(f"{what} must be an integer {bound}, {got}", v.pos)
 
 
@@ -222,15 +239,19 @@ def _gen(st: ast.Gen, scope: _Scope) -> None:
             if not ok:
                 needs = {"text": "text", "str": "a string", "list": "a list of strings"}.get(want, "a " + want)
                 raise TgError(f"wrong type: {kw.name} needs {needs}, but {kw.value.name!r} is a {t}", kw.value.pos)
-            continue
-        value = literal_value(kw.value, f"gen {kw.name}")
+            known = scope.known(kw.value)  # a parameter's default or given value: checked as if written here
+            if known is None:
+                continue
+            value, why = known[0], f" ({known[1]})"
+        else:
+            value, why = literal_value(kw.value, f"gen {kw.name}"), ""
         try:
             if kw.name in CONSTRAINTS:  # parsed now: a bad regex, schema or grammar is an error at its place
                 Constraint.of(**{kw.name: value})
             else:
                 SamplingParams(**{kw.name: value})
         except (ValueError, TypeError) as e:
-            raise TgError(f"gen {st.name}: {e}", kw.value.pos) from None
+            raise TgError(f"gen {st.name}: {e}{why}", kw.value.pos) from None
 
 
 def _select(st: ast.Select, scope: _Scope) -> None:
@@ -239,6 +260,11 @@ def _select(st: ast.Select, scope: _Scope) -> None:
         if t.depth != 1:
             raise TgError(f"wrong type: select needs a list of choices, but {st.choices.name!r} is a {t}",
                           st.choices.pos)
+        known = scope.known(st.choices)
+        if known is not None:
+            choices, why = known
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise TgError(f"select needs a non-empty list of non-empty strings, but {why}", st.choices.pos)
         return
     choices = literal_value(st.choices, "select choices")
     if not isinstance(choices, list) or not choices:
@@ -261,6 +287,10 @@ def _fork(st: ast.Fork, scope: _Scope) -> None:
                 raise TgError(f"wrong type: fork {st.var} in ... needs a list, but {st.source.name!r} is a {t}",
                               st.source.pos)
             elem = Type(t.base, t.depth - 1)
+            known = scope.known(st.source)
+            if known is not None and not 1 <= len(known[0]) <= MAX_BRANCHES:
+                raise TgError(f"fork {st.var} in ... needs a list of 1 to {MAX_BRANCHES} items, but {known[1]}",
+                              st.source.pos)
         else:
             items = literal_value(st.source, "fork over a list")
             if not isinstance(items, list) or not items:

@@ -42,12 +42,15 @@ class TgProgram:
     def _where(self) -> Pos:
         return self.file.params[0].pos if self.file.params else Pos(self.file.source, 1, 1)
 
-    def bind(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """Every parameter's value: given, else its default. Checks names and types."""
+    def _known_names(self, values: Mapping[str, Any]) -> None:
         unknown = sorted(set(values) - set(self.params))
         if unknown:
             takes = ", ".join(self.params) if self.params else "no parameters"
             raise TgError(f"unknown parameter {unknown[0]!r}; this program takes {takes}", self._where())
+
+    def bind(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Every parameter's value: given, else its default. Checks names and types."""
+        self._known_names(values)
         out = {}
         for name, spec in self.params.items():
             if name in values:
@@ -57,6 +60,14 @@ class TgProgram:
             else:
                 out[name] = spec.default
         return out
+
+    def check_values(self, values: Mapping[str, Any]) -> None:
+        """Check given parameter values (some or all) as the program uses them, without running it:
+        names and types as :meth:`bind` checks them, then each value where the program reads it, as
+        a literal written there would be (``fork n`` given ``n=0`` is an error at ``n``'s place).
+        Parameters not given are checked by their defaults already (:func:`~.check.check`)."""
+        self._known_names(values)
+        check(self.file, {name: _checked(self.params[name], v) for name, v in values.items()})
 
     def parse_vars(self, assignments: list[str]) -> dict[str, Any]:
         """``["n=8", "question=..."]`` (command-line ``--var``) -> typed values."""
