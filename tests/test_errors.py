@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import re
+
 import pytest
 
 import treegen
@@ -167,9 +169,21 @@ def test_a_dtype_may_be_named():
 
 def test_a_vote_extract_is_checked_where_it_is_written():
     """A bad regex is refused when the vote is written, not when the join is read after every gen ran."""
-    with pytest.raises(ValueError, match=r"vote\('x'\): extract is not a valid regular expression"):
+    with pytest.raises(ValueError, match=r"vote\('x'\): extract '\(\[' is not a valid regular expression: "
+                                         r"unterminated character set"):  # the pattern and why
         treegen.vote("x", extract="([")
     with pytest.raises(TypeError, match=r"vote\('x'\): extract must be a regex, a function .* got int"):
         treegen.vote("x", extract=5)
     assert treegen.vote("x", extract=str.upper).extract is str.upper
+    pattern = re.compile(r"is (\d+)")  # a compiled pattern, as treegen.lang.reduce.extract takes it
+    assert treegen.vote("x", extract=pattern).extract is pattern
+
+
+def test_a_vote_node_made_directly_checks_its_extract():
+    """The IR node itself refuses a bad regex (not only treegen.vote): what any front end builds is checked."""
+    from treegen.lang.ir import Reduce
+
+    with pytest.raises(ValueError, match=r"vote\('x'\): extract 'a\)' is not a valid regular expression"):
+        Reduce("vote", "x", extract="a)")
+    assert Reduce("vote", "x", extract=r"(\d+)").extract == r"(\d+)"
 

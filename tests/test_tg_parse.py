@@ -166,7 +166,7 @@ SEMANTIC_ERRORS = [
     ("fork 2 { gen x } join { y = mean(x) }", "unknown reduction 'mean'"),
     ("fork 2 { gen x } join { y = vote(x, by=x) }", "unknown argument 'by' for vote(values, extract)"),
     ("fork 2 { gen x } join { y = best(x) }", "best needs by: best(values, by)"),
-    ("fork 2 { gen x } join { y = vote(x, extract=\"(\") }", "extract is not a valid regular expression"),
+    ("fork 2 { gen x } join { y = vote(x, extract=\"(\") }", "vote: extract '(' is not a valid regular expression"),
     ('fork 2 { gen x } join { y = vote("x") }', "vote: values must be a variable"),
     ("gen x fork 2 {} join { y = vote(x) }", "vote needs a list (one value per branch), but 'x' is a string"),
     ("fork 2 { gen x } join { y = top_k(x, by=x, k=0) }", "top_k: k must be an integer >= 1, got 0"),

@@ -8,6 +8,7 @@ its syntax tree. Forks create child states, joins gather their variables; both a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from treegen.runtime.sampler import SamplingParams
@@ -110,6 +111,22 @@ class Reduce:
     def __post_init__(self) -> None:
         if self.kind not in REDUCTIONS:
             raise ValueError(f"unknown reduction kind {self.kind!r}; the kinds are {', '.join(REDUCTIONS)}")
+        if self.kind == "vote":  # (checked where the vote is written, not when the join is read after every gen ran)
+            check_extract(self.extract, f"vote({self.source!r})")
+
+
+def check_extract(extract, what: str = "vote") -> None:
+    """Refuse a vote's ``extract`` that cannot find answers: a string that is not a valid regular
+    expression (ValueError naming the pattern and why), or anything but a regex, a compiled pattern,
+    a function ``text -> answer`` or None (TypeError)."""
+    if isinstance(extract, str):
+        try:
+            re.compile(extract)
+        except re.error as e:
+            raise ValueError(f"{what}: extract {extract!r} is not a valid regular expression: {e}") from None
+    elif not (extract is None or isinstance(extract, re.Pattern) or callable(extract)):
+        raise TypeError(f"{what}: extract must be a regex, a function text -> answer, or None, "
+                        f"got {type(extract).__name__}")
 
 
 class Seq(tuple):

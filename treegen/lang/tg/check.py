@@ -11,9 +11,9 @@ known at run time are checked again when they are bound or used (:mod:`treegen.l
 from __future__ import annotations
 
 import difflib
-import re
 from dataclasses import dataclass, field
 
+from treegen.lang.ir import check_extract
 from treegen.lang.tg import ast
 from treegen.lang.tg.errors import Pos, TgError
 from treegen.runtime.constraint import Constraint
@@ -366,9 +366,9 @@ def _reduction(red: ast.Reduction, scope: _Scope, joined: set[str]) -> Type:
                 raise TgError('vote: extract must be a regular expression in a string, e.g. extract="answer is (\\d+)"',
                               args["extract"].pos)
             try:
-                re.compile(pattern)
-            except re.error as e:
-                raise TgError(f"vote: extract is not a valid regular expression: {e}", args["extract"].pos) from None
+                check_extract(pattern)
+            except ValueError as e:
+                raise TgError(str(e), args["extract"].pos) from None
         return Type("str")
     if red.fn == "top_k":
         _expect_int(args["k"], scope, "top_k: k", 1)
