@@ -225,6 +225,10 @@ def test_parameters_are_checked_when_bound(tokenizer):
         lists.parse_vars(["xs=a,b"])
     with pytest.raises(TgError, match=r"'xs' is a list of strings or numbers as JSON.*, got '3'"):  # (JSON, no list)
         lists.parse_vars(["xs=3"])
+    with pytest.raises(TgError) as e:  # what was written, and what is expected, in this parameter's own words
+        lists.parse_vars(["xs=3"])
+    assert e.value.message == ("wrong type: parameter 'xs' is a list of strings or numbers as JSON, "
+                               "e.g. --var xs='[\"a\", \"b\"]', got '3'")
     with pytest.raises(TgError, match=r"parameter 'xs' has no default: give it a value \(--var xs=\.\.\.\)"):
         lists.bind({})
 

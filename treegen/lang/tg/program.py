@@ -214,7 +214,7 @@ def _from_text(spec: ParamSpec, text: str):
                 raise ValueError(text)  # (valid JSON, not a list: named as written, below)
             return _checked(spec, value)
     except (ValueError, json.JSONDecodeError):
-        hint = ' as JSON, e.g. --var NAME=\'["a", "b"]\'' if spec.type == "list" else ""
+        hint = f' as JSON, e.g. --var {spec.name}=\'["a", "b"]\'' if spec.type == "list" else ""
         raise TgError(f"wrong type: parameter {spec.name!r} is {_WORDS[spec.type]}{hint}, got {text!r:.80}",
                       spec.pos) from None
     return text
