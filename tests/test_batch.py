@@ -505,6 +505,23 @@ def test_cli_batch_from_standard_input_runs_each_line_as_it_comes(smol, tmp_path
     assert code == 2 and "--batch - (inputs read as they come) runs on one process" in capsys.readouterr()[1]
 
 
+def test_cli_batch_from_standard_input_names_the_line_and_key_that_do_not_bind():
+    """``--batch -``: a line with an unknown key (or a value of the wrong type) fails as that line of standard
+    input, naming the key and the program's parameters — not pointed at the .tg file's first parameter."""
+    import io
+
+    from treegen.cli import _StdinBatch
+    from treegen.lang.tg import TgError, loads
+
+    prog = loads('param question: str\nparam n = 2\n"Q: {question}"\n', "q.tg")
+    got = list(_StdinBatch({"n": 3}, io.StringIO('{"question": "a"}\n\n{"nope": 1}\n{"question": 3}\n'), prog))
+    assert got[0] == {"n": 3, "question": "a"}
+    assert isinstance(got[1], TgError) and got[1].pos is None and str(got[1]) == \
+        "--batch - line 3: unknown parameter 'nope'; this program takes question, n"
+    assert isinstance(got[2], TgError) and got[2].pos is None and str(got[2]) == \
+        "--batch - line 4: wrong type: parameter 'question' is a string, got 3"
+
+
 def test_follow_ups_example_asks_unclear_votes_again_in_the_same_run(smol):
     """examples/follow_ups.py: problems from a queue drawn as the run goes; every vote below an agreement of
     1.01 (all of them) is asked again with twice the samples, joining the same run; the few-shot prefix is

@@ -224,7 +224,7 @@ def cmd_run(args) -> int:
               "and torchrun launches split a batch known whole — give --batch a file", file=sys.stderr)
         return EXIT_USAGE
     if args.batch == "-":
-        stream = _StdinBatch(values)
+        stream = _StdinBatch(values, prog=prog)
         batch = stream, stream.lines
     elif args.batch:
         batch = _read_batch(prog, args.batch, values)
@@ -277,8 +277,8 @@ class _StdinBatch:
     its result is written as soon as it finishes. A line that is not a JSON object, or whose values do
     not bind, fails its program alone. ``lines``: the line number of each input taken so far."""
 
-    def __init__(self, values: dict, stream=None) -> None:
-        self.values, self.stream = values, stream if stream is not None else sys.stdin
+    def __init__(self, values: dict, stream=None, prog=None) -> None:
+        self.values, self.stream, self.prog = values, stream if stream is not None else sys.stdin, prog
         self.lines: list[int] = []
 
     def __iter__(self):
@@ -296,6 +296,12 @@ class _StdinBatch:
             if not isinstance(item, dict):
                 yield TgError(f"--batch - line {i}: each line must be a JSON object of parameter values")
                 continue
+            if self.prog is not None:  # values that do not bind: named by this line (not the .tg's first parameter)
+                try:
+                    self.prog.bind(self.values | item)
+                except TgError as e:
+                    yield TgError(f"--batch - line {i}: {e.message}")
+                    continue
             yield self.values | item
 
 
