@@ -164,6 +164,8 @@ SEMANTIC_ERRORS = [
     ("param n = [[1]]", "list items must be written as strings or numbers"),
     ("user { fork 2 {} }", "only text, gen and select can appear inside a user message"),
     ("fork 2 { gen x } join { y = mean(x) }", "unknown reduction 'mean'"),
+    ('fork 2 { gen x } join { y = concat(x, sep=",") }',  # (not "did you mean 'collect'?")
+     "concat is a reduction of the Python DSL only (treegen.concat); a join in .tg can use collect, vote, best, top_k"),
     ("fork 2 { gen x } join { y = vote(x, by=x) }", "unknown argument 'by' for vote(values, extract)"),
     ("fork 2 { gen x } join { y = best(x) }", "best needs by: best(values, by)"),
     ("fork 2 { gen x } join { y = vote(x, extract=\"(\") }", "vote: extract '(' is not a valid regular expression"),

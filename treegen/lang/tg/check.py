@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
+from treegen.lang.ir import REDUCTIONS as IR_REDUCTIONS
 from treegen.lang.ir import check_extract
 from treegen.lang.tg import ast
 from treegen.lang.tg.errors import Pos, TgError
@@ -321,6 +322,9 @@ def _fork(st: ast.Fork, scope: _Scope) -> None:
 
 def _reduction(red: ast.Reduction, scope: _Scope, joined: set[str]) -> Type:
     """The type of ``red``; ``joined``: the variables the fork's branches set (what it may reduce)."""
+    if red.fn in IR_REDUCTIONS and red.fn not in REDUCTIONS:  # (concat)
+        raise TgError(f"{red.fn} is a reduction of the Python DSL only (treegen.{red.fn}); a join in .tg can use "
+                      f"{', '.join(REDUCTIONS)}", red.pos)
     if red.fn not in REDUCTIONS:
         close = difflib.get_close_matches(red.fn, list(REDUCTIONS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
