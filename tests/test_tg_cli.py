@@ -278,5 +278,5 @@ def test_console_script_entry_point(tmp_path):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2
     assert proc.stdout.startswith(f"{EXAMPLES / 'two_level.tg'}: ok")
-    assert proc.stderr.startswith(f"{bad}:4:28: vote: extract is not a valid regular expression")
+    assert proc.stderr.startswith(f"{bad}:4:28: vote: extract '(' is not a valid regular expression")
     assert "Traceback" not in proc.stderr
