@@ -19,9 +19,8 @@ def gen_records(root):
     for st in root._run.states:
         for name, info in st.info.items():
             if "finish_reason" in info:
-                ids = st.tree.path_tokens(st.node)
-                start = info["start"]
-                out.append((ids[:start], ids[start:start + info["tokens"]], info, st))
+                prompt = st.tree.path_tokens(st.node)[:info["start"]]
+                out.append((prompt, st.gen_tokens(name), info, st))  # (the gen's tokens, a final EOS included)
     return out
 
 
@@ -205,3 +204,29 @@ def test_random_gqa_logits_match_hf_with_forced_tokens(tiny_llama):
             want = hf(torch.tensor([ids])).logits[0].float()
         ours = torch.cat(got[n])
         torch.testing.assert_close(ours, want[len(ids) - len(ours):], atol=1e-4, rtol=1e-4)
+
+
+def test_a_gen_ended_by_eos_leaves_it_out_of_the_context(smol, hf_smol):
+    """The EOS that ends a gen is the gen's last token (its output, as HF's generate returns it) but not
+    part of the branch's context: text after it follows the gen's text (as SGLang appends a gen's text),
+    not an end-of-text mark mid-document — and a gen after that text matches HF on that context."""
+    @treegen.program
+    def prog(s):
+        s += treegen.user("Say hello in one word.") + "<|im_start|>assistant\n"  # (no message end: text follows)
+        s += treegen.gen("reply", max_tokens=40)
+        s += "\nMore:"
+        s += treegen.gen("more", max_tokens=4)
+
+    root = prog.run(smol)
+    eos = smol.model.eos_token_ids
+    info = root.info["reply"]
+    assert info["finish_reason"] == "eos" and info["eos"] in eos
+    reply = root.gen_tokens("reply")
+    assert len(reply) == info["tokens"] and reply[-1] == info["eos"]  # the gen's own output keeps its EOS
+    ids = root.tokens()
+    end = info["start"] + info["tokens"] - 1  # where the context's copy of the reply ends
+    assert ids[info["start"]:end] == reply[:-1]
+    assert ids[end:end + len(smol.tokenizer.encode("\nMore:"))] == smol.tokenizer.encode("\nMore:")
+    assert not set(ids[info["start"]:]) & set(eos)  # no EOS after the prompt's messages
+    assert root.info["more"]["start"] == len(ids) - root.info["more"]["tokens"] + ("eos" in root.info["more"])
+    check_against_hf(hf_smol, smol.tokenizer, gen_records(root), eos)

@@ -264,10 +264,7 @@ def test_blocks_of_several_tokens_end_branches_where_single_tokens_do(tiny_model
     from treegen.runtime.decode import Decoder
 
     def generated(root):
-        def ids(node):
-            return [t for n in root.tree.path(node) for t in root.tree.tokens(n)]
-        return [(ids(st.node)[st.info["x"]["start"]:][: st.info["x"]["tokens"]], st.info["x"]["finish_reason"])
-                for st in root._run.states[1:]]
+        return [(st.gen_tokens("x"), st.info["x"]["finish_reason"]) for st in root._run.states[1:]]
 
     _, model = tiny_model
     one = generated(endings.run(Engine(model, tokenizer)))

@@ -138,10 +138,7 @@ def test_a_run_stops_where_the_exact_check_stops(tiny_llama, tokenizer, monkeypa
 
     def results():
         root = stopping.run(Engine(model, tokenizer), stops)
-
-        def ids(node):
-            return [t for n in root.tree.path(node) for t in root.tree.tokens(n)]
-        return [(ids(st.node)[st.info["x"]["start"]:][: st.info["x"]["tokens"]], st["x"], st.info["x"]["finish_reason"])
+        return [(st.gen_tokens("x"), st["x"], st.info["x"]["finish_reason"])
                 for st in root._run.states[1:]]
 
     verdicts = []

@@ -140,7 +140,8 @@ def own_text(state, max_chars: int = 10_000) -> BranchText:
     marked: list[tuple[int, int, str]] = []
     for info in state.info.values():
         if "start" in info and "tokens" in info:
-            a, b = max(info["start"], start), min(info["start"] + info["tokens"], end)
+            held = info["tokens"] - ("eos" in info)  # (a final EOS is not in the context)
+            a, b = max(info["start"], start), min(info["start"] + held, end)
             if a < b:
                 marked.append((a, b, "gen"))
     # a chosen select alternative: the first tokens of a choice node (text appended later may follow)

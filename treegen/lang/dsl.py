@@ -45,6 +45,9 @@ def gen(name: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: fl
         jump_forward: bool | None = None) -> Gen:
     """Generate text into variable ``name``. Greedy unless ``temperature > 0``; see :class:`SamplingParams`.
 
+    A gen that ends on EOS leaves that EOS out of the branch's context (later text follows the gen's
+    text); it is still the gen's last token: ``state.gen_tokens(name)``, ``state.info[name]["eos"]``.
+
     At most one constraint on the text, enforced token by token (:mod:`treegen.runtime.constraint`):
     ``regex`` (the whole text matches it), ``choices`` (the text is one of them), ``json_schema`` (a
     dict or JSON text: the text is JSON valid under it) or ``grammar`` (EBNF, rule ``root``). The gen

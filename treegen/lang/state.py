@@ -188,12 +188,8 @@ class State:
             tree.extend(self._leaf(), run.tokenize(role_affixes(run.tokenizer, op.role, self._message_first[-1])[0]))
         elif isinstance(op, RoleEnd):
             first = self._message_first.pop() if self._message_first else False
-            ids = run.tokenize(role_affixes(run.tokenizer, op.role, first)[1])
-            leaf = self._leaf()
-            done = tree.tokens(leaf)[-1:]
-            if ids[:1] == done and done[0] in run.eos:  # a gen that ended on the end-of-turn token
-                ids = ids[1:]
-            tree.extend(leaf, ids)
+            # (a gen that ended on the end-of-turn token left it out of the context: the message's end adds it)
+            tree.extend(self._leaf(), run.tokenize(role_affixes(run.tokenizer, op.role, first)[1]))
         elif isinstance(op, Gen):  # tracing: book the budget
             tree.graph.nodes[self._leaf()]["gen_budget"] += op.params.max_tokens
             self.vars[op.name] = _Pending()
@@ -227,10 +223,12 @@ class State:
         if isinstance(op, Gen):
             tree.graph.nodes[self.node]["gen_budget"] -= op.params.max_tokens
             self.vars[op.name] = result.text
-            start = tree.path_length(self.node) - len(result.tokens)
+            start = tree.path_length(self.node) - len(result.context)  # (the node holds the context, EOS left out)
             self.info[op.name] = {"finish_reason": result.finish_reason, "tokens": len(result.tokens), "start": start,
                                   "logprob": sum(result.logprobs) / len(result.logprobs) if result.logprobs else None,
                                   "max_tokens": op.params.max_tokens, "stop": op.params.stop}
+            if result.ends_on_eos:  # the gen's last token, left out of the context (see gen_tokens)
+                self.info[op.name]["eos"] = result.tokens[-1]
             if op.params.constraint is not None:  # False: max_tokens cut the text short of its constraint
                 self.info[op.name].update(constraint=str(op.params.constraint), constraint_met=result.constraint_met)
             if result.kv_keep is not None:  # generated with sparse window attention (lossy)
@@ -381,6 +379,17 @@ class State:
 
     def text(self) -> str:
         return self._run.tokenizer.decode(self.tokens())
+
+    def gen_tokens(self, name: str) -> list[int]:
+        """The token ids this state's gen ``name`` drew, its final EOS included. The context (:meth:`tokens`)
+        holds them from ``info[name]["start"]`` on, but for that EOS (``info[name]["eos"]``): later text
+        follows the gen's text, not an end-of-text mark (a chat message's end adds its own end-of-turn)."""
+        info = self.info.get(name)
+        if info is None or "finish_reason" not in info:
+            raise KeyError(f"{name!r} is not a finished gen of this state")
+        eos = [info["eos"]] if "eos" in info else []
+        start = info["start"]
+        return self.tokens()[start:start + info["tokens"] - len(eos)] + eos
 
     def __repr__(self) -> str:
         return f"State(path={self.path}, node={self.node}, variables={sorted(self.vars)})"

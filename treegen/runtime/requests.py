@@ -39,7 +39,12 @@ class GenResult:
     (``finish_reason="dead_end"``: e.g. ``regex="a[^\\s\\S]"`` after ``a``; the branch drew EOS there).
     ``kv_keep``: None for exact attention; the keep ratio when the branch was generated with sparse
     window attention (lossy, :mod:`treegen.runtime.swa`). ``kv_dropped``: tokens of the branch's node whose
-    KV SWA had dropped when it finished."""
+    KV SWA had dropped when it finished.
+
+    ``tokens`` is the gen's whole output, its final EOS included; what stays on the branch's node, the
+    context later text follows, is :attr:`context` — without that EOS (as SGLang appends a gen's text, EOS
+    left out): a document goes on without an end-of-text mark in the middle, and a chat message's end
+    adds its own end-of-turn token."""
 
     tokens: tuple[int, ...]
     text: str
@@ -48,6 +53,17 @@ class GenResult:
     constraint_met: bool | None = None
     kv_keep: float | None = None
     kv_dropped: int = 0
+
+    @property
+    def ends_on_eos(self) -> bool:
+        """The last token is the EOS that ended the gen (``finish_reason`` "eos", or a constraint's
+        "dead_end", where the branch drew EOS)."""
+        return self.finish_reason in ("eos", "dead_end")
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        """The tokens the gen leaves on its branch's node: :attr:`tokens` without a final EOS."""
+        return self.tokens[:-1] if self.ends_on_eos else self.tokens
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ KV memory, which new tokens to prefill) and run here:
   the phase.
 
 The last sampled token of a branch is appended to its node without KV; it is computed when the
-branch continues. When a request's conditioning token already has KV (e.g. a fork after a finished
+branch continues. An EOS that ends a gen is not appended at all (``GenResult.context``: later text
+follows the gen's text; the EOS is the last of the result's ``tokens``). When a request's conditioning token already has KV (e.g. a fork after a finished
 phase), that token is run again as a query and writes the identical KV into its own slot.
 :meth:`TreeRun.execute` is the static special case: submit everything, run until all is done.
 """
