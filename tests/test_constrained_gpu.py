@@ -130,7 +130,8 @@ def test_greedy_matches_hf_generate_with_xgrammar():
     results, _ = run.execute(reqs, [])
     assert run.decoder.captured_phases >= 1
     for i in (0, 1, 2, 3, 254, 255):
-        prompt = run.tree.path_tokens(leaves[i])[: -len(results[i].tokens)]
+        path = run.tree.path_tokens(leaves[i])  # the prompt, then the gen's tokens but a final EOS (context)
+        prompt = path[: len(path) - len(results[i].context)]
         compiled = engine.grammars.compile(KINDS[i % 2])  # the same tokenizer tables and grammar
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False,
