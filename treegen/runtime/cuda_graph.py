@@ -7,8 +7,8 @@ import gc
 
 import torch
 
-# pools a failed capture left recording (torch never ends a pool's recording when its capture fails):
-# a capture into one of them fails, so captures given one use a fresh pool
+# pools given to a capture that failed: captures given one of them use a fresh pool (one failed capture's
+# pool, recording left on by torch, made the next capture into it fail; _end_pool_recording now ends it)
 _stuck_pools: set = set()
 
 
@@ -22,16 +22,20 @@ def _recording(graph: torch.cuda.CUDAGraph, pool):
     """``torch.cuda.graph(graph, pool=pool)`` with Python's cycle collector held off: a collection inside
     the capture could free an unreachable graph (an earlier run's kept phase graphs), whose reset is not
     permitted while a stream captures, and the capture would fail. A failed capture marks its pool stuck,
-    ends the generator's capture and makes the stream current before it current again."""
-    pool = pool if pool is not None and usable(pool) else None
+    ends the allocator's recording into it and the generator's capture, and makes the stream current
+    before it current again."""
+    # (a pool named here, never None: a failed capture's recording into it is ended by its id, which the
+    # graph no longer gives once its capture failed)
+    given, pool = pool, pool if pool is not None and usable(pool) else torch.cuda.graph_pool_handle()
     stream, collecting = torch.cuda.current_stream(), gc.isenabled()
     gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool):
             yield
     except BaseException:
-        if pool is not None:
-            _stuck_pools.add(pool)
+        if given is not None:
+            _stuck_pools.add(given)
+        _end_pool_recording(pool)
         _end_generator_capture()
         torch.cuda.set_stream(stream)  # (torch.cuda.graph leaves its capture stream current when ending fails)
         raise
@@ -70,6 +74,22 @@ def capture_cold(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, bool]:
         return graph, False
     except Exception:
         return capture(fn, pool), True  # (into a fresh pool if this one is now stuck)
+
+
+def _end_pool_recording(pool) -> None:
+    """torch ends a capture's recording into its memory pool only after ``cudaStreamEndCapture`` succeeds:
+    a capture that fails there leaves the caching allocator recording (its ``captures_underway``), and the
+    next call that synchronizes the allocator fails an internal assert — a ``MemPool`` freed (as a
+    symmetric-memory rank's at exit) aborts the process (seen: two-GPU ``torchrun`` runs exiting with
+    SIGABRT after writing their results; ``tests/test_cuda_graph_gpu.py``). End the recording into ``pool``
+    here; a capture that failed in its body had it ended by torch already."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    try:
+        end(torch.cuda.current_device(), pool)
+    except RuntimeError:  # "not currently recording": torch ended it
+        pass
 
 
 def _end_generator_capture() -> None:
