@@ -72,6 +72,25 @@ def test_greedy_until_eos_matches_hf(smol, hf_smol):
     check_against_hf(hf_smol, smol.tokenizer, records, smol.model.eos_token_ids)
 
 
+def test_a_message_ended_by_eos_or_by_its_end_of_turn_as_a_stop_string_has_one_end_of_turn(smol):
+    """An assistant message whose gen ends on EOS (left out of the context) or on a stop string that is the
+    end-of-turn's text (as vLLM and SGLang users write ``stop=["<|im_end|>"]``; the token stays on the node)
+    gets one end-of-turn from the message's end, not two: the same tokens either way."""
+    ids = []
+    for stop in (None, ["<|im_end|>"]):
+        @treegen.program
+        def prog(s):
+            s += treegen.user("Say hello in one word.")
+            s += treegen.assistant(treegen.gen("reply", max_tokens=40, **({"stop": stop} if stop else {})))
+            s += treegen.user("Again.")
+
+        root = prog.run(smol)
+        assert root.info["reply"]["finish_reason"] == ("eos" if stop is None else "stop")
+        assert "<|im_end|><|im_end|>" not in root.text() and root.text().endswith("Again.<|im_end|>\n")
+        ids.append(root.tokens())
+    assert ids[0] == ids[1]
+
+
 def test_chat_roles_follow_the_template(smol):
     @treegen.program
     def prog(s):

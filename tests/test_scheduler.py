@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from treegen.runtime.kv_store import UNRELEASABLE_CACHE, KVStore, activation_margin, growth_on_device
+from treegen.runtime.device_memory import UNRELEASABLE_CACHE, activation_margin, growth_on_device
+from treegen.runtime.kv_store import KVStore
 from treegen.runtime.requests import GenRequest, Job, ScoreRequest
 from treegen.runtime.sampler import SamplingParams
 from treegen.runtime.scheduler import SHRINK_AFTER_STEPS, KVBudget, Scheduler
@@ -227,7 +228,7 @@ def test_free_device_memory_counts_only_cache_the_allocator_can_give_back(monkey
     (inactive split blocks) are not free for a pool; whole unused segments are."""
     import torch
 
-    from treegen.runtime import kv_store
+    from treegen.runtime import device_memory
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(20.5 * gib), int(79.2 * gib)))
@@ -235,22 +236,22 @@ def test_free_device_memory_counts_only_cache_the_allocator_can_give_back(monkey
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 41 * gib)
     split = {"current": 14 * gib}
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: {"inactive_split_bytes": {"all": split}})
-    assert kv_store.device_free("cuda:0") == (int(20.5 * gib) + 3 * gib, int(79.2 * gib))
+    assert device_memory.device_free("cuda:0") == (int(20.5 * gib) + 3 * gib, int(79.2 * gib))
     split["current"] = 18 * gib  # (never below what the device reports)
-    assert kv_store.device_free("cuda:0")[0] == int(20.5 * gib)
+    assert device_memory.device_free("cuda:0")[0] == int(20.5 * gib)
 
 
 def test_expandable_segments_are_read_from_the_allocator_settings(monkeypatch):
     """Under expandable segments a grown pool counts a copy of all its old tensors, not only the largest."""
-    from treegen.runtime import kv_store
+    from treegen.runtime import device_memory
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
-    assert not kv_store.expandable_segments()
+    assert not device_memory.expandable_segments()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
-    assert kv_store.expandable_segments()
+    assert device_memory.expandable_segments()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    assert not kv_store.expandable_segments()
+    assert not device_memory.expandable_segments()
 
 
 def test_reserving_no_slots_is_refused_by_name():

@@ -99,6 +99,29 @@ def test_check_takes_var_and_reports_values_the_program_cannot_use(capsys, tmp_p
         "4096, but parameter 'n' is given as 0"
 
 
+def test_a_value_given_replaces_a_default_the_program_could_not_use(capsys, tmp_path):
+    """A default is checked only where it is the value used: `check` alone refuses an empty list to fork over,
+    `check --var` giving a list is ok, and loading the file (as `run --batch` does, whose lines may give the
+    value) refuses nothing."""
+    from treegen.lang.tg import load
+    from treegen.lang.tg.errors import TgError
+
+    prog = tmp_path / "p.tg"
+    prog.write_text('param xs: list = []\nparam stop: str = ""\n"Q"\nfork x in xs {\n  gen b(max_tokens=2, stop=stop)\n}\n'
+                    'join\n')
+    code, out, err = run_cli(capsys, "check", prog)
+    assert code == 2 and err.split("\n")[0] == f"{prog}:4:11: fork x in ... needs a list of 1 to 4096 items, but " \
+        "parameter 'xs' defaults to []"
+    code, out, err = run_cli(capsys, "check", prog, "--var", 'xs=["a", "b"]')
+    assert code == 2 and err.startswith(f"{prog}:5:28: gen b: stop must be a non-empty string")  # the empty stop default is used: refused there
+    code, out, err = run_cli(capsys, "check", prog, "--var", 'xs=["a", "b"]', "--var", "stop=.")
+    assert code == 0 and out.startswith(f"{prog}: ok"), err
+    loaded = load(str(prog))  # (no error: values may still come)
+    loaded.check_values({"stop": "."}, defaults=False)
+    with pytest.raises(TgError, match="parameter 'xs' defaults to"):
+        loaded.check_values({"stop": "."})
+
+
 def test_help_and_usage_errors(capsys):
     for argv in (["--help"], ["check", "--help"], ["show", "--help"], ["run", "--help"]):
         with pytest.raises(SystemExit) as e:

@@ -327,9 +327,11 @@ def test_branches_that_set_a_variable_again_are_joined_while_tracing(tokenizer):
      "top_k: k must be an integer >= 1, but parameter 'k' defaults to 0"),
 ])
 def test_a_parameter_default_out_of_range_is_a_program_mistake(source, col, message):
-    """`treegen check` (no model) refuses what `show` and `run` would: a count or k whose default is out of range."""
+    """`treegen check` (no model) refuses what `show` and `run` would: a count or k whose default is out of range
+    (where it is the value used: ``check_values`` without that parameter; loading alone does not, a value may come)."""
+    prog = loads(source)
     with pytest.raises(TgError, match=re.escape(message)) as e:
-        loads(source)
+        prog.check_values({})
     assert e.value.pos.col == col
 
 
@@ -346,6 +348,7 @@ def test_a_parameter_default_out_of_range_is_a_program_mistake(source, col, mess
 def test_a_parameter_default_a_gen_fork_or_select_cannot_use_is_a_program_mistake(source, col, message):
     """A parameter's default read by a gen argument, a fork over a list or a select is checked there as a
     literal written there would be (it was checked only when lowered, so `treegen check` said ok)."""
+    prog = loads(source)
     with pytest.raises(TgError, match=re.escape(message)) as e:
-        loads(source)
+        prog.check_values({})
     assert e.value.pos.col == col

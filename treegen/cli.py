@@ -217,7 +217,9 @@ def cmd_run(args) -> int:
     values = prog.parse_vars(args.var)
     if not args.batch:  # (with --batch each line binds its values over these: a parameter may come from the lines)
         prog.bind(values)
-    prog.check_values(values)  # (a value the program cannot use: reported where it is used, before loading)
+    # (a value the program cannot use: reported where it is used, before loading; with --batch the lines may give
+    # what a default would: defaults are checked where a line leaves them in use, when it binds)
+    prog.check_values(values, defaults=not args.batch)
     batch = None
     if args.batch == "-" and ((args.dp or 1) > 1 or os.environ.get("WORLD_SIZE", "1") != "1"):
         print("treegen: error: --batch - (inputs read as they come) runs on one process and one replica: data parallel "

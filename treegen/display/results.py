@@ -16,7 +16,7 @@ from treegen.lang.state import _Joined, _Pending, _Reduced
 
 # info keys the views render specially (gen, select, join, join reduction: see treegen.lang.ir.Reduce);
 # anything else is shown as key=value
-KNOWN_INFO = frozenset({"finish_reason", "tokens", "start", "max_tokens", "stop", "scores", "choice_index",
+KNOWN_INFO = frozenset({"finish_reason", "tokens", "start", "eos", "max_tokens", "stop", "scores", "choice_index",
                         "branches", "reduction", "source", "votes", "winners"})
 
 

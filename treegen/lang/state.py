@@ -188,8 +188,14 @@ class State:
             tree.extend(self._leaf(), run.tokenize(role_affixes(run.tokenizer, op.role, self._message_first[-1])[0]))
         elif isinstance(op, RoleEnd):
             first = self._message_first.pop() if self._message_first else False
-            # (a gen that ended on the end-of-turn token left it out of the context: the message's end adds it)
-            tree.extend(self._leaf(), run.tokenize(role_affixes(run.tokenizer, op.role, first)[1]))
+            # a gen that ended on EOS left it out of the context: the message's end adds its end-of-turn. One that
+            # ended on it otherwise (a stop string that is the end-of-turn's text, ignore_eos) has it there already
+            ids = run.tokenize(role_affixes(run.tokenizer, op.role, first)[1])
+            leaf = self._leaf()
+            done = tree.tokens(leaf)[-1:]
+            if ids[:1] == done and done[0] in run.eos:
+                ids = ids[1:]
+            tree.extend(leaf, ids)
         elif isinstance(op, Gen):  # tracing: book the budget
             tree.graph.nodes[self._leaf()]["gen_budget"] += op.params.max_tokens
             self.vars[op.name] = _Pending()

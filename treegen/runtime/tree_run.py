@@ -40,7 +40,8 @@ from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, lib
 from treegen.runtime import swa
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.decode import Decoder
-from treegen.runtime.kv_store import KVStore, activation_margin, device_free
+from treegen.runtime.device_memory import activation_margin, device_free
+from treegen.runtime.kv_store import KVStore
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
 from treegen.runtime.token_automata import FREE
@@ -558,7 +559,7 @@ class TreeRun:
     # ---------------------------------------------------------------------------------------------
     def kv_budget(self) -> KVBudget:
         """The KV memory this run may use now. On CUDA: its slot pool plus what the device has free
-        (cached blocks it can give back included: :func:`~treegen.runtime.kv_store.device_free`) less a margin for activations — less a copy of the pool's largest
+        (cached blocks it can give back included: :func:`~treegen.runtime.device_memory.device_free`) less a margin for activations — less a copy of the pool's largest
         tensor (keys or values) once KV is written, because a grown pool is a copy made while the old
         one is still held (so admitting work never needs memory the device cannot give); at most ``engine.kv_budget_bytes``
         when set. On the CPU: ``engine.kv_budget_bytes`` (None: no limit)."""

@@ -136,13 +136,16 @@ def param_type(spec: ParamSpec) -> Type:
     return Type(spec.type)
 
 
-def check(file: ast.TgFile, values: dict | None = None) -> dict[str, ParamSpec]:
+def check(file: ast.TgFile, values: dict | None = None, *, defaults: bool = True) -> dict[str, ParamSpec]:
     """Raise :class:`TgError` for the first mistake; return the parameter specs. ``values``: parameter
     values given (bound: names and types already checked, see ``TgProgram.bind``), checked where they
-    are used in their defaults' place (a count of 0 given for ``fork n`` is an error at ``n``)."""
+    are used in their defaults' place (a count of 0 given for ``fork n`` is an error at ``n``).
+    ``defaults``: check the defaults of parameters not given too, as they would be used; False where
+    values may still come (loading a file; a batch whose lines give values): a default is checked only
+    where it is the value used."""
     specs = param_specs(file)
     values = values or {}
-    known = {name: s.default for name, s in specs.items() if not s.required} | \
+    known = {name: s.default for name, s in specs.items() if not s.required and defaults} | \
         {name: v for name, v in values.items() if name in specs}
     scope = _Scope({name: param_type(s) for name, s in specs.items()}, defaults=known,
                    given=frozenset(values))

@@ -28,7 +28,8 @@ class TgProgram:
 
     def __init__(self, file: ast.TgFile) -> None:
         self.file = file
-        self.params: dict[str, ParamSpec] = check(file)
+        # (structure and types; parameter values are checked where they are known: check_values, lowering)
+        self.params: dict[str, ParamSpec] = check(file, defaults=False)
 
     @property
     def path(self) -> str:
@@ -61,13 +62,14 @@ class TgProgram:
                 out[name] = spec.default
         return out
 
-    def check_values(self, values: Mapping[str, Any]) -> None:
+    def check_values(self, values: Mapping[str, Any], *, defaults: bool = True) -> None:
         """Check given parameter values (some or all) as the program uses them, without running it:
         names and types as :meth:`bind` checks them, then each value where the program reads it, as
         a literal written there would be (``fork n`` given ``n=0`` is an error at ``n``'s place).
-        Parameters not given are checked by their defaults already (:func:`~.check.check`)."""
+        ``defaults``: the parameters not given are checked by their defaults (False: their values may
+        still come, as a batch's lines give them)."""
         self._known_names(values)
-        check(self.file, {name: _checked(self.params[name], v) for name, v in values.items()})
+        check(self.file, {name: _checked(self.params[name], v) for name, v in values.items()}, defaults=defaults)
 
     def parse_vars(self, assignments: list[str]) -> dict[str, Any]:
         """``["n=8", "question=..."]`` (command-line ``--var``) -> typed values."""
