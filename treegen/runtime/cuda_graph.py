@@ -84,7 +84,7 @@ def _end_pool_recording(pool) -> None:
     SIGABRT after writing their results; ``tests/test_cuda_graph_gpu.py``). End the recording into ``pool``
     here; a capture that failed in its body had it ended by torch already."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None) or \
-        getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None)  # (its name before torch 2.6)
+        getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None)  # (its name before torch 2.8)
     if end is None:
         return
     try:
