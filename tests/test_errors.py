@@ -29,7 +29,7 @@ def test_fork_needs_a_positive_integer(tokenizer, n):
         ({"temperature": -0.1}, r"gen\('x'\): temperature must be a finite number >= 0"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, r"top_k must be an integer >= 0"),
-        ({"stop": ""}, r"stop must be a non-empty string"),
+        ({"stop": ""}, r"stop must be a non-empty string or a list of them, got ''$"),
         ({"seed": "a"}, r"seed must be an integer"),
         ({"stop": 5}, r"gen\('x'\): stop must be a non-empty string or a list of them, got 5"),
         ({"temperature": float("inf")}, r"temperature must be a finite number >= 0"),

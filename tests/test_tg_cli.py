@@ -107,13 +107,15 @@ def test_a_value_given_replaces_a_default_the_program_could_not_use(capsys, tmp_
     from treegen.lang.tg.errors import TgError
 
     prog = tmp_path / "p.tg"
-    prog.write_text('param xs: list = []\nparam stop: str = ""\n"Q"\nfork x in xs {\n  gen b(max_tokens=2, stop=stop)\n}\n'
-                    'join\n')
+    prog.write_text('param xs: list = []\nparam stop: str = ""\n"Q"\n'
+                    'fork x in xs {\n  gen b(max_tokens=2, stop=stop)\n}\njoin\n')
     code, out, err = run_cli(capsys, "check", prog)
     assert code == 2 and err.split("\n")[0] == f"{prog}:4:11: fork x in ... needs a list of 1 to 4096 items, but " \
         "parameter 'xs' defaults to []"
     code, out, err = run_cli(capsys, "check", prog, "--var", 'xs=["a", "b"]')
-    assert code == 2 and err.startswith(f"{prog}:5:28: gen b: stop must be a non-empty string")  # the empty stop default is used: refused there
+    # the empty stop default is the value used: refused there, shown as written
+    assert code == 2 and err.startswith(f"{prog}:5:28: gen b: stop must be a non-empty string or a list of them, "
+                                        "got '' (parameter 'stop' defaults to '')")
     code, out, err = run_cli(capsys, "check", prog, "--var", 'xs=["a", "b"]', "--var", "stop=.")
     assert code == 0 and out.startswith(f"{prog}: ok"), err
     loaded = load(str(prog))  # (no error: values may still come)

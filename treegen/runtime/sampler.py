@@ -67,6 +67,7 @@ class SamplingParams:
     jump_forward: bool | None = None
 
     def __post_init__(self) -> None:
+        given_stop = self.stop  # (messages show it as written, not as the tuple it becomes)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, (list, tuple)):
@@ -82,7 +83,7 @@ class SamplingParams:
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {given_stop!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
