@@ -28,7 +28,8 @@ from treegen.runtime.generic import GenericModel  # noqa: E402
 from treegen.runtime.loader import IdTokenizer, choose_implementation, load_model  # noqa: E402
 from treegen.runtime.requests import GenRequest  # noqa: E402
 from treegen.runtime.sampler import SamplingParams  # noqa: E402
-from treegen.runtime.model import LlamaFamilyModel, UnsupportedModelError  # noqa: E402
+from treegen.runtime.model import LlamaFamilyModel  # noqa: E402
+from treegen.runtime.model_config import UnsupportedModelError  # noqa: E402
 
 
 def _cfg(cls_name: str, **kw):
@@ -139,9 +140,9 @@ def test_fast_path_refusal_falls_to_the_generic_path(tmp_path, monkeypatch):
     """A config feature the fast path does not implement runs through the generic path, exactly, and
     the reason given is the fast path's refusal. (The fast path takes its RoPE types from transformers;
     here it is made to know none but the default, as with a RoPE type newer than it.)"""
-    import treegen.runtime.model as fast_model
+    import treegen.runtime.model_config as fast_model_config
 
-    monkeypatch.setattr(fast_model, "_rope_init_functions", lambda: {})
+    monkeypatch.setattr(fast_model_config, "_rope_init_functions", lambda: {})
     config = _cfg("LlamaConfig", **COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
     path, reason = choose_implementation(config, config)
     assert path == "generic" and reason.startswith("the fast path does not run it (unsupported RoPE type 'linear'")

@@ -18,7 +18,8 @@ from transformers import (  # noqa: E402
 )
 
 from treegen.runtime.loader import default_model_path, load_config, load_model, load_tokenizer  # noqa: E402
-from treegen.runtime.model import LlamaFamilyModel, ModelNotFoundError, UnsupportedModelError  # noqa: E402
+from treegen.runtime.model import LlamaFamilyModel  # noqa: E402
+from treegen.runtime.model_config import ModelNotFoundError, UnsupportedModelError  # noqa: E402
 
 SMALL = dict(vocab_size=128, intermediate_size=96, num_hidden_layers=2,
              max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -23,7 +23,8 @@ import treegen  # noqa: E402
 from treegen.runtime.engine import Engine  # noqa: E402
 from treegen.runtime.families import FAMILIES  # noqa: E402
 from treegen.runtime.loader import load_model  # noqa: E402
-from treegen.runtime.model import LlamaFamilyModel, UnsupportedModelError, layer_types_of, max_context_of  # noqa: E402
+from treegen.runtime.model import LlamaFamilyModel  # noqa: E402
+from treegen.runtime.model_config import UnsupportedModelError, layer_types_of, max_context_of  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1,

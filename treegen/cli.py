@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from treegen.lang.tg import TgError
     from treegen.runtime.distributed import DistributedError
-    from treegen.runtime.model import ModelNotFoundError, UnsupportedModelError
+    from treegen.runtime.model_config import ModelNotFoundError, UnsupportedModelError
     from treegen.runtime.shard import TensorParallelError
 
     try:

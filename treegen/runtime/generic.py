@@ -33,7 +33,8 @@ import logging
 import torch
 from torch import Tensor
 
-from .model import AttendFn, UnsupportedModelError, effective_window, eos_ids_of
+from .model import AttendFn, eos_ids_of
+from .model_config import UnsupportedModelError, effective_window
 
 logger = logging.getLogger(__name__)
 

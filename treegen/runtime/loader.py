@@ -37,18 +37,10 @@ from types import SimpleNamespace
 import torch
 
 from .generic import GENERIC_SUPPORT, RECURRENT_MODEL_TYPES, GenericModel, generic_refusal
-from .model import (
-    SUPPORTED_MODEL_TYPES,
-    LlamaFamilyModel,
-    ModelNotFoundError,
-    UnsupportedModelError,
-    check_model_type,
-    check_supported,
-    checked_weight,
-    checkpoint_names,
-    eos_ids_of,
-    text_config_of,
-)
+from .families import SUPPORTED_MODEL_TYPES
+from .model import LlamaFamilyModel, checked_weight, eos_ids_of
+from .model_config import (ModelNotFoundError, UnsupportedModelError, check_model_type, check_supported,
+                           checkpoint_names, text_config_of)
 from .shard import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
