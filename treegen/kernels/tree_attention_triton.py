@@ -168,7 +168,7 @@ if triton is not None:
                            QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
         """Unmasked online-softmax over keys [lo, hi) (whole blocks) with TMA tensor-descriptor loads;
         ``row0`` is the segment's first cache slot, ``col`` the KV head's first column. QUANT: as in
-        :func:`_attend_blocks` (``KS``/``VS`` point at the segment's first slot's scales)."""
+        :func:`_attend_block` (``KS``/``VS`` point at the segment's first slot's scales)."""
         col = col.to(tl.int32)
         for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             row = (row0 + start).to(tl.int32)

@@ -4,7 +4,8 @@ A row says how a family's decoder layer differs from Llama's — where its norms
 whether q and k are normalised, how embeddings and attention are scaled, which activation gates the
 MLP, how its checkpoint stores the projections, where RoPE and sliding windows apply — and nothing
 else: model dimensions always come from the checkpoint's config. ``treegen/runtime/model.py`` (and
-``model_config.py``, for what the config implies) reads the row; adding a family that only recombines these switches is adding a row.
+``model_config.py``, for what the config implies) reads the row; adding a family that only recombines
+these switches is adding a row.
 
 Norm slots of a layer (``NormSlots``), by the checkpoint's module names:
 

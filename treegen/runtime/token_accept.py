@@ -136,7 +136,8 @@ class TokenAcceptance:
                 del self.state[b]
         # one extend per branch per sync; a final EOS stays out of the node (GenResult.context): its KV was
         # never computed (the last sampled token has none), so nothing is written or freed for it
-        self.tree.extend(job.request.node, out[before:-1] if result is not None and result.ends_on_eos else out[before:])
+        end = len(out) - 1 if result is not None and result.ends_on_eos else len(out)
+        self.tree.extend(job.request.node, out[before:end])
         self.tokens_done += len(out) - before
         if job.on_tokens is not None:
             job.on_tokens(tuple(out))

@@ -18,8 +18,9 @@ KV memory, which new tokens to prefill) and run here:
 
 The last sampled token of a branch is appended to its node without KV; it is computed when the
 branch continues. An EOS that ends a gen is not appended at all (``GenResult.context``: later text
-follows the gen's text; the EOS is the last of the result's ``tokens``). When a request's conditioning token already has KV (e.g. a fork after a finished
-phase), that token is run again as a query and writes the identical KV into its own slot.
+follows the gen's text; the EOS is the last of the result's ``tokens``). When a request's conditioning
+token already has KV (e.g. a fork after a finished phase), that token is run again as a query and writes
+the identical KV into its own slot.
 :meth:`TreeRun.execute` is the static special case: submit everything, run until all is done.
 """
 
@@ -559,10 +560,11 @@ class TreeRun:
     # ---------------------------------------------------------------------------------------------
     def kv_budget(self) -> KVBudget:
         """The KV memory this run may use now. On CUDA: its slot pool plus what the device has free
-        (cached blocks it can give back included: :func:`~treegen.runtime.device_memory.device_free`) less a margin for activations — less a copy of the pool's largest
-        tensor (keys or values) once KV is written, because a grown pool is a copy made while the old
-        one is still held (so admitting work never needs memory the device cannot give); at most ``engine.kv_budget_bytes``
-        when set. On the CPU: ``engine.kv_budget_bytes`` (None: no limit)."""
+        (cached blocks it can give back included: :func:`~treegen.runtime.device_memory.device_free`) less
+        a margin for activations — less a copy of the pool's largest tensor (keys or values) once KV is
+        written, because a grown pool is a copy made while the old one is still held (so admitting work
+        never needs memory the device cannot give); at most ``engine.kv_budget_bytes`` when set. On the
+        CPU: ``engine.kv_budget_bytes`` (None: no limit)."""
         kv, engine = self.kv, self.engine
         if kv.device.type != "cuda":
             return KVBudget(engine.kv_budget_bytes, kv.bytes_per_token)
