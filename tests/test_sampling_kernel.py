@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from treegen.kernels import sampling
+from treegen.kernels import filter_floor, sampling
 from treegen.kernels.sampling import gumbel_argmax, gumbel_argmax_reference
 from treegen.runtime.sampler import sample
 
@@ -96,64 +96,6 @@ def test_ties_go_to_the_lowest_token_and_bad_input_is_named():
                       torch.zeros(2, 3, dtype=torch.int32))
 
 
-def _sorted_filter(scaled, top_p, top_k):
-    """The top-p / top-k filter as a mask over sorted positions (the sampler's definition before the floor)."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    rank = torch.arange(scaled.shape[1]).unsqueeze(0)
-    drop = (mass_before >= top_p.unsqueeze(1)) | ((top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1)))
-    drop[:, 0] = False
-    return torch.zeros_like(drop).scatter(1, order, ~drop)
-
-
-def test_the_filter_floor_keeps_what_sorted_filtering_keeps_and_every_tie():
-    """Rows without ties: the tokens at or above the floor are those the sorted positions' mask keeps (top-p
-    alone, top-k alone, both, neither); a tie at the last kept value keeps every tied token."""
-    from treegen.kernels.sampling import filter_floor_reference as filter_floor
-
-    g = torch.Generator().manual_seed(4)
-    scaled = torch.randn(8, 500, generator=g) * 2
-    top_p = torch.tensor([0.9, 0.5, 1.0, 1.0, 0.95, 0.01, 0.7, 1.0])
-    top_k = torch.tensor([0, 0, 10, 0, 40, 0, 3, 1])
-    kept = scaled >= filter_floor(scaled, top_p, top_k).unsqueeze(1)
-    assert torch.equal(kept, _sorted_filter(scaled, top_p, top_k))
-    assert kept[3].all() and kept[7].sum() == 1 and kept[2].sum() == 10
-    tied = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0]])
-    assert (tied >= filter_floor(tied, torch.ones(1), torch.tensor([2])).unsqueeze(1)).tolist() == [
-        [True, True, True, True, False]]
-
-
-@interpreted
-@pytest.mark.parametrize("vocab", [700, 3000])
-def test_the_floor_kernel_finds_the_sorted_floor(vocab):
-    """The floor found by the search over the values' keys is the sorted reference's: top-p, top-k, both,
-    neither (top-p 1), one token kept, masked rows, 16-bit logits, ties at the floor, a greedy row."""
-    rows = 8
-    logits, temperature, keys, steps = _inputs(rows, vocab, seed=vocab + 1)
-    logits[5, :40] = logits[5, 0]  # a tie of 40 tokens at the top
-    top_p = torch.tensor([0.9, 0.5, 1.0, 1.0, 0.95, 0.01, 0.7, 0.999])
-    top_k = torch.tensor([0, 0, 10, 0, 40, 0, 3, 1])
-    bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=torch.Generator().manual_seed(6),
-                            dtype=torch.int64).to(torch.int32)
-    for dtype in (torch.float32, torch.float16):
-        low = logits.to(dtype)
-        for mask in (None, bitmask):
-            scaled = low.float() / temperature.clamp_min(1e-6).unsqueeze(1)
-            if mask is not None:
-                scaled = scaled.masked_fill(~sampling.allowed_tokens(mask, vocab), float("-inf"))
-            want = sampling.filter_floor_reference(scaled, top_p, top_k)
-            got = sampling.filter_floor(low, temperature, top_p, top_k, mask)
-            assert torch.equal(got, want), (got - want)
-            kept = ((scaled >= got.unsqueeze(1)) & (scaled > float("-inf"))).sum(-1)
-            assert kept[3] == (scaled[3] > float("-inf")).sum() and kept[7] == 1
-    zeros = torch.full((4, vocab), -0.1)
-    zeros[:, 0], zeros[:, 1] = -0.0, 0.0  # a float max may give either zero: the floor is still 0, not NaN
-    ones = torch.ones(4)
-    got = sampling.filter_floor(zeros, ones, ones, torch.ones(4, dtype=torch.int64))
-    assert torch.equal(got, sampling.filter_floor_reference(zeros, ones, torch.ones(4, dtype=torch.int64)))
-
-
 @interpreted
 def test_filtered_rows_draw_in_one_pass_past_the_floor():
     """Top-p / top-k rows through the kernel (their floor from filter_floor): the tokens of the sampler's
@@ -177,33 +119,10 @@ def test_filtered_rows_draw_in_one_pass_past_the_floor():
             sampling.available = sampling_available
         assert got[0].tolist() == want[0].tolist()
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
-    floor = sampling.filter_floor_reference(logits / temperature.clamp_min(1e-6).unsqueeze(1), top_p, top_k)
+    floor = filter_floor.filter_floor_reference(logits / temperature.clamp_min(1e-6).unsqueeze(1), top_p, top_k)
     got = gumbel_argmax(logits, temperature, keys, steps, floor=floor)
     want = gumbel_argmax_reference(logits, temperature, keys, steps, floor=floor)
     assert got[0].tolist() == want[0].tolist() and torch.equal(got[2], want[2])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("vocab", [32000, 128256])
-def test_compiled_floor_kernel_finds_the_sorted_floor_on_the_gpu(vocab):
-    """Compiled, large rows (flat and peaked, masked and not, bf16): the floor of the sorted reference, but
-    where a row's kept mass is within float rounding of its top-p (the sums' orders differ): at most 1% of rows."""
-    rows = 512
-    logits, temperature, keys, steps = (t.cuda() for t in _inputs(rows, vocab, seed=vocab + 3))
-    rank = torch.argsort(torch.rand(rows, vocab, device="cuda"), dim=-1).float()
-    peaked = -1.1 * torch.log1p(rank) + 0.5 * torch.randn(rows, vocab, device="cuda") + 8.0
-    top_p = torch.rand(rows, device="cuda") * 0.5 + 0.5
-    top_k = torch.where(torch.arange(rows, device="cuda") % 3 == 0, 50, 0)
-    bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), device="cuda", dtype=torch.int64).to(torch.int32)
-    for source in (logits, peaked):
-        for mask in (None, bitmask):
-            low = source.to(torch.bfloat16)
-            scaled = low.float() / temperature.clamp_min(1e-6).unsqueeze(1)
-            if mask is not None:
-                scaled = scaled.masked_fill(~sampling.allowed_tokens(mask, vocab), float("-inf"))
-            want = sampling.filter_floor_reference(scaled, top_p, top_k)
-            got = sampling.filter_floor(low, temperature, top_p, top_k, mask)
-            assert (got == want).float().mean() >= 0.99
 
 
 @pytest.mark.gpu
@@ -216,7 +135,7 @@ def test_compiled_kernel_draws_the_sampler_ops_tokens_on_the_gpu(vocab):
     logits, temperature, keys, steps = (t.cuda() for t in _inputs(rows, vocab, seed=vocab))
     g = torch.Generator().manual_seed(3)
     bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=g, dtype=torch.int64).to(torch.int32)
-    from treegen.kernels.sampling import filter_floor_reference as filter_floor
+    from treegen.kernels.filter_floor import filter_floor_reference as filter_floor
 
     def floor_of(mask):  # top-p 0.9 and top-k 50 of the distribution the rows draw from (masked)
         scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)

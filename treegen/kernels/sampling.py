@@ -151,23 +151,6 @@ def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
     return ((bitmask[:, ids // 32] >> (ids % 32)) & 1).bool()
 
 
-def filter_floor_reference(scaled: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
-    """The smallest scaled logit that top-p / top-k filtering keeps in each row: ``[B]`` fp32. Sorted
-    from the most likely down, a token is kept while the probability of those before it is below the row's
-    ``top_p`` (``top_p >= 1``: no such limit) and (``top_k > 0``) it is among the first ``top_k``; the most
-    likely is always kept. The rows keep every token whose scaled logit is at least this (so tokens tied
-    with the last one kept are kept too, whatever order the sort gave them). scaled: ``[B, V]`` fp32
-    (``-inf`` where a mask forbids)."""
-    sorted_logits = scaled.sort(dim=-1, descending=True).values
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
-    keep = (((top_p >= 1).unsqueeze(1) | (mass_before < top_p.unsqueeze(1)))
-            & ((top_k.unsqueeze(1) <= 0) | (rank < top_k.unsqueeze(1))))
-    kept = keep.sum(-1).clamp_min(1)  # (a prefix of the sorted order: both conditions only grow with the rank)
-    return sorted_logits.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
-
-
 def gumbel_argmax_reference(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tensor,
                             bitmask: Tensor | None = None, start: int = 0, all_greedy: bool = False,
                             floor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -175,9 +158,9 @@ def gumbel_argmax_reference(logits: Tensor, temperature: Tensor, keys: Tensor, s
     int64) whose score is largest — the logit where the row's ``temperature`` is 0, else ``logit /
     temperature + gumbel(key, step, start + j)`` — among the tokens ``bitmask [B, ceil(V / 32)]`` allows
     (None: all) and, in rows that sample, whose scaled logit ``logit / temperature`` is at least the
-    row's ``floor [B]`` fp32 (None: no floor; top-p / top-k filtering, see :func:`filter_floor_reference`);
-    its score, its logit, and the log-sum-exp of the
-    row's logits before the mask: ``(token [B] int64, score [B], logit [B], lse [B])`` fp32.
+    row's ``floor [B]`` fp32 (None: no floor; top-p / top-k filtering, see
+    :func:`~treegen.kernels.filter_floor.filter_floor_reference`); its score, its logit, and the log-sum-exp
+    of the row's logits before the mask: ``(token [B] int64, score [B], logit [B], lse [B])`` fp32.
     ``all_greedy``: every temperature is 0."""
     lse = logits.logsumexp(-1)
     masked = logits if bitmask is None else logits.masked_fill(~allowed_tokens(bitmask, logits.shape[1]),
@@ -217,7 +200,7 @@ if triton is not None:
     def _gumbel_partial_kernel(L, stride_l, TEMP, KEYS, STEPS, MASK, stride_m, FLOOR, V, start, CHUNK,
                                P_SCORE, P_TOKEN, P_LOGIT, P_MAX, P_SUM, parts,
                                GREEDY: tl.constexpr, HAS_MASK: tl.constexpr, HAS_FLOOR: tl.constexpr,
-                               PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+                               REDO: tl.constexpr, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         lo = part * CHUNK
@@ -229,6 +212,8 @@ if triton is not None:
         base = _hash32(base)
         if HAS_FLOOR:
             floor = tl.load(FLOOR + row)
+            if REDO:  # a row without a floor keeps its draw (see gumbel_argmax): nothing to read
+                hi = tl.where(floor == -float("inf"), lo, hi)
         best_score = -float("inf")
         best_token = lo.to(tl.int64)
         best_logit = -float("inf")
@@ -274,99 +259,30 @@ if triton is not None:
         tl.store(P_SUM + out, run_sum)
 
     @triton.jit
-    def _gumbel_combine_kernel(P_SCORE, P_TOKEN, P_LOGIT, P_MAX, P_SUM, parts, TOKEN, SCORE, LOGIT, LSE,
-                               PRECISE: tl.constexpr, BLOCK_P: tl.constexpr):
+    def _gumbel_combine_kernel(P_SCORE, P_TOKEN, P_LOGIT, P_MAX, P_SUM, parts, TOKEN, SCORE, LOGIT, LSE, FLOOR,
+                               REDO: tl.constexpr, PRECISE: tl.constexpr, BLOCK_P: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BLOCK_P)
         ok = k < parts
+        write = True
+        if REDO:  # a row without a floor keeps its draw
+            write = tl.load(FLOOR + row) != -float("inf")
         score = tl.load(P_SCORE + row * parts + k, mask=ok, other=-float("inf"))
         at = tl.argmax(score, axis=0)  # the first chunk among equal scores: the lowest token id
         pick = k == at
-        tl.store(TOKEN + row, tl.sum(tl.where(pick, tl.load(P_TOKEN + row * parts + k, mask=ok, other=0), 0), axis=0))
-        tl.store(SCORE + row, tl.max(score, axis=0))
+        tl.store(TOKEN + row, tl.sum(tl.where(pick, tl.load(P_TOKEN + row * parts + k, mask=ok, other=0), 0), axis=0),
+                 mask=write)
+        tl.store(SCORE + row, tl.max(score, axis=0), mask=write)
         tl.store(LOGIT + row, tl.max(tl.where(pick, tl.load(P_LOGIT + row * parts + k, mask=ok,
-                                                            other=-float("inf")), -float("inf")), axis=0))
+                                                            other=-float("inf")), -float("inf")), axis=0), mask=write)
         maxes = tl.load(P_MAX + row * parts + k, mask=ok, other=-float("inf"))
         sums = tl.load(P_SUM + row * parts + k, mask=ok, other=0.0)
         top = tl.max(maxes, axis=0)
         safe = tl.where(top == -float("inf"), 0.0, top)
         total = tl.sum(tl.where(maxes == -float("inf"), 0.0, sums * tl.exp(maxes - safe)), axis=0)
-        tl.store(LSE + row, safe + _log(total, PRECISE))
+        tl.store(LSE + row, safe + _log(total, PRECISE), mask=write)
 
-
-    @triton.jit
-    def _key(v):
-        """Float32 values → int64 keys in the same order (-0.0 just below +0.0)."""
-        b = v.to(tl.int32, bitcast=True)
-        return tl.where(b >= 0, b.to(tl.int64) + 2147483648, (~b).to(tl.int64))
-
-    @triton.jit
-    def _floor_kernel(L, stride_l, TEMP, MASK, stride_m, TOP_P, TOP_K, FLOOR, V,
-                      HAS_MASK: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
-        """One row: its top-p / top-k floor, by a search over the values' keys that splits the range in
-        ``WAYS`` each pass over the row (see :func:`filter_floor`)."""
-        row = tl.program_id(0).to(tl.int64)
-        divisor = tl.maximum(tl.load(TEMP + row), 1e-6)
-        top_p = tl.load(TOP_P + row)
-        top_k = tl.load(TOP_K + row)
-        no_p = (top_p >= 1.0).to(tl.int32)  # (no mass limit)
-        no_k = (top_k <= 0).to(tl.int32)  # (no count limit)
-        offs = tl.arange(0, BLOCK)
-        # pass 1: the largest and smallest value (by key: -0.0 below +0.0, whatever sign a float max
-        # gives a zero), and the sum of exp(value - largest), in tile order
-        big = -float("inf")
-        big_key = tl.zeros([], dtype=tl.int64)  # (below every key)
-        small_key = tl.full([], 1 << 33, tl.int64)  # (above every key)
-        for off in range(0, V, BLOCK):
-            x = _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK)
-            big = tl.maximum(big, tl.max(x, axis=0))
-            big_key = tl.maximum(big_key, tl.max(_key(x), axis=0))
-            small_key = tl.minimum(small_key, tl.min(tl.where(off + offs < V, _key(x), small_key), axis=0))
-        big = tl.where(big == -float("inf"), 0.0, big)  # (a row with every token masked: its floor is -inf)
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for off in range(0, V, BLOCK):
-            x = _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK)
-            total += tl.exp(x - big)
-        z = tl.sum(total, axis=0)
-        # the floor is the smallest key t at which the row keeps (mass above t below top_p, fewer than top_k
-        # values above t): hi keeps, lo does not (one below the smallest value: all the mass is above it)
-        lo = small_key - 1
-        hi = big_key
-        hi = tl.where(no_p * no_k == 1, lo + 1, hi)  # (no filter: keep everything)
-        ways = tl.arange(0, WAYS).to(tl.int64)
-        while hi - lo > 1:
-            step = (hi - lo + WAYS - 1) // WAYS
-            thr = tl.minimum(lo + (ways + 1) * step, hi)  # [WAYS], the last is hi
-            mass = tl.zeros([WAYS, BLOCK], dtype=tl.float32)
-            count = tl.zeros([WAYS, BLOCK], dtype=tl.int32)
-            for off in range(0, V, BLOCK):
-                x = _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK)
-                above = _key(x)[None, :] > thr[:, None]
-                mass += tl.where(above, tl.exp(x - big)[None, :], 0.0)
-                count += above.to(tl.int32)
-            mass_ok = tl.maximum((tl.sum(mass, axis=1) / z < top_p).to(tl.int32), no_p)
-            count_ok = tl.maximum((tl.sum(count, axis=1).to(tl.int64) < top_k).to(tl.int32), no_k)
-            keeps = mass_ok * count_ok == 1
-            first = tl.min(tl.where(keeps, ways, WAYS), axis=0)  # the first threshold that keeps (hi does...
-            found = first < WAYS  # ...but where the sums are not numbers: NaN or +inf logits; then the top value)
-            new_hi = tl.where(found, tl.sum(tl.where(ways == first, thr, 0), axis=0), hi)
-            new_lo = tl.where(found, tl.where(first == 0, lo, tl.sum(tl.where(ways == first - 1, thr, 0), axis=0)),
-                              hi - 1)
-            hi, lo = new_hi, new_lo
-        bits = tl.where(hi >= 2147483648, hi - 2147483648, ~hi).to(tl.int32)
-        tl.store(FLOOR + row, bits.to(tl.float32, bitcast=True))
-
-    @triton.jit
-    def _scaled_tile(L, stride_l, MASK, stride_m, row, off, offs, V, divisor, HAS_MASK: tl.constexpr):
-        j = off + offs
-        ok = j < V
-        x = tl.load(L + row * stride_l + j, mask=ok, other=-float("inf")).to(tl.float32)
-        if HAS_MASK:
-            word = tl.load(MASK + row * stride_m + j // 32, mask=ok, other=0)
-            x = tl.where(((word >> (j % 32)) & 1) != 0, x, -float("inf"))
-        return tl.where(ok, tl.math.div_rn(x, divisor), -float("inf"))
-
-_LAUNCH = {k.fn.__name__: Launcher(k) for k in (_gumbel_partial_kernel, _gumbel_combine_kernel, _floor_kernel)} \
+_LAUNCH = {k.fn.__name__: Launcher(k) for k in (_gumbel_partial_kernel, _gumbel_combine_kernel)} \
     if triton is not None else {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -387,41 +303,17 @@ def _chunk(vocab: int) -> int:
     return min(CHUNK_TILES, -(-vocab // BLOCK)) * BLOCK
 
 
-FLOOR_WAYS, FLOOR_BLOCK = 16, 256  # the floor search splits the keys' range 16 ways a pass over a row
-
-
-def filter_floor(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
-                 bitmask: Tensor | None = None) -> Tensor:
-    """:func:`filter_floor_reference` of the scaled logits ``logits / temperature`` (masked by ``bitmask``)
-    without sorting them: one program a row finds the smallest value at which the row keeps (the mass of
-    the values above it below ``top_p``, fewer than ``top_k`` of them) by a search over the values' order-
-    preserving integer keys, each pass over the row testing ``FLOOR_WAYS`` thresholds (eight passes for
-    32-bit keys, two more for the largest value and the normaliser). The mass is summed in tiles, the
-    reference's in sorted order: where a row's kept mass is within float rounding of its ``top_p`` the two
-    may differ by the one token at the boundary. ``logits`` ``[B, V]`` fp32, fp16 or bf16; ``temperature``,
-    ``top_p`` ``[B]`` fp32; ``top_k`` ``[B]`` int64; ``bitmask`` as :func:`gumbel_argmax`'s."""
-    rows, vocab = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    floor = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if rows == 0:
-        return floor
-    mask = bitmask if bitmask is not None else floor  # (unused)
-    _LAUNCH["_floor_kernel"][(rows,)](
-        logits, logits.stride(0), temperature, mask, bitmask.stride(0) if bitmask is not None else 0,
-        top_p, top_k, floor, vocab, HAS_MASK=bitmask is not None, WAYS=FLOOR_WAYS, BLOCK=FLOOR_BLOCK, num_warps=4)
-    return floor
-
-
 def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tensor,
                   bitmask: Tensor | None = None, start: int = 0, all_greedy: bool = False,
-                  floor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  floor: Tensor | None = None, redo: tuple | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`gumbel_argmax_reference` in one pass over the logits (see the module doc). ``logits``
     ``[B, V]`` fp32, or fp16/bf16 (the model's own: converted to fp32 as they are loaded, exactly, so
     the result is that of their fp32 copy, without writing and reading one: at a 128K vocabulary and
     1,024 rows 0.5 GB a step); ``temperature`` ``[B]`` fp32; ``keys``, ``steps``
-    ``[B]`` int64; ``bitmask`` ``[B, ceil(V / 32)]`` int32 or None; ``floor`` ``[B]`` fp32 or None. No host
-    sync (CUDA graphs capture it)."""
+    ``[B]`` int64; ``bitmask`` ``[B, ceil(V / 32)]`` int32 or None; ``floor`` ``[B]`` fp32 or None.
+    ``redo``: the four results of this same draw without a floor — a row whose floor is -inf would draw the
+    same, so it keeps them and its logits are not read again; the other rows are drawn again into them
+    (returned). No host sync (CUDA graphs capture it)."""
     rows, vocab = logits.shape
     if logits.dtype not in LOGIT_DTYPES:
         raise ValueError(f"gumbel_argmax needs fp32, fp16 or bf16 logits, got {logits.dtype}")
@@ -432,8 +324,13 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tens
         raise ValueError(f"the bitmask must be int32 [{rows}, {-(-vocab // 32)}] with contiguous words, got "
                          f"{bitmask.dtype} {tuple(bitmask.shape)}")
     device = logits.device
-    token = torch.empty(rows, dtype=torch.int64, device=device)
-    score, logit, lse = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(3))
+    if redo is not None:
+        if floor is None:
+            raise ValueError("gumbel_argmax: redo needs a floor (the rows to draw again)")
+        token, score, logit, lse = redo
+    else:
+        token = torch.empty(rows, dtype=torch.int64, device=device)
+        score, logit, lse = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(3))
     if rows == 0:
         return token, score, logit, lse
     chunk = _chunk(vocab)
@@ -445,14 +342,15 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tens
         logits, logits.stride(0), temperature, keys, steps, mask, bitmask.stride(0) if bitmask is not None else 0,
         floor if floor is not None else temperature, vocab, start, chunk, p_score, p_token, p_logit, p_max, p_sum,
         parts, GREEDY=all_greedy, HAS_MASK=bitmask is not None, HAS_FLOOR=floor is not None and not all_greedy,
-        PRECISE=not _INTERPRET, BLOCK=BLOCK, num_warps=4)
+        REDO=redo is not None, PRECISE=not _INTERPRET, BLOCK=BLOCK, num_warps=4)
     _LAUNCH["_gumbel_combine_kernel"][(rows,)](
-        p_score, p_token, p_logit, p_max, p_sum, parts, token, score, logit, lse, PRECISE=not _INTERPRET,
+        p_score, p_token, p_logit, p_max, p_sum, parts, token, score, logit, lse,
+        floor if floor is not None else temperature, REDO=redo is not None, PRECISE=not _INTERPRET,
         BLOCK_P=max(2, triton.next_power_of_2(parts)), num_warps=1)
     return token, score, logit, lse
 
 
-__all__ = ["LOGIT_DTYPES", "allowed_tokens", "available", "filter_floor", "filter_floor_reference", "gumbel_argmax",
+__all__ = ["LOGIT_DTYPES", "allowed_tokens", "available", "gumbel_argmax",
            "gumbel_argmax_reference", "gumbel_argmax_sparse",
            "gumbel_noise", "hash32",
            "uniform_noise", "uniform_noise_reference", "unit_interval"]

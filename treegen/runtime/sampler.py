@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from treegen.kernels import sampling
-from treegen.kernels.sampling import filter_floor_reference, gumbel_noise
+from treegen.kernels.filter_floor import filter_floor, filter_floor_reference
+from treegen.kernels.sampling import gumbel_noise
 from treegen.runtime.constraint import Constraint
 from treegen.runtime.swa import check_kv_keep
 from treegen.runtime.token_masks import apply_bitmask
@@ -163,10 +164,11 @@ def pick(logits: Tensor, *, temperature: Tensor, top_p: Tensor, top_k: Tensor, k
     if split is not None:
         return _pick_split(logits, split, bitmask, **args)
     if one_pass:  # one pass, the noise in registers
-        # (top-p / top-k: the floor of the distribution the row draws from, scaled and masked)
-        floor = sampling.filter_floor(logits, temperature, top_p, top_k, bitmask) if filtered else None
-        tokens, _, logit, lse = sampling.gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy,
-                                                       floor=floor)
+        drawn = sampling.gumbel_argmax(logits, temperature, keys, steps, bitmask, all_greedy=all_greedy)
+        if filtered:  # top-p / top-k: a row whose token is outside its filter draws again above its floor
+            floor = filter_floor(logits, temperature, top_p, top_k, bitmask, winner=drawn[2])
+            drawn = sampling.gumbel_argmax(logits, temperature, keys, steps, bitmask, floor=floor, redo=drawn)
+        tokens, _, logit, lse = drawn
         return tokens, logit - lse
     if bitmask is None:
         tokens = sample(logits, **args)
