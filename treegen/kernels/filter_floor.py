@@ -33,8 +33,6 @@ int64 keys, every value every pass): see ``benchmarks/bench_sampling.py --modes 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
