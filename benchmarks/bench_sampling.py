@@ -5,7 +5,8 @@ kernel first), each captured in a CUDA graph and replayed, in the same run on th
 Rows ``--batches`` x vocabularies ``--vocabs`` (TinyLlama 32,000, Llama-3 128,256), temperature 1
 (``sampled``) or 0 (``greedy``), or temperature 1 with nucleus filtering (``top_p``: top-p 0.95 over the
 logits of a language model's shape — a few hundred likely tokens, see ``peaked_logits``; the kernel's
-side is ``sampler.pick``: the floor by ``sampling.filter_floor``'s search kernel, then the one pass), with a
+side is ``sampler.pick``: the unfiltered draw, then ``filter_floor``'s search and a second draw where its
+token is filtered out), with a
 random token bitmask or none. The floor: the logits' bytes
 (fp32, read once) at the GPU's HBM peak (``--hbm-tbps``, H100 SXM 3.35).
 
