@@ -60,7 +60,7 @@ import triton
 
 import treegen
 from treegen.kernels.launch import Launcher
-from treegen.runtime import collector
+from treegen.runtime import collector, decode as decode_module, scheduler as scheduler_module
 from treegen.runtime.decode import Decoder
 from treegen.runtime.engine import Engine, GenRequest
 from treegen.runtime.loader import IdTokenizer
@@ -397,12 +397,23 @@ def undone(owner, name: str, value):
 
 
 # the engine as it is, and with one of its choices undone (an A/B: --variants default fifo):
+# replan-0.75, replan-0.9 — decode phases end for new work later (REPLAN_FRACTION 0.75 / 0.9, not 0.5):
+#     fewer phase boundaries (each leaves the GPU idle while the host schedules, plans and runs an eager step),
+#     more finished rows computing until their phase ends;
 # fifo — the scheduler admits waiting work in arrival order (its order before priorities existed);
 # programs-after-phase — a block that completes jobs resumes their programs after the phase's end
 # decision (``Decoder.overlap_programs``); gc-full-collections — Python's full garbage collections run
 # during the batch (``treegen.runtime.collector`` not applied); arriving — not an engine choice: the inputs
 # given as an iterator, drawn as the run goes (see measure_dynamic)
+@contextlib.contextmanager
+def replan_fraction(value: float):
+    """The scheduler's ``REPLAN_FRACTION`` (read by the scheduler and the decoder) set to ``value`` for the block."""
+    with undone(scheduler_module, "REPLAN_FRACTION", value), undone(decode_module, "REPLAN_FRACTION", value):
+        yield
+
+
 VARIANTS = {"default": contextlib.nullcontext, "arriving": contextlib.nullcontext,
+            "replan-0.75": lambda: replan_fraction(0.75), "replan-0.9": lambda: replan_fraction(0.9),
             "fifo": lambda: undone(Scheduler, "priority", lambda self, job: (self._submitted,)),
             "programs-after-phase": lambda: undone(Decoder, "overlap_programs", False),
             "gc-full-collections": lambda: undone(collector, "enabled", False)}

@@ -7,6 +7,9 @@ and copies; every gap between them is idle, and each instant of a gap is charged
 marked range the host was in then ("unmarked": none; program code is split by whether a decode phase
 was running: ``programs_in_phase``, ``programs_between``). Reported: wall time, busy fraction, idle ms
 by range, the gaps by size, the host's time in each range, and the longest gaps each with the host events inside.
+GPU time by kernel name (the most costly); with ``--static`` the same token work as one static fork is traced too,
+for the GPU time a forward pass takes in each (a dynamic pass may cost more: a deeper tree, padded phases,
+mixed steps' prefill rows).
 Python's garbage collections are ranges too (``gc0``/``gc1``: young, ``gc2``: full).
 
 The profiler slows the host (every operator is recorded): the traced run is slower than an untraced
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_dynamic import VARIANTS, now, workload  # benchmarks/
+from bench_dynamic import VARIANTS, measure_static, now, workload  # benchmarks/
 from bench_end_to_end import SHAPES, config_of
 from treegen.lang.batch import Cooperative
 from treegen.lang.program_run import ProgramRun
@@ -64,6 +67,7 @@ MARKED = {
 }
 GAP_SIZES_US = (10, 100, 1_000, 10_000)  # the gap histogram's bin edges
 LONG_GAPS = 16  # the longest gaps, each with the host events inside it
+TOP_KERNELS, KERNEL_NAME_CHARS = 25, 80  # GPU time by kernel: the most costly names, cut this short
 
 
 @contextlib.contextmanager
@@ -132,10 +136,15 @@ def analyse(prof) -> dict:
     gpu, ranges = [], []
     labels = set(MARKED.values()) | {"programs_in_phase", "programs_between", "gc0", "gc1", "gc2"}
     host = []  # every other host event: (start, end, name, thread), to say what the host did in long gaps
+    by_kernel: dict[str, float] = {}  # GPU ms per kernel (or copy) name
     for e in events:
         kind = str(e.device_type())
+        if "CUDA" in kind and e.name() in labels:
+            continue  # (a marked range's mirror on the GPU's timeline, spanning what ran inside it: not work)
         if "CUDA" in kind and e.duration_ns() > 0:
             gpu.append((e.start_ns(), e.end_ns()))
+            name = e.name()[:KERNEL_NAME_CHARS]
+            by_kernel[name] = by_kernel.get(name, 0.0) + e.duration_ns() / 1e6
         elif e.name() in labels:
             ranges.append((e.start_ns(), e.end_ns(), e.name()))
         elif e.duration_ns() > 0:
@@ -170,7 +179,8 @@ def analyse(prof) -> dict:
             "idle_ms_by_host_range": {k: round(v / 1e6, 2) for k, v in sorted(charged.items(), key=lambda x: -x[1])},
             "gaps_by_size": {k: {"count": n, "ms": round(t, 2)} for k, (n, t) in histogram.items()},
             "host_ms_in_range": {k: round(v, 2) for k, v in sorted(host_ms.items(), key=lambda x: -x[1])},
-            "gpu_events": len(gpu), "long_gaps": long_gaps}
+            "gpu_events": len(gpu), "long_gaps": long_gaps,
+            "gpu_ms_by_kernel": {k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda x: -x[1])[:TOP_KERNELS]}}
 
 
 def main() -> None:
@@ -183,6 +193,8 @@ def main() -> None:
     parser.add_argument("--variant", default="default", choices=list(VARIANTS), help="as bench_dynamic's --variants")
     parser.add_argument("--out", required=True, help="the analysis (JSON)")
     parser.add_argument("--chrome", default=None, help="also the profiler's trace (Chrome trace format)")
+    parser.add_argument("--static", action="store_true",
+                        help="also trace the same token work as one static fork (bench_dynamic's): GPU ms a pass, by kernel")
     args = parser.parse_args()
 
     model = LlamaFamilyModel.random(config_of(args.shape), dtype=torch.bfloat16, device="cuda")
@@ -209,6 +221,16 @@ def main() -> None:
               "tokens": total, "forward_passes": run.forward_passes, "mixed_steps": run.mixed_steps,
               "decode_phases": len(run.decode_phases),
               "host_ms": {k: round(1e3 * v, 1) for k, v in run.host_seconds.items()}, **analyse(prof)}
+    if args.static:  # the same token work as one static fork, traced alike: GPU time per pass and by kernel
+        per_branch = round(total / args.branches)
+        measure_static(engine, args.branches // args.width, args.width, per_branch)  # (warm: untraced)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            static = measure_static(engine, args.branches // args.width, args.width, per_branch, warm_up=False)
+        result["static"] = {**static, **{k: v for k, v in analyse(prof).items() if k != "long_gaps"}}
+        for key, part in (("dynamic", result), ("static", result["static"])):
+            passes = part.get("forward_passes", part.get("static_steps"))
+            print(f"{key}: GPU busy {part['gpu_busy_ms']:.0f} ms over {passes} passes = "
+                  f"{part['gpu_busy_ms'] / passes:.3f} ms a pass")
     print(json.dumps(result, indent=2))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.chrome:
