@@ -124,6 +124,24 @@ def test_rows_with_every_token_masked_or_one_allowed():
     assert torch.equal(got[2:], filter_floor_reference(scaled, top_p[2:], top_k[2:]))
 
 
+@interpreted
+def test_the_value_split_holds_for_large_scaled_logits():
+    """Scaled logits near 2^26 (8 apart there; a tiny temperature makes them): the first split's bound, rounded
+    at that size, must still lie below the floor — the floor is the reference's, not a value above it
+    (found by review: the bound summed in steps rounded past its margin and the floor came out A-4)."""
+    big = 2.0 ** 26
+    row = torch.tensor([[big] * 55 + [big - 8] * 100 + [big - 12]])
+    one, top_p, top_k = torch.ones(1), torch.tensor([0.9997]), torch.zeros(1, dtype=torch.int64)
+    want = filter_floor_reference(row, top_p, top_k)
+    assert want.item() == big - 8
+    assert torch.equal(filter_floor(row, one, top_p, top_k), want)
+    assert torch.equal(filter_floor(row, one, top_p, top_k, winner=torch.tensor([big - 12])), want)
+    tiny = torch.full((1,), 1e-6)  # the same order of size reached through the temperature
+    logits = row * 1e-6
+    scaled = logits / tiny
+    assert torch.equal(filter_floor(logits, tiny, top_p, top_k), filter_floor_reference(scaled, top_p, top_k))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [32000, 128256])
 def test_compiled_floor_kernel_finds_the_sorted_floor_on_the_gpu(vocab):
@@ -169,6 +187,23 @@ def test_a_row_whose_draw_is_kept_needs_no_floor(monkeypatch, chunk):
     assert got[0] == float("-inf")  # greedy: the argmax stands whatever the filter
     for r in range(1, rows):
         assert got[r] == (float("-inf") if kept[r] else want[r]), r
+    # fp16 logits under a bitmask, every winner an allowed token (row 2: every token masked, floor -inf)
+    low = logits.half()
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), generator=torch.Generator().manual_seed(8),
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[2] = 0
+    allowed = allowed_tokens(bitmask, vocab)
+    masked = (low.float() / temperature.clamp_min(1e-6).unsqueeze(1)).masked_fill(~allowed, float("-inf"))
+    want = filter_floor_reference(masked, top_p, top_k)
+    pick = torch.stack([torch.nonzero(a)[r * 37 % max(1, int(a.sum()))] if a.any() else torch.zeros(1, dtype=torch.int64)
+                        for r, a in enumerate(allowed)]).squeeze(1)
+    winner = low.float().gather(1, pick.unsqueeze(1)).squeeze(1)
+    got = filter_floor(low, temperature, top_p, top_k, bitmask, winner=winner)
+    kept = (winner / temperature.clamp_min(1e-6) >= want) | (temperature == 0)
+    assert got[2] == float("-inf")
+    for r in range(rows):
+        if r != 2:
+            assert got[r] == (float("-inf") if kept[r] else want[r]), r
 
 
 @pytest.mark.gpu
@@ -205,3 +240,21 @@ def test_filtered_draws_on_the_gpu_are_the_sorted_filters_draws_also_in_a_cuda_g
             static[0] = sampler.pick(logits, bitmask=mask, **args)[0]
         graph.replay()
         assert torch.equal(static[0], got[0])
+
+
+def test_a_redo_needs_a_floor_sampled_rows_and_an_earlier_draw_of_the_same_rows():
+    from treegen.kernels.sampling import gumbel_argmax
+
+    rows, vocab = 3, 100
+    logits, temperature = _inputs(rows, vocab, seed=2)
+    keys = steps = torch.zeros(rows, dtype=torch.int64)
+    draw = (torch.zeros(rows, dtype=torch.int64), *(torch.zeros(rows) for _ in range(3)))
+    floor = torch.zeros(rows)
+    with pytest.raises(ValueError, match="redo draws again"):
+        gumbel_argmax(logits, temperature, keys, steps, redo=draw)
+    with pytest.raises(ValueError, match="redo draws again"):
+        gumbel_argmax(logits, temperature, keys, steps, floor=floor, redo=draw, all_greedy=True)
+    with pytest.raises(ValueError, match="earlier draw of these 3 rows"):
+        gumbel_argmax(logits, temperature, keys, steps, floor=floor, redo=(draw[0][:2], *draw[1:]))
+    with pytest.raises(ValueError, match="earlier draw of these 3 rows"):
+        gumbel_argmax(logits, temperature, keys, steps, floor=floor, redo=(draw[0].float(), *draw[1:]))

@@ -22,7 +22,7 @@ chose it — so a tile of the row with no value in the bracket costs a load and 
   row whose bracket is closed returns at once, so later launches cost little.
 * **The first split is by value** (rows with a ``top_p`` below 1): a value whose probability is below
   ``(1 - top_p) / V`` can never be kept — all of them together hold less than ``1 - top_p`` — so the
-  floor lies between ``lse + log((1 - top_p) / V)`` (less a margin of one nat for rounding) and the
+  floor lies between ``lse + log((1 - top_p) / V)`` (less a margin of one nat and two ulps for rounding) and the
   largest value, a span of a few nats, which the first pass cuts in ``WAYS`` equal spans of *value*
   (the keys' range across zero is 2^31 keys: eight key passes to cross it, while the mass sits within a
   nat of the floor). Rows with only ``top_k`` split their keys from the first pass.
@@ -187,7 +187,11 @@ if triton is not None:
                 lo = tl.where(kept | (temp == 0), open_key - 1, tl.minimum(tl.maximum(lo, win_key), hi - 1))
                 hi = tl.where(kept | (temp == 0), open_key, hi)
             # below this a value's probability is under (1 - top_p) / V: never kept (see the module doc)
-            bound = safe + tl.log(tl.maximum(z, 1e-30)) + tl.log(tl.maximum(1.0 - top_p, 1e-30) / V) - MARGIN
+            # (summed below the largest first, then added to it once; less two of its ulps: that one rounding
+            # of a large value can exceed the margin — scaled logits of 2^26 are 8 apart)
+            below = tl.log(tl.maximum(z, 1e-30)) + tl.log(tl.maximum(1.0 - top_p, 1e-30) / V) - MARGIN
+            bound = safe + below
+            bound = bound - tl.abs(bound) * 2.384185791015625e-07  # (2^-22)
             value_split = (top_p < 1.0) & (big > bound) & (bound > -float("inf")) & (big < float("inf")) & (hi - lo > 1)
             if value_split:
                 lo = tl.minimum(tl.maximum(lo, _key(bound).to(tl.int64) - 1), hi - 1)

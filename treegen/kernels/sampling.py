@@ -325,9 +325,13 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tens
                          f"{bitmask.dtype} {tuple(bitmask.shape)}")
     device = logits.device
     if redo is not None:
-        if floor is None:
-            raise ValueError("gumbel_argmax: redo needs a floor (the rows to draw again)")
+        if floor is None or all_greedy:
+            raise ValueError("gumbel_argmax: redo draws again the rows a floor filters (a floor, and not all greedy)")
         token, score, logit, lse = redo
+        want = [(torch.int64, token), *((torch.float32, t) for t in (score, logit, lse))]
+        if any(t.dtype != dtype or t.shape != (rows,) or t.device != device or not t.is_contiguous() for dtype, t in want):
+            raise ValueError(f"gumbel_argmax: redo must be an earlier draw of these {rows} rows: (token int64, score, "
+                             f"logit, lse float32), each [{rows}] on {device}")
     else:
         token = torch.empty(rows, dtype=torch.int64, device=device)
         score, logit, lse = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(3))
