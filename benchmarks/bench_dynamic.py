@@ -233,7 +233,9 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
     assert made == total, (made, total)
     steps = tree_run.forward_passes
     return {"dynamic_s": elapsed, "dynamic_cold_s": cold, "dynamic_tok_s": total / elapsed, "tokens": total, "forward_passes": steps,
-            "mixed_steps": tree_run.mixed_steps, "decode_phases": len(tree_run.decode_phases),
+            "mixed_steps": tree_run.mixed_steps,
+            # a mixed step's wall time (planned, launched uncaptured, its tokens drawn and read on the host)
+            "mixed_step_ms": 1e3 * tree_run.mixed_seconds / max(1, tree_run.mixed_steps), "decode_phases": len(tree_run.decode_phases),
             # token rows prefilled (new tokens, conditioning tokens run again), and prompt tokens later programs
             # found in the live tree (arriving inputs)
             "prefill_rows": tree_run.prefill_rows, "attached_tokens": roots[0]._run.pass_report.get("attached_tokens", 0),

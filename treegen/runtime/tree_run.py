@@ -137,6 +137,8 @@ class TreeRun:
         self.phase_passes: list[int] = []
         self.phase_capture_seconds: list[float] = []  # host seconds each of them spent capturing (0: replayed kept graphs)
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
+        # wall seconds of those steps, whole: planned, launched uncaptured, their tokens drawn and read
+        self.mixed_seconds = 0.0
         self.prefill_rows = 0  # token rows those passes ran besides decode rows (new tokens, conditioning tokens)
         # scheduling calls (between decode phases only: host_seconds["schedule"] is spent in these, not spread
         # over every step)
@@ -248,7 +250,9 @@ class TreeRun:
                 self.complete(job, None)
             self._mixed_in_row = self._mixed_in_row + 1 if step.runs_model else 0
             if step.runs_model:
+                t0 = time.perf_counter()
                 self._run_step(step)
+                self.mixed_seconds += time.perf_counter() - t0
             elif self.decoder.live:
                 self._phase = self.decoder.phase()
             elif not step.refused:
