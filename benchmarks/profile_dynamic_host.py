@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench_dynamic import SHAPES, config_of, workload  # benchmarks/
+import treegen.runtime.model as model_module
 import treegen.runtime.tree_run as tree_run_module
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer
@@ -73,11 +74,15 @@ def mixed_plan_options(options: dict | None):
 class MixedParts:
     """Host seconds of the mixed steps' parts (``TreeRun._run_step``) while in the block: planning
     (``plan_rows``), launching the forward (``model.forward``, returning before the device is done), drawing
-    (``Decoder.draw``: the tokens read back), and the step whole; and the plans' launches per attention call,
-    and how many had a library segment."""
+    (``Decoder.draw``: the tokens read back), and the step whole; within the forward, its calls of tree
+    attention, of ``F.linear`` and of the fused norm / RoPE / SiLU kernels (``in_forward``); and the plans'
+    launches per attention call, and how many had a library segment."""
+
+    IN_FORWARD = ("attention", "linear", "add_rms_norm", "rope_", "silu_mul")
 
     def __init__(self) -> None:
         self.s = {"plan_rows": 0.0, "forward_launch": 0.0, "draw": 0.0, "whole": 0.0}
+        self.in_forward = {k: [0, 0.0] for k in self.IN_FORWARD}  # part -> [calls, seconds]
         self.steps = self.plans = self.library_plans = self.launches = 0
         self.keys: list = []  # per mixed step's plan: (rows bucketed, the plan's shape key, its tables' sizes)
         self._saved: list = []
@@ -125,7 +130,43 @@ class MixedParts:
         self._saved.append((tree_run_module.TreeRun, "_run_step", step))
         tree_run_module.TreeRun._run_step = run_step
         timed(tree_run_module.TreeRun, "plan_rows", "plan_rows", count)
-        timed(LlamaFamilyModel, "forward", "forward_launch")
+        forward = LlamaFamilyModel.forward
+        in_forward = [False]
+
+        def forward_timed(*a, **kw):
+            if not inside[0]:
+                return forward(*a, **kw)
+            in_forward[0] = True
+            t0 = time.perf_counter()
+            try:
+                return forward(*a, **kw)
+            finally:
+                in_forward[0] = False
+                parts.s["forward_launch"] += time.perf_counter() - t0
+
+        self._saved.append((LlamaFamilyModel, "forward", forward))
+        LlamaFamilyModel.forward = forward_timed
+
+        def piece(owner, name, key):
+            fn = getattr(owner, name)
+
+            def wrapper(*a, **kw):
+                if not in_forward[0]:
+                    return fn(*a, **kw)
+                t0 = time.perf_counter()
+                out = fn(*a, **kw)
+                entry = parts.in_forward[key]
+                entry[0] += 1
+                entry[1] += time.perf_counter() - t0
+                return out
+
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, wrapper)
+
+        piece(tree_run_module, "tree_attention", "attention")
+        piece(model_module.F, "linear", "linear")
+        for name in ("add_rms_norm", "rope_", "silu_mul"):
+            piece(model_module, name, name)
         timed(Decoder, "draw", "draw")
         return self
 
@@ -152,7 +193,11 @@ class MixedParts:
 
     def as_dict(self) -> dict:
         n = max(1, self.steps)
+        inside = {f"{k}_ms": round(1e3 * sec / n, 2) for k, (_, sec) in self.in_forward.items()}
+        inside["calls_per_step"] = {k: round(c / n, 1) for k, (c, _) in self.in_forward.items()}
+        inside["other_ms"] = round(1e3 * (self.s["forward_launch"] - sum(sec for _, sec in self.in_forward.values())) / n, 2)
         return {"steps": self.steps, **{f"{k}_ms": round(1e3 * v / n, 2) for k, v in self.s.items()},
+                "in_forward": inside,
                 "launches_per_attention_call": round(self.launches / max(1, self.plans), 2),
                 "plans_with_library": f"{self.library_plans}/{self.plans}", **self.reuse()}
 
