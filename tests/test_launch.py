@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treegen.kernels import fused_ops
-from treegen.kernels.launch import Launcher, set_fast_launch
+from treegen.kernels.launch import Launcher, next_power_of_2, set_fast_launch
 
 COMPILED = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0"
 gpu = pytest.mark.skipif(not COMPILED, reason="needs a CUDA device with compiled Triton (TRITON_INTERPRET=0)")
@@ -23,6 +23,11 @@ def _norm_inputs(rows, hidden, dtype, device, seed=0):
     y = torch.randn(rows, hidden, generator=g).to(device, dtype)
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, dtype)
     return h, y, w
+
+
+def test_next_power_of_2_is_tritons():
+    triton = pytest.importorskip("triton")
+    assert [next_power_of_2(n) for n in range(4100)] == [triton.next_power_of_2(n) for n in range(4100)]
 
 
 def test_set_fast_launch_takes_a_bool():

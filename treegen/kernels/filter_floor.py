@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from treegen.kernels.launch import Launcher
+from treegen.kernels.launch import Launcher, next_power_of_2
 
 try:
     import triton
@@ -314,7 +314,7 @@ def filter_floor(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
             s_max, s_sum, s_above, s_kmin, s_kmax, s_cabove, big, z, lo, hi, c_mass, c_count, thr, p_mass, p_count,
             floor, n % 2, FIRST=n == 0, FINAL=final, CHUNK=CHUNK, HAS_MASK=has_mask, HAS_WINNER=has_winner,
             WAYS=WAYS, BLOCK=BLOCK,
-            BLOCK_P=max(2, triton.next_power_of_2(parts)), MARGIN=MARGIN_NATS, num_warps=4)
+            BLOCK_P=max(2, next_power_of_2(parts)), MARGIN=MARGIN_NATS, num_warps=4)
     return floor
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treegen.kernels.kv_quant import STORAGE_QMAX
-from treegen.kernels.launch import Launcher
+from treegen.kernels.launch import Launcher, next_power_of_2
 
 try:
     import triton
@@ -171,7 +171,7 @@ def add_rms_norm(h: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Ten
         _LAUNCH["_add_rms_norm_kernel"][(h.shape[0],)](
             h, y if y is not None else h, weight, x, h.shape[1], h.stride(0),
             (y if y is not None else h).stride(0), x.stride(0), eps,
-            HAS_Y=y is not None, BLOCK=triton.next_power_of_2(h.shape[1]), num_warps=4 if h.shape[1] <= 4096 else 8)
+            HAS_Y=y is not None, BLOCK=next_power_of_2(h.shape[1]), num_warps=4 if h.shape[1] <= 4096 else 8)
     return x
 
 
@@ -223,8 +223,8 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads:
         _LAUNCH["_rope_kernel"][(qkv.shape[0],)](
             qkv, cos, sin, k_cache, v_cache, slots, k_scale, v_scale, num_q_heads, num_kv_heads, qkv.stride(0),
             qkv.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0),
-            HEAD_DIM=qkv.shape[2], ROT_DIM=cos.shape[1], BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
-            BLOCK_KV=triton.next_power_of_2(num_kv_heads), STORE=store is not None, QMAX=qmax, INT8=int8,
+            HEAD_DIM=qkv.shape[2], ROT_DIM=cos.shape[1], BLOCK_H=next_power_of_2(num_q_heads + num_kv_heads),
+            BLOCK_KV=next_power_of_2(num_kv_heads), STORE=store is not None, QMAX=qmax, INT8=int8,
             num_warps=4)
     return qkv
 

@@ -117,6 +117,13 @@ class Launcher:
                 f"{self.fast_launches} fast / {self.triton_launches} Triton launches)")
 
 
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for the host side of a launch: the smallest power of two at least ``n`` (0 for
+    ``n`` <= 0, as Triton's). Triton's is a ``constexpr_function`` since 3.5, whose call wrapper costs ~5 µs of
+    host time; a forward pass asks for a handful per layer (block sizes of the attention, RoPE and norm kernels)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def set_fast_launch(on: bool) -> None:
     """Turn the fast path of every launcher on or off (where supported); ``TREEGEN_FAST_LAUNCH=0`` in the
     environment starts them off. Benchmarks compare the two in one process."""
@@ -126,4 +133,4 @@ def set_fast_launch(on: bool) -> None:
         launcher.enabled = on and launcher.supported
 
 
-__all__ = ["Launcher", "set_fast_launch"]
+__all__ = ["Launcher", "next_power_of_2", "set_fast_launch"]

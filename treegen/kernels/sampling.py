@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treegen.kernels.launch import Launcher
+from treegen.kernels.launch import Launcher, next_power_of_2
 
 try:
     import triton
@@ -350,7 +350,7 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, keys: Tensor, steps: Tens
     _LAUNCH["_gumbel_combine_kernel"][(rows,)](
         p_score, p_token, p_logit, p_max, p_sum, parts, token, score, logit, lse,
         floor if floor is not None else temperature, REDO=redo is not None, PRECISE=not _INTERPRET,
-        BLOCK_P=max(2, triton.next_power_of_2(parts)), num_warps=1)
+        BLOCK_P=max(2, next_power_of_2(parts)), num_warps=1)
     return token, score, logit, lse
 
 

@@ -49,7 +49,7 @@ import math
 import torch
 from torch import Tensor
 
-from treegen.kernels.launch import Launcher
+from treegen.kernels.launch import Launcher, next_power_of_2
 from treegen.kernels.library_attention import segment_attention
 from treegen.kernels.triton_plan import TritonPlan
 
@@ -478,7 +478,7 @@ def merge_block(num_heads: int, head_dim: int) -> int:
     32/32, 16/8 heads (program-shaped trees whose leaves do not merge, 256/1,024 leaves); at 9/3 x 64 it measured
     4-21% more, so smaller rows keep one at a time over 4 warps (profile_attention_trees_merge_h200.json), and
     larger ones too ([64, 4, 128] would not fit the registers)."""
-    width = triton.next_power_of_2(num_heads) * head_dim if triton is not None else 0
+    width = next_power_of_2(num_heads) * head_dim if triton is not None else 0
     return 4 if num_heads >= 16 and head_dim >= 128 and width <= 4096 else 1
 
 
@@ -545,6 +545,20 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
         lib_args = (o_part, lse_part, 1, 0, 0, 0, 0, 0, 0)
     tail = plan.leaf_tail
     links = dependent_launches(plan, plan.pdl if q.is_cuda else 0)
+    # what every launch of this call passes alike, built once a call (an uncaptured forward runs this per layer)
+    scales = (k_scale, v_scale) if quant else (k_cache, v_cache)
+    shared_args = (plan.rows, query_pos, plan.merge_ptr, plan.merge_idx, out,
+                   q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if quant else 0,
+                   o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1), scale_log2,
+                   window or 0, cap, pre, *lib_args, *tail)
+    shared = dict(GROUP=plan.group, HEAD_DIM=head_dim, WARP_SPECIALIZE=plan.warp_specialize,
+                  PRECISION="ieee" if exact else "tf32",  # fp32 inputs get full fp32 products (no TF32)
+                  HAS_LIB=plan.library is not None, LIB_BY_ROW=plan.library.chunks if plan.library_by_row else 0,
+                  LIB_P2=next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
+                  WINDOW=window is not None, SOFTCAP=softcap is not None, F16_PRODUCTS=f16_products, NUM_KV=num_kv)
+    # a leaf below a 16K prefix split 32 ways: 64 branches 8/1 heads 32 us (J=8) vs 36 (4) vs 42 (1), H100;
+    # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1, head_dim 256 J=2
+    merge_j = 8 if head_dim <= 128 else 2
     for index, launch in enumerate(plan.launches):
         block_n = launch.block_n // 2 if wide else launch.block_n
         # an 8-bit cache's many-leaves launch reads with plain loads: its TMA loads were slower (H200, Llama-3-8B
@@ -565,26 +579,13 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
         fused = plan.fused_merge and launch.block_m == 16
         follows, precedes = links[index], links[index + 1]
         _LAUNCH["_segment_attention_kernel"][(launch.work.shape[0] * num_kv,)](
-            q, k_cache, v_cache, k_desc, v_desc, k_scale if quant else k_cache, v_scale if quant else v_cache,
-            o_part, lse_part, launch.work, plan.rows, query_pos, plan.merge_ptr, plan.merge_idx, out,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0) if quant else 0,
-            o_part.stride(0), o_part.stride(1),
-            lse_part.stride(0), out.stride(0), out.stride(1), scale_log2, window or 0, cap, pre, *lib_args, *tail,
-            GROUP=plan.group, HEAD_DIM=head_dim, BLOCK_M=launch.block_m, BLOCK_N=block_n,
-            USE_TMA=use_tma, WARP_SPECIALIZE=plan.warp_specialize,
-            PRECISION="ieee" if exact else "tf32",  # fp32 inputs get full fp32 products (no TF32)
-            FUSE_MERGE=fused,
-            # a leaf below a 16K prefix split 32 ways: 64 branches 8/1 heads 32 us (J=8) vs 36 (4) vs 42 (1), H100;
-            # [16, J, head_dim] fp32 must fit the launch's registers: one warp gets J=1, head_dim 256 J=2
-            MERGE_J=1 if launch.num_warps < 4 else 8 if head_dim <= 128 else 2, HAS_LIB=plan.library is not None,
-            DIRECT_ROWS=launch.direct_rows, LIB_BY_ROW=plan.library.chunks if plan.library_by_row else 0,
-            LIB_P2=triton.next_power_of_2(plan.library.chunks) if plan.library_by_row else 1, QUANT=quant,
-            WINDOW=window is not None, SOFTCAP=softcap is not None,
-            F16_PRODUCTS=f16_products, NUM_KV=num_kv, PDL_TRIGGER=precedes, PDL_WAIT=follows,
-            PACK=launch.pack, PACK_P2=triton.next_power_of_2(launch.pack),
+            q, k_cache, v_cache, k_desc, v_desc, *scales, o_part, lse_part, launch.work, *shared_args,
+            BLOCK_M=launch.block_m, BLOCK_N=block_n, USE_TMA=use_tma, FUSE_MERGE=fused,
+            MERGE_J=1 if launch.num_warps < 4 else merge_j, DIRECT_ROWS=launch.direct_rows,
+            PDL_TRIGGER=precedes, PDL_WAIT=follows, PACK=launch.pack, PACK_P2=next_power_of_2(launch.pack),
             SUB_ROWS=launch.block_m // plan.group // launch.pack, LIB_TAIL=fused and tail[2] > 0,
             num_warps=launch.num_warps, num_stages=min(2, launch.num_stages) if wide else launch.num_stages,
-            **({"launch_pdl": True} if follows else {}),
+            **shared, **({"launch_pdl": True} if follows else {}),
         )
     if plan.fused_merge:
         return out
@@ -592,7 +593,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Tri
     _LAUNCH["_merge_kernel"][(num_q,)](
         o_part, lse_part, plan.merge_ptr, plan.merge_idx, out,
         num_heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1), *lib_args,
-        BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, HAS_LIB=plan.library is not None,
+        BLOCK_H=next_power_of_2(num_heads), HEAD_DIM=head_dim, HAS_LIB=plan.library is not None,
         PDL_WAIT=links[-1], MERGE_J=merge_j, num_warps=8 if merge_j > 1 else 4,
         **({"launch_pdl": True} if links[-1] else {}),
     )
