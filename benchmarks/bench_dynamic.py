@@ -236,6 +236,8 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
             "mixed_steps": tree_run.mixed_steps,
             # a mixed step's wall time (planned, launched uncaptured, its tokens drawn and read on the host)
             "mixed_step_ms": 1e3 * tree_run.mixed_seconds / max(1, tree_run.mixed_steps), "decode_phases": len(tree_run.decode_phases),
+            # mixed steps captured as kept graphs, and replaying one (the kept-mixed variant)
+            "mixed_captures": tree_run.mixed_captures, "mixed_replays": tree_run.mixed_replays,
             # token rows prefilled (new tokens, conditioning tokens run again), and prompt tokens later programs
             # found in the live tree (arriving inputs)
             "prefill_rows": tree_run.prefill_rows, "attached_tokens": roots[0]._run.pass_report.get("attached_tokens", 0),
@@ -404,9 +406,24 @@ def undone(owner, name: str, value):
 #     more finished rows computing until their phase ends;
 # fifo — the scheduler admits waiting work in arrival order (its order before priorities existed);
 # programs-after-phase — a block that completes jobs resumes their programs after the phase's end
-# decision (``Decoder.overlap_programs``); gc-full-collections — Python's full garbage collections run
+# decision (``Decoder.overlap_programs``); kept-mixed — mixed steps captured and kept as CUDA graphs
+# (``TREEGEN_KEEP_MIXED_GRAPHS=1``, :mod:`treegen.runtime.mixed_graphs`; off by default); gc-full-collections — Python's full garbage collections run
 # during the batch (``treegen.runtime.collector`` not applied); arriving — not an engine choice: the inputs
 # given as an iterator, drawn as the run goes (see measure_dynamic)
+@contextlib.contextmanager
+def environment(name: str, value: str):
+    """The environment variable ``name`` set to ``value`` for the block, then restored."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
 @contextlib.contextmanager
 def replan_fraction(value: float):
     """The scheduler's ``REPLAN_FRACTION`` (read by the scheduler and the decoder) set to ``value`` for the block."""
@@ -418,6 +435,7 @@ VARIANTS = {"default": contextlib.nullcontext, "arriving": contextlib.nullcontex
             "replan-0.75": lambda: replan_fraction(0.75), "replan-0.9": lambda: replan_fraction(0.9),
             "fifo": lambda: undone(Scheduler, "priority", lambda self, job: (self._submitted,)),
             "programs-after-phase": lambda: undone(Decoder, "overlap_programs", False),
+            "kept-mixed": lambda: environment("TREEGEN_KEEP_MIXED_GRAPHS", "1"),
             "gc-full-collections": lambda: undone(collector, "enabled", False)}
 
 

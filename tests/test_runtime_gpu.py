@@ -166,6 +166,36 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_dev
         assert root.ret_value == grows.run(engine, **x).ret_value
 
 
+def test_mixed_steps_replayed_from_kept_graphs_give_each_program_alone(monkeypatch):
+    """With kept mixed-step graphs on (``TREEGEN_KEEP_MIXED_GRAPHS=1``, :mod:`treegen.runtime.mixed_graphs`):
+    programs of equal shape make mixed steps that replay an earlier one's graph, with padding rows writing
+    their KV to a slot nothing reads — every program's greedy tokens are those of the program alone (fp32)."""
+    import treegen
+
+    monkeypatch.setenv("TREEGEN_KEEP_MIXED_GRAPHS", "1")
+    engine, rng, ids = _small_fp32_engine(seed=1)
+    prefix = ids(200)
+
+    @treegen.program
+    def rounds(s, question, lengths):
+        s += prefix + question
+        for width in lengths:
+            b = s.fork(len(width))
+            b += lambda i: treegen.gen("a", max_tokens=width[i], ignore_eos=True)
+            s.join(b)
+            s += " " + s["a"][0].split()[-1]
+        return s["a"]
+
+    inputs = [{"question": ids(12), "lengths": [[24, 40, 16]] * 3} for _ in range(16)] + \
+             [{"question": ids(rng.randint(1, 30)), "lengths": [[rng.randint(1, 50) for _ in range(3)]] * 2}
+              for _ in range(8)]
+    roots = rounds.run_batch(engine, inputs)
+    run = roots[0]._run.tree_run
+    assert run.mixed_captures >= 1 and run.mixed_replays >= 1, (run.mixed_captures, run.mixed_replays, run.mixed_steps)
+    for x, root in zip(inputs, roots):
+        assert root.ret_value == rounds.run(engine, **x).ret_value
+
+
 def test_inputs_arriving_while_others_decode_reuse_the_prefix_kv_with_the_tokens_of_each_alone(monkeypatch):
     """Inputs drawn from an iterator while the batch runs (:mod:`treegen.lang.arrivals`), on the GPU with CUDA
     graphs: later programs' prompts are attached below the live tree's prefix — a node holding KV split in

@@ -198,11 +198,12 @@ class PhaseGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def get(self, key: PhaseKey, plan, width: int) -> PhaseBuffers | None:
-        """Kept buffers of ``key`` that ``plan`` and ``width`` fit, the most recently used first."""
+    def get(self, key: PhaseKey, *fit) -> PhaseBuffers | None:
+        """Kept buffers of ``key`` that fit (``fits(*fit)``: a phase's plan and width, a mixed step's plan, see
+        :mod:`~treegen.runtime.mixed_graphs`), the most recently used first."""
         for serial in reversed(self.kept):
             their_key, kept = self.kept[serial]
-            if their_key == key and kept.fits(plan, width):
+            if their_key == key and kept.fits(*fit):
                 self.kept.move_to_end(serial)
                 self.hits += 1
                 return kept

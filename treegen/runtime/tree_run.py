@@ -38,11 +38,12 @@ import torch
 
 from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, library_copy_bytes, plan_tree_attention,
                                             tree_attention, tree_lse_reference)
-from treegen.runtime import swa
+from treegen.runtime import mixed_graphs, swa
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.decode import Decoder
 from treegen.runtime.device_memory import activation_margin, device_free
 from treegen.runtime.kv_store import KVStore
+from treegen.runtime.mixed_graphs import MixedBuffers
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
 from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
 from treegen.runtime.token_automata import FREE
@@ -139,6 +140,9 @@ class TreeRun:
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         # wall seconds of those steps, whole: planned, launched uncaptured, their tokens drawn and read
         self.mixed_seconds = 0.0
+        # mixed steps run in kept buffers, those of them in buffers an earlier one made, and (CUDA) those captured
+        # as a kept graph / replaying one (see mixed_graphs)
+        self.mixed_kept = self.mixed_reused = self.mixed_captures = self.mixed_replays = 0
         self.prefill_rows = 0  # token rows those passes ran besides decode rows (new tokens, conditioning tokens)
         # scheduling calls (between decode phases only: host_seconds["schedule"] is spent in these, not spread
         # over every step)
@@ -313,7 +317,7 @@ class TreeRun:
         for rs in per_score:
             wanted += [row_of[r] for choice in rs for r in choice]
         split = self.model.vocab_split  # (a head split by vocabulary: the sampler reads this rank's logits)
-        logits = self._forward(rows, wanted, gather=split is None)
+        logits = self._forward(rows, wanted, gather=split is None, pad_slot=self._pad_slot(decode_rows, gens))
         self.mixed_steps += 1
         dec.draw(logits[: len(decode_rows) + len(gens)], gens)
         if not scores:
@@ -517,20 +521,43 @@ class TreeRun:
         attend.lse = lse
         return attend
 
-    def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int], gather: bool = True) -> torch.Tensor:
+    def _pad_slot(self, decode_rows: list[tuple[int, int]], gens: list[Job]) -> int | None:
+        """A KV slot that no row of a mixed step writes and that holds no KV while it runs, for the padding
+        rows of a kept mixed step (:mod:`~treegen.runtime.mixed_graphs`): the last reserved slot of a
+        generating branch's node — a decode row's, or a new gen's — past every token that node holds now
+        (a gen's last token is never run, so its slot is written by nothing before the node grows). None:
+        no such slot (the step runs uncaptured)."""
+        segments = self.kv.segments
+        ends = [(n, i) for n, i in decode_rows] + [(j.request.node, len(self.tree.tokens(j.request.node)) - 1)
+                                                  for j in gens]
+        for n, last in ends:
+            seg = segments.get(n)
+            if seg is not None and seg.capacity - 1 > last - seg.dropped:
+                return seg.start + seg.capacity - 1
+        return None
+
+    def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int], gather: bool = True,
+                 pad_slot: int | None = None) -> torch.Tensor:
         """Run the model on the (node, index) token rows → fp32 logits [len(logits_rows), vocab].
 
         Rows are taken in order (parents before children) in chunks of at most
         ``engine.max_prefill_tokens``, so activations stay bounded however large the prefill.
-        ``gather=False``: of a head split by vocabulary, this rank's columns only (``model.forward``)."""
+        ``gather=False``: of a head split by vocabulary, this rank's columns only (``model.forward``).
+        ``pad_slot``: a mixed step's slot for padding rows (:meth:`_pad_slot`): a pass of one chunk may then run
+        in kept buffers, as a kept graph (:mod:`~treegen.runtime.mixed_graphs`)."""
         chunk = self.engine.max_prefill_tokens
         parts, taken = [], []
         for begin in range(0, len(rows), chunk):
             input_ids, slots, plan = self.plan_rows(rows[begin : begin + chunk])
             mine = [i for i, r in enumerate(logits_rows) if begin <= r < begin + chunk]
             wanted = torch.tensor([logits_rows[i] - begin for i in mine], dtype=torch.int64, device=self.model.device)
-            parts.append(self.model.forward(input_ids, plan.query_pos, self.attend_fn(plan, slots), wanted,
-                                            gather=gather))
+            kept = self._kept_mixed(plan, input_ids.numel(), len(mine), gather) \
+                if pad_slot is not None and len(rows) <= chunk else None
+            if kept is not None:
+                parts.append(self._run_kept_mixed(kept, input_ids, slots, pad_slot, wanted, plan, gather))
+            else:
+                parts.append(self.model.forward(input_ids, plan.query_pos, self.attend_fn(plan, slots), wanted,
+                                                gather=gather))
             self.kv.wait_restores()  # (every layer waited already; nothing is pending afterwards)
             taken += mine
             self.forward_passes += 1
@@ -542,6 +569,50 @@ class TreeRun:
         out = torch.empty_like(logits)
         out[torch.tensor(taken, dtype=torch.int64, device=logits.device)] = logits
         return out
+
+    def _kept_mixed(self, plan: PassPlan, rows: int, logits_rows: int, gather: bool) -> MixedBuffers | None:
+        """The kept buffers a mixed step with this plan runs in (an earlier step's of the same key, or new
+        ones), or None: it runs uncaptured (keeping off, decode phases' kept graphs off, too many rows, or a
+        plan that cannot be padded). See :mod:`~treegen.runtime.mixed_graphs`."""
+        kept = self.decoder.kept
+        if kept is None or not mixed_graphs.enabled() or self.engine.attention == "none" or plan.backend != "triton":
+            return None
+        key = mixed_graphs.mixed_key(plan, rows=rows, logits_rows=logits_rows, gather=gather,
+                                     pool_generation=self.kv.pool_generation)
+        if key is None:
+            return None
+        self.mixed_kept += 1
+        found = kept.get(key, plan)
+        if found is not None:
+            self.mixed_reused += 1
+            return found
+        return kept.add(key, MixedBuffers.allocate(plan=plan, rows=rows, logits_rows=logits_rows,
+                                                   device=self.model.device))
+
+    def _run_kept_mixed(self, kept: MixedBuffers, input_ids, slots, pad_slot: int, wanted, plan, gather: bool):
+        """Run a mixed step in ``kept``: its values loaded, its forward replayed (captured first if new; on the
+        CPU run eagerly in the same buffers). Returns its logits (the step's rows only), fp32."""
+        self.kv.wait_restores()  # (a captured forward cannot wait on copies made outside it)
+        kept.load(input_ids=input_ids, slots=slots, pad_slot=pad_slot, logits_rows=wanted, plan=plan)
+
+        def forward() -> None:
+            kept.logits = self.model.forward(kept.input_ids, kept.plan.query_pos, self.attend_fn(kept.plan, kept.slots),
+                                             kept.logits_rows, gather=gather, fp32_logits=False)
+
+        dec = self.decoder
+        if not dec.graphs:
+            forward()
+        elif "forward" in kept.graphs:
+            kept.graphs["forward"].replay()
+            self.mixed_replays += 1
+        else:
+            started = time.perf_counter()
+            kept.graphs["forward"], _ = dec._graph(forward, dec.kept.pool())
+            kept.graphs["forward"].replay()  # (a capture that ran it, warming up, gave its logits elsewhere)
+            self.mixed_captures += 1
+            self.host_seconds["capture"] += time.perf_counter() - started
+            dec.kept.trim()
+        return kept.logits[: wanted.numel()].float()
 
     def prefill(self, nodes: list[int]) -> dict[int, torch.Tensor]:
         """Compute the KV of every pending token on the paths of ``nodes`` in one forward pass.
