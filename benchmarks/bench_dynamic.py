@@ -204,6 +204,19 @@ def started_at() -> str:
     return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
+WORKLOADS = ["rounds", "rounds-equal", "tot"]
+
+
+def one_workload_arguments(parser, shape: str = "tinyllama-1.1b", branches: int = 256) -> None:
+    """The arguments of a diagnostic that runs one of this file's workloads (trace_dynamic, profile_schedule,
+    profile_dynamic_host): ``--shape --workload --branches --width --oversubscribe``, as bench_dynamic's."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=shape)
+    parser.add_argument("--workload", default="tot", choices=WORKLOADS)
+    parser.add_argument("--branches", type=int, default=branches)
+    parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--oversubscribe", type=int, default=3)
+
+
 def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_up: bool = True,
                     arriving: bool = False) -> dict:
     """The workload run twice with different inputs of the same sizes; the second is measured (only the
@@ -327,7 +340,7 @@ def main() -> None:
     parser.add_argument("--oversubscribe", type=int, default=3, help="programs per batch's worth of programs")
     parser.add_argument("--static-forks", type=int, default=1,
                         help="run the static equivalent as this many forks in a row (each one's KV must fit)")
-    parser.add_argument("--workloads", nargs="+", default=["rounds", "rounds-equal", "tot"])
+    parser.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed dynamic and static runs per case, interleaved; medians are reported")
     parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench_dynamic import SHAPES, config_of, workload  # benchmarks/
+from bench_dynamic import config_of, one_workload_arguments, workload  # benchmarks/
 import treegen.runtime.model as model_module
 import treegen.runtime.tree_run as tree_run_module
 from treegen.runtime.engine import Engine
@@ -217,11 +217,7 @@ def run_once(engine: Engine, kind: str, programs: int, width: int, seed: int, pr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
-    parser.add_argument("--workload", default="tot", choices=["rounds", "rounds-equal", "tot"])
-    parser.add_argument("--branches", type=int, default=256)
-    parser.add_argument("--width", type=int, default=4)
-    parser.add_argument("--oversubscribe", type=int, default=3)
+    one_workload_arguments(parser)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--mixed-options", type=json.loads, default=None,
                         help='JSON triton_options for the plans of mixed steps, e.g. \'{"library": false}\'')

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench_dynamic import SHAPES, config_of, workload  # benchmarks/
+from bench_dynamic import config_of, one_workload_arguments, workload  # benchmarks/
 from treegen.runtime.engine import Engine
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.loader import IdTokenizer
@@ -130,11 +130,7 @@ class CallLog:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    parser.add_argument("--workload", default="tot")
-    parser.add_argument("--branches", type=int, default=1024)
-    parser.add_argument("--width", type=int, default=4)
-    parser.add_argument("--oversubscribe", type=int, default=3)
+    one_workload_arguments(parser, shape="llama3-8b", branches=1024)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

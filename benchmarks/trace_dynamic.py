@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_dynamic import VARIANTS, measure_static, now, workload  # benchmarks/
-from bench_end_to_end import SHAPES, config_of
+from bench_dynamic import VARIANTS, measure_static, now, one_workload_arguments, workload  # benchmarks/
+from bench_end_to_end import config_of
 from treegen.lang.batch import Cooperative
 from treegen.lang.program_run import ProgramRun
 from treegen.runtime import decode, kv_store, phase_graphs, phase_io, tree_run
@@ -185,11 +185,7 @@ def analyse(prof) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
-    parser.add_argument("--workload", default="tot", choices=["rounds", "rounds-equal", "tot"])
-    parser.add_argument("--branches", type=int, default=256)
-    parser.add_argument("--width", type=int, default=4)
-    parser.add_argument("--oversubscribe", type=int, default=3)
+    one_workload_arguments(parser)
     parser.add_argument("--variant", default="default", choices=list(VARIANTS), help="as bench_dynamic's --variants")
     parser.add_argument("--out", required=True, help="the analysis (JSON)")
     parser.add_argument("--chrome", default=None, help="also the profiler's trace (Chrome trace format)")

@@ -132,6 +132,24 @@ def _small_fp32_engine(seed: int):
     return engine, rng, lambda n: " " + " ".join(str(rng.randrange(1, 1000)) for _ in range(n))
 
 
+def _rounds_program(prefix: str, ignore_eos: bool):
+    """A program that grows as it runs: the prefix and its question, then per round fork -> gen (each branch its
+    length) -> join -> a follow-up built from the first answer."""
+    import treegen
+
+    @treegen.program
+    def rounds(s, question, lengths):
+        s += prefix + question
+        for width in lengths:
+            b = s.fork(len(width))
+            b += lambda i: treegen.gen("a", max_tokens=width[i], ignore_eos=ignore_eos)
+            s.join(b)
+            s += " " + s["a"][0].split()[-1]
+        return s["a"]
+
+    return rounds
+
+
 @pytest.mark.parametrize("ends_on_device", [False, True])
 def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_device):
     """Programs that grow as they run, on the GPU with CUDA graphs: new work is prefilled in the same
@@ -139,20 +157,8 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_dev
     and every program's greedy tokens equal those of the program run alone (fp32: IEEE kernels, so
     batch composition cannot flip a greedy choice). ``ends_on_device``: EOS may end a branch, so phases
     watch the device's count of rows still generating and end early, with programs resuming between."""
-    import treegen
-
     engine, rng, ids = _small_fp32_engine(seed=0)
-    prefix = ids(300)
-
-    @treegen.program
-    def grows(s, question, lengths):
-        s += prefix + question
-        for width in lengths:
-            b = s.fork(len(width))
-            b += lambda i: treegen.gen("a", max_tokens=width[i], ignore_eos=not ends_on_device)
-            s.join(b)
-            s += " " + s["a"][0].split()[-1]
-        return s["a"]
+    grows = _rounds_program(ids(300), ignore_eos=not ends_on_device)
 
     inputs = [{"question": ids(rng.randint(1, 40)),
                "lengths": [[rng.randint(1, 60) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]}
@@ -170,21 +176,9 @@ def test_mixed_steps_replayed_from_kept_graphs_give_each_program_alone(monkeypat
     """With kept mixed-step graphs on (``TREEGEN_KEEP_MIXED_GRAPHS=1``, :mod:`treegen.runtime.mixed_graphs`):
     programs of equal shape make mixed steps that replay an earlier one's graph, with padding rows writing
     their KV to a slot nothing reads — every program's greedy tokens are those of the program alone (fp32)."""
-    import treegen
-
     monkeypatch.setenv("TREEGEN_KEEP_MIXED_GRAPHS", "1")
     engine, rng, ids = _small_fp32_engine(seed=1)
-    prefix = ids(200)
-
-    @treegen.program
-    def rounds(s, question, lengths):
-        s += prefix + question
-        for width in lengths:
-            b = s.fork(len(width))
-            b += lambda i: treegen.gen("a", max_tokens=width[i], ignore_eos=True)
-            s.join(b)
-            s += " " + s["a"][0].split()[-1]
-        return s["a"]
+    rounds = _rounds_program(ids(200), ignore_eos=True)
 
     inputs = [{"question": ids(12), "lengths": [[24, 40, 16]] * 3} for _ in range(16)] + \
              [{"question": ids(rng.randint(1, 30)), "lengths": [[rng.randint(1, 50) for _ in range(3)]] * 2}
