@@ -38,8 +38,8 @@ def _batch(model, monkeypatch, keep: bool):
     monkeypatch.setenv("TREEGEN_KEEP_MIXED_GRAPHS", "1")
     try:
         # rounds of equal shape (mixed steps that fit an earlier one's buffers), then some of their own
-        same = [{"question": " 7 8 9", "lengths": [[4, 3]] * 3} for _ in range(6)]
-        roots = grows.run_batch(engine, [dict(x, temperature=1.0) for x in same + inputs(4, seed=2)], seed=4)
+        same = [{"question": " 7 8 9", "lengths": [[4, 3]] * 3} for _ in range(4)]
+        roots = grows.run_batch(engine, [dict(x, temperature=1.0) for x in same + inputs(2, seed=2)], seed=4)
     finally:
         monkeypatch.setattr(Decoder, "__init__", init)
     run = roots[0]._run.tree_run
@@ -47,14 +47,30 @@ def _batch(model, monkeypatch, keep: bool):
     return [r.ret_value for r in roots], logprobs, run
 
 
-def test_mixed_steps_in_kept_buffers_give_the_same_tokens(model, monkeypatch):
+@pytest.fixture(scope="module")
+def plain(model):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _batch(model, monkeypatch, keep=False)
+
+
+def test_mixed_steps_in_kept_buffers_give_the_same_tokens(model, plain, monkeypatch):
     kept, kept_logprobs, run = _batch(model, monkeypatch, keep=True)
-    plain, plain_logprobs, plain_run = _batch(model, monkeypatch, keep=False)
+    plain, plain_logprobs, plain_run = plain
     assert kept == plain
     assert len(kept_logprobs) > 20 and kept_logprobs == pytest.approx(plain_logprobs, abs=1e-4)
     assert plain_run.mixed_kept == 0
     assert run.mixed_kept == run.mixed_steps > 3 and run.mixed_reused >= 1, (run.mixed_kept, run.mixed_reused)
     assert any(isinstance(key, MixedKey) for key, _ in run.decoder.kept.kept.values())
+
+
+def test_padding_rows_writing_over_a_written_slot_would_be_seen(model, plain, monkeypatch):
+    """The comparison above sees where padding rows write: given the prompt's first slot (written KV) as their
+    pad slot, tokens change."""
+    from treegen.runtime.tree_run import TreeRun
+
+    monkeypatch.setattr(TreeRun, "_pad_slot", lambda run, *ends: min(seg.start for seg in run.kv.segments.values()))
+    kept, _, run = _batch(model, monkeypatch, keep=True)
+    assert run.mixed_kept > 3 and kept != plain[0]
 
 
 def test_a_mixed_step_too_large_or_with_a_library_segment_runs_uncaptured():

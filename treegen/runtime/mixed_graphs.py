@@ -13,11 +13,15 @@ the rows whose logits it returns too, the attention plan's tables half again as 
 captured once per :class:`MixedKey` and replayed by later mixed steps that fit. Padding rows feed token 0 at
 position 0 and attend to nothing (no work item names them); their keys and values are written to one slot
 that holds no KV while the step runs (``pad_slot``: the last reserved slot of a generating branch's node,
-past every token that branch can have by then, see ``TreeRun._pad_slot``); their logits are never read.
+past every token that branch can have by then, see ``TreeRun._pad_slot``); their logits are never read. (Their
+attention output is never written, so what they write there may not be finite: nothing reads it — every kernel
+reads keys only up to its rows' positions, and moves, offloads and compactions copy only written slots.)
 
 Kept with the decode phases' buffers (one :class:`~treegen.runtime.phase_graphs.PhaseGraphs`: one memory
-pool, one budget of kept memory): a mixed step's logits are read (copied out) right after its replay,
-before any other graph runs. Off unless ``TREEGEN_KEEP_MIXED_GRAPHS=1`` until measured on the GPU.
+pool, one budget of kept memory, which counts a step's logits but not its activations in the shared pool):
+a mixed step's logits are read (copied out) right after its replay, before any other graph runs. Every new
+key is captured (no rule yet for shapes that never recur). Off unless ``TREEGEN_KEEP_MIXED_GRAPHS=1`` until
+measured on the GPU.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, lib
                                             tree_attention, tree_lse_reference)
 from treegen.runtime import mixed_graphs, swa
 from treegen.runtime.collector import full_collections_paused
+from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.decode import Decoder
 from treegen.runtime.device_memory import activation_margin, device_free
 from treegen.runtime.kv_store import KVStore
@@ -317,7 +318,7 @@ class TreeRun:
         for rs in per_score:
             wanted += [row_of[r] for choice in rs for r in choice]
         split = self.model.vocab_split  # (a head split by vocabulary: the sampler reads this rank's logits)
-        logits = self._forward(rows, wanted, gather=split is None, pad_slot=self._pad_slot(decode_rows, gens))
+        logits = self._forward(rows, wanted, gather=split is None, pad_ends=(decode_rows, gens))
         self.mixed_steps += 1
         dec.draw(logits[: len(decode_rows) + len(gens)], gens)
         if not scores:
@@ -537,22 +538,23 @@ class TreeRun:
         return None
 
     def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int], gather: bool = True,
-                 pad_slot: int | None = None) -> torch.Tensor:
+                 pad_ends: tuple | None = None) -> torch.Tensor:
         """Run the model on the (node, index) token rows → fp32 logits [len(logits_rows), vocab].
 
         Rows are taken in order (parents before children) in chunks of at most
         ``engine.max_prefill_tokens``, so activations stay bounded however large the prefill.
         ``gather=False``: of a head split by vocabulary, this rank's columns only (``model.forward``).
-        ``pad_slot``: a mixed step's slot for padding rows (:meth:`_pad_slot`): a pass of one chunk may then run
-        in kept buffers, as a kept graph (:mod:`~treegen.runtime.mixed_graphs`)."""
+        ``pad_ends``: a mixed step's decode rows and new gens (:meth:`_pad_slot`'s arguments): a pass of one chunk
+        may then run in kept buffers, as a kept graph (:mod:`~treegen.runtime.mixed_graphs`)."""
         chunk = self.engine.max_prefill_tokens
         parts, taken = [], []
         for begin in range(0, len(rows), chunk):
             input_ids, slots, plan = self.plan_rows(rows[begin : begin + chunk])
             mine = [i for i, r in enumerate(logits_rows) if begin <= r < begin + chunk]
             wanted = torch.tensor([logits_rows[i] - begin for i in mine], dtype=torch.int64, device=self.model.device)
-            kept = self._kept_mixed(plan, input_ids.numel(), len(mine), gather) \
-                if pad_slot is not None and len(rows) <= chunk else None
+            # (the pad slot after planning: a reservation made there may have moved segments)
+            pad_slot = self._pad_slot(*pad_ends) if pad_ends is not None and len(rows) <= chunk else None
+            kept = self._kept_mixed(plan, input_ids.numel(), len(mine), gather) if pad_slot is not None else None
             if kept is not None:
                 parts.append(self._run_kept_mixed(kept, input_ids, slots, pad_slot, wanted, plan, gather))
             else:
@@ -607,8 +609,15 @@ class TreeRun:
             self.mixed_replays += 1
         else:
             started = time.perf_counter()
-            kept.graphs["forward"], _ = dec._graph(forward, dec.kept.pool())
-            kept.graphs["forward"].replay()  # (a capture that ran it, warming up, gave its logits elsewhere)
+            # without a warm-up run once a mixed step has been captured (its kernel variants compiled: a decode
+            # phase's capture is no sign of the prefill tiles'), else with one (see Decoder._graph)
+            if dec.cold_captures and self.mixed_captures > 0:
+                graph, ran = capture_cold(forward, dec.kept.pool())
+                dec.cold_fallbacks += ran
+            else:
+                graph = capture(forward, dec.kept.pool())
+            kept.graphs["forward"] = graph
+            graph.replay()  # (a capture that ran it, warming up, gave its logits elsewhere)
             self.mixed_captures += 1
             self.host_seconds["capture"] += time.perf_counter() - started
             dec.kept.trim()
