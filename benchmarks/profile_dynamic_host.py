@@ -178,18 +178,30 @@ class MixedParts:
         """Had each mixed step's forward been captured and kept as decode phases' are (``phase_graphs``: tables
         padded half again), how many of them would have replayed an earlier one: same rows bucket and shape
         key, tables within the kept capacity."""
-        kept: dict = {}
-        hits = 0
-        for rows, key, sizes in self.keys:
-            if key is None:
-                continue
-            found = next((cap for cap in kept.get((rows, key), []) if _fits(cap, sizes)), None)
-            if found is not None:
-                hits += 1
-            else:
-                kept.setdefault((rows, key), []).append(_room(sizes))
+        def replays(at_sighting: int) -> tuple[int, int]:
+            """(replays, captures) when a shape is captured at its ``at_sighting``-th mixed step (earlier ones
+            run uncaptured)."""
+            kept: dict = {}
+            seen: dict = {}
+            hits = captures = 0
+            for rows, key, sizes in self.keys:
+                if key is None:
+                    continue
+                found = next((cap for cap in kept.get((rows, key), []) if _fits(cap, sizes)), None)
+                if found is not None:
+                    hits += 1
+                    continue
+                seen[rows, key] = seen.get((rows, key), 0) + 1
+                if seen[rows, key] >= at_sighting:
+                    kept.setdefault((rows, key), []).append(_room(sizes))
+                    captures += 1
+            return hits, captures
+
+        first, second = replays(1), replays(2)
         return {"mixed_plans": len(self.keys), "paddable": sum(k is not None for _, k, _ in self.keys),
-                "would_replay": hits, "rows_buckets": sorted({r for r, _, _ in self.keys})}
+                "would_replay": first[0], "would_capture": first[1],
+                "capturing_at_second_sighting": {"would_replay": second[0], "would_capture": second[1]},
+                "rows_buckets": sorted({r for r, _, _ in self.keys})}
 
     def as_dict(self) -> dict:
         n = max(1, self.steps)
