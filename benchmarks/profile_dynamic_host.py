@@ -89,25 +89,37 @@ class MixedParts:
 
     def __enter__(self):
         from treegen.runtime.decode import Decoder
-        parts, inside = self, [False]
+        parts, inside, in_forward = self, [False], [False]
 
-        def timed(owner, name, key, counting=None):
+        def wrap(owner, name, active, record, marks=None):
+            """``owner.name`` timed while ``active[0]`` (None: always): ``record(seconds, result)`` after each
+            call; ``marks[0]`` true during it."""
             fn = getattr(owner, name)
 
             def wrapper(*a, **kw):
-                if not inside[0]:
+                if active is not None and not active[0]:
                     return fn(*a, **kw)
+                if marks is not None:
+                    marks[0] = True
                 t0 = time.perf_counter()
-                out = fn(*a, **kw)
-                parts.s[key] += time.perf_counter() - t0
-                if counting is not None:
-                    counting(out)
+                try:
+                    out = fn(*a, **kw)
+                finally:
+                    if marks is not None:
+                        marks[0] = False
+                record(time.perf_counter() - t0, out)
                 return out
 
             self._saved.append((owner, name, fn))
             setattr(owner, name, wrapper)
 
-        def count(out):
+        def add(key):
+            def record(seconds, _):
+                parts.s[key] += seconds
+            return record
+
+        def plan_rows(seconds, out):
+            parts.s["plan_rows"] += seconds
             plan = out[2].by_window[next(iter(out[2].by_window))]
             if plan.triton is not None:
                 parts.plans += 1
@@ -115,59 +127,24 @@ class MixedParts:
                 parts.library_plans += plan.triton.library is not None
                 parts.keys.append((bucket(out[0].numel()), out[2].shape_key(), out[2].sizes()))
 
-        step = tree_run_module.TreeRun._run_step
+        def step(seconds, _):
+            parts.s["whole"] += seconds
+            parts.steps += 1
 
-        def run_step(run, s):
-            inside[0] = True
-            t0 = time.perf_counter()
-            try:
-                return step(run, s)
-            finally:
-                inside[0] = False
-                parts.s["whole"] += time.perf_counter() - t0
-                parts.steps += 1
+        def piece(key):
+            def record(seconds, _):
+                parts.in_forward[key][0] += 1
+                parts.in_forward[key][1] += seconds
+            return record
 
-        self._saved.append((tree_run_module.TreeRun, "_run_step", step))
-        tree_run_module.TreeRun._run_step = run_step
-        timed(tree_run_module.TreeRun, "plan_rows", "plan_rows", count)
-        forward = LlamaFamilyModel.forward
-        in_forward = [False]
-
-        def forward_timed(*a, **kw):
-            if not inside[0]:
-                return forward(*a, **kw)
-            in_forward[0] = True
-            t0 = time.perf_counter()
-            try:
-                return forward(*a, **kw)
-            finally:
-                in_forward[0] = False
-                parts.s["forward_launch"] += time.perf_counter() - t0
-
-        self._saved.append((LlamaFamilyModel, "forward", forward))
-        LlamaFamilyModel.forward = forward_timed
-
-        def piece(owner, name, key):
-            fn = getattr(owner, name)
-
-            def wrapper(*a, **kw):
-                if not in_forward[0]:
-                    return fn(*a, **kw)
-                t0 = time.perf_counter()
-                out = fn(*a, **kw)
-                entry = parts.in_forward[key]
-                entry[0] += 1
-                entry[1] += time.perf_counter() - t0
-                return out
-
-            self._saved.append((owner, name, fn))
-            setattr(owner, name, wrapper)
-
-        piece(tree_run_module, "tree_attention", "attention")
-        piece(model_module.F, "linear", "linear")
+        wrap(tree_run_module.TreeRun, "_run_step", None, step, marks=inside)
+        wrap(tree_run_module.TreeRun, "plan_rows", inside, plan_rows)
+        wrap(LlamaFamilyModel, "forward", inside, add("forward_launch"), marks=in_forward)
+        wrap(tree_run_module, "tree_attention", in_forward, piece("attention"))
+        wrap(model_module.F, "linear", in_forward, piece("linear"))
         for name in ("add_rms_norm", "rope_", "silu_mul"):
-            piece(model_module, name, name)
-        timed(Decoder, "draw", "draw")
+            wrap(model_module, name, in_forward, piece(name))
+        wrap(Decoder, "draw", inside, add("draw"))
         return self
 
     def __exit__(self, *exc) -> None:
