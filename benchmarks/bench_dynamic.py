@@ -249,8 +249,8 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
             "mixed_steps": tree_run.mixed_steps,
             # a mixed step's wall time (planned, launched uncaptured, its tokens drawn and read on the host)
             "mixed_step_ms": 1e3 * tree_run.mixed_seconds / max(1, tree_run.mixed_steps), "decode_phases": len(tree_run.decode_phases),
-            # mixed steps captured as kept graphs, and replaying one (the kept-mixed variant)
-            "mixed_captures": tree_run.mixed_captures, "mixed_replays": tree_run.mixed_replays,
+            # mixed steps in kept graphs, and those replaying an earlier one's (the kept-mixed variant)
+            "mixed_kept": tree_run.mixed_kept, "mixed_replays": tree_run.mixed_reused,
             # token rows prefilled (new tokens, conditioning tokens run again), and prompt tokens later programs
             # found in the live tree (arriving inputs)
             "prefill_rows": tree_run.prefill_rows, "attached_tokens": roots[0]._run.pass_report.get("attached_tokens", 0),

@@ -478,7 +478,7 @@ def merge_block(num_heads: int, head_dim: int) -> int:
     32/32, 16/8 heads (program-shaped trees whose leaves do not merge, 256/1,024 leaves); at 9/3 x 64 it measured
     4-21% more, so smaller rows keep one at a time over 4 warps (profile_attention_trees_merge_h200.json), and
     larger ones too ([64, 4, 128] would not fit the registers)."""
-    width = next_power_of_2(num_heads) * head_dim if triton is not None else 0
+    width = next_power_of_2(num_heads) * head_dim
     return 4 if num_heads >= 16 and head_dim >= 128 and width <= 4096 else 1
 
 

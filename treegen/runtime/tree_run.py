@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -141,9 +142,9 @@ class TreeRun:
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
         # wall seconds of those steps, whole: planned, launched uncaptured, their tokens drawn and read
         self.mixed_seconds = 0.0
-        # mixed steps run in kept buffers, those of them in buffers an earlier one made, and (CUDA) those captured
-        # as a kept graph / replaying one (see mixed_graphs)
-        self.mixed_kept = self.mixed_reused = self.mixed_captures = self.mixed_replays = 0
+        # mixed steps run in kept buffers, and those of them in buffers an earlier one made (see mixed_graphs; on
+        # CUDA the others were captured as graphs, these replayed one)
+        self.mixed_kept = self.mixed_reused = 0
         self.prefill_rows = 0  # token rows those passes ran besides decode rows (new tokens, conditioning tokens)
         # scheduling calls (between decode phases only: host_seconds["schedule"] is spent in these, not spread
         # over every step)
@@ -529,8 +530,7 @@ class TreeRun:
         (a gen's last token is never run, so its slot is written by nothing before the node grows). None:
         no such slot (the step runs uncaptured)."""
         segments = self.kv.segments
-        ends = [(n, i) for n, i in decode_rows] + [(j.request.node, len(self.tree.tokens(j.request.node)) - 1)
-                                                  for j in gens]
+        ends = itertools.chain(decode_rows, ((j.request.node, len(self.tree.tokens(j.request.node)) - 1) for j in gens))
         for n, last in ends:
             seg = segments.get(n)
             if seg is not None and seg.capacity - 1 > last - seg.dropped:
@@ -552,9 +552,8 @@ class TreeRun:
             input_ids, slots, plan = self.plan_rows(rows[begin : begin + chunk])
             mine = [i for i, r in enumerate(logits_rows) if begin <= r < begin + chunk]
             wanted = torch.tensor([logits_rows[i] - begin for i in mine], dtype=torch.int64, device=self.model.device)
-            # (the pad slot after planning: a reservation made there may have moved segments)
-            pad_slot = self._pad_slot(*pad_ends) if pad_ends is not None and len(rows) <= chunk else None
-            kept = self._kept_mixed(plan, input_ids.numel(), len(mine), gather) if pad_slot is not None else None
+            kept, pad_slot = self._kept_mixed(plan, input_ids.numel(), len(mine), gather, pad_ends) \
+                if pad_ends is not None and len(rows) <= chunk else (None, None)
             if kept is not None:
                 parts.append(self._run_kept_mixed(kept, input_ids, slots, pad_slot, wanted, plan, gather))
             else:
@@ -572,24 +571,28 @@ class TreeRun:
         out[torch.tensor(taken, dtype=torch.int64, device=logits.device)] = logits
         return out
 
-    def _kept_mixed(self, plan: PassPlan, rows: int, logits_rows: int, gather: bool) -> MixedBuffers | None:
+    def _kept_mixed(self, plan: PassPlan, rows: int, logits_rows: int, gather: bool,
+                    pad_ends: tuple) -> tuple[MixedBuffers | None, int | None]:
         """The kept buffers a mixed step with this plan runs in (an earlier step's of the same key, or new
-        ones), or None: it runs uncaptured (keeping off, decode phases' kept graphs off, too many rows, or a
-        plan that cannot be padded). See :mod:`~treegen.runtime.mixed_graphs`."""
+        ones) and its padding rows' slot (:meth:`_pad_slot` of ``pad_ends``; chosen after planning, whose
+        reservations may move segments), or ``(None, None)``: it runs uncaptured (keeping off, decode phases'
+        kept graphs off, too many rows, a plan that cannot be padded, no pad slot). See
+        :mod:`~treegen.runtime.mixed_graphs`."""
         kept = self.decoder.kept
         if kept is None or not mixed_graphs.enabled() or self.engine.attention == "none" or plan.backend != "triton":
-            return None
+            return None, None
         key = mixed_graphs.mixed_key(plan, rows=rows, logits_rows=logits_rows, gather=gather,
                                      pool_generation=self.kv.pool_generation)
-        if key is None:
-            return None
+        pad_slot = None if key is None else self._pad_slot(*pad_ends)
+        if pad_slot is None:
+            return None, None
         self.mixed_kept += 1
         found = kept.get(key, plan)
         if found is not None:
             self.mixed_reused += 1
-            return found
+            return found, pad_slot
         return kept.add(key, MixedBuffers.allocate(plan=plan, rows=rows, logits_rows=logits_rows,
-                                                   device=self.model.device))
+                                                   device=self.model.device)), pad_slot
 
     def _run_kept_mixed(self, kept: MixedBuffers, input_ids, slots, pad_slot: int, wanted, plan, gather: bool):
         """Run a mixed step in ``kept``: its values loaded, its forward replayed (captured first if new; on the
@@ -606,19 +609,17 @@ class TreeRun:
             forward()
         elif "forward" in kept.graphs:
             kept.graphs["forward"].replay()
-            self.mixed_replays += 1
         else:
             started = time.perf_counter()
             # without a warm-up run once a mixed step has been captured (its kernel variants compiled: a decode
             # phase's capture is no sign of the prefill tiles'), else with one (see Decoder._graph)
-            if dec.cold_captures and self.mixed_captures > 0:
+            if dec.cold_captures and self.mixed_kept - self.mixed_reused > 1:  # (this step is one of them)
                 graph, ran = capture_cold(forward, dec.kept.pool())
                 dec.cold_fallbacks += ran
             else:
                 graph = capture(forward, dec.kept.pool())
             kept.graphs["forward"] = graph
             graph.replay()  # (a capture that ran it, warming up, gave its logits elsewhere)
-            self.mixed_captures += 1
             self.host_seconds["capture"] += time.perf_counter() - started
             dec.kept.trim()
         return kept.logits[: wanted.numel()].float()
