@@ -249,7 +249,7 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
             "mixed_steps": tree_run.mixed_steps,
             # a mixed step's wall time (planned, launched uncaptured, its tokens drawn and read on the host)
             "mixed_step_ms": 1e3 * tree_run.mixed_seconds / max(1, tree_run.mixed_steps), "decode_phases": len(tree_run.decode_phases),
-            # mixed steps in kept graphs, and those replaying an earlier one's (the kept-mixed variant)
+            # mixed steps in kept graphs, and those replaying an earlier one's (on by default; the mixed-uncaptured variant turns keeping off)
             "mixed_kept": tree_run.mixed_kept, "mixed_replays": tree_run.mixed_reused,
             # token rows prefilled (new tokens, conditioning tokens run again), and prompt tokens later programs
             # found in the live tree (arriving inputs)
@@ -419,8 +419,9 @@ def undone(owner, name: str, value):
 #     more finished rows computing until their phase ends;
 # fifo — the scheduler admits waiting work in arrival order (its order before priorities existed);
 # programs-after-phase — a block that completes jobs resumes their programs after the phase's end
-# decision (``Decoder.overlap_programs``); kept-mixed — mixed steps captured and kept as CUDA graphs
-# (``TREEGEN_KEEP_MIXED_GRAPHS=1``, :mod:`treegen.runtime.mixed_graphs`; off by default); gc-full-collections — Python's full garbage collections run
+# decision (``Decoder.overlap_programs``); mixed-uncaptured — mixed steps launched eagerly, not
+# captured and kept as CUDA graphs (``TREEGEN_KEEP_MIXED_GRAPHS=0``, :mod:`treegen.runtime.mixed_graphs`; rows of
+# earlier runs name the kept graphs' side "kept-mixed", from when they were off by default); gc-full-collections — Python's full garbage collections run
 # during the batch (``treegen.runtime.collector`` not applied); arriving — not an engine choice: the inputs
 # given as an iterator, drawn as the run goes (see measure_dynamic)
 @contextlib.contextmanager
@@ -448,7 +449,7 @@ VARIANTS = {"default": contextlib.nullcontext, "arriving": contextlib.nullcontex
             "replan-0.75": lambda: replan_fraction(0.75), "replan-0.9": lambda: replan_fraction(0.9),
             "fifo": lambda: undone(Scheduler, "priority", lambda self, job: (self._submitted,)),
             "programs-after-phase": lambda: undone(Decoder, "overlap_programs", False),
-            "kept-mixed": lambda: environment("TREEGEN_KEEP_MIXED_GRAPHS", "1"),
+            "mixed-uncaptured": lambda: environment("TREEGEN_KEEP_MIXED_GRAPHS", "0"),
             "gc-full-collections": lambda: undone(collector, "enabled", False)}
 
 

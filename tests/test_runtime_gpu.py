@@ -173,11 +173,13 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_dev
 
 
 def test_mixed_steps_replayed_from_kept_graphs_give_each_program_alone(monkeypatch):
-    """With kept mixed-step graphs on (``TREEGEN_KEEP_MIXED_GRAPHS=1``, :mod:`treegen.runtime.mixed_graphs`):
-    programs of equal shape make mixed steps that replay an earlier one's graph, with padding rows writing
-    their KV to a slot nothing reads — every program's greedy tokens are those of the program alone (fp32)."""
+    """With kept mixed-step graphs (on by default, :mod:`treegen.runtime.mixed_graphs`): programs of equal
+    shape, entering two at a time (``max_batch``: 6 branches), make mixed steps that replay an earlier one's
+    graph, with padding rows writing their KV to a slot nothing reads — every program's greedy tokens are
+    those of the program alone (fp32)."""
     monkeypatch.setenv("TREEGEN_KEEP_MIXED_GRAPHS", "1")
     engine, rng, ids = _small_fp32_engine(seed=1)
+    engine.max_batch = 6
     rounds = _rounds_program(ids(200), ignore_eos=True)
 
     inputs = [{"question": ids(12), "lengths": [[24, 40, 16]] * 3} for _ in range(16)] + \
