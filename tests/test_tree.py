@@ -82,3 +82,18 @@ def test_branches_below_counts_the_live_leaves_of_a_subtree():
     assert [tree.branches_below(n) for n in (root, a, a1, a2, b, other)] == [3, 1, 1, 0, 2, 1]
     tree.prune(b1)  # b's children all pruned: b is a leaf now
     assert tree.branches_below(b) == 1 and tree.branches_below(root) == 2
+
+
+def test_extend_leaves_appends_each_run_and_refuses_a_node_with_children():
+    tree = SharingTree()
+    root = tree.add_node(None, [1, 2])
+    a, b = tree.add_node(root, [3]), tree.add_node(root, [])
+    tree.extend_leaves([a, b], [[4, 5], [6]])
+    assert tree.path_tokens(a) == [1, 2, 3, 4, 5] and tree.path_tokens(b) == [1, 2, 6]
+    try:
+        tree.extend_leaves([b, root], [[7], [8]])
+    except ValueError as e:
+        assert f"node {root} has children" in str(e)
+    else:
+        raise AssertionError("a node with children grew")
+    assert tree.tokens(root) == [1, 2]

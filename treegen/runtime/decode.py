@@ -79,6 +79,11 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         self.out: list[list[int]] = []
         self.logprobs: list[list[float]] = []
         self.plain: list[bool] = []  # only EOS and max_tokens can end branch b (see draw)
+        # what settling a block reads of branch b on its fast path (see TokenAcceptance._settle): plain and not
+        # streamed (no on_tokens), its max_tokens, whether EOS ends it
+        self.quick: list[bool] = []
+        self.limit: list[int] = []
+        self.eos_ends: list[bool] = []
         self.live: list[int] = []
         # sliced gens that used up their slice's reservation and wait to be admitted again (job → branch): their
         # tokens, log-probabilities and matcher states stay here; the scheduler's queue holds the jobs
@@ -145,7 +150,11 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
             automaton = self.run.engine.automaton(constraint)
             # only EOS and max_tokens can end it (no stop string; a constraint's matcher takes the tokens before
             # they are settled, a token automaton's state is walked there): settled on the fast path
-            self.plain.append(not job.request.params.stop)
+            params = job.request.params
+            self.plain.append(not params.stop)
+            self.quick.append(not params.stop and job.on_tokens is None)
+            self.limit.append(params.max_tokens)
+            self.eos_ends.append(not params.ignore_eos)
             if automaton is not None:
                 self.state[b] = self.run.engine.automata.walk(automaton.initial, forced) if forced else automaton.initial
             elif constraint is not None:

@@ -24,29 +24,42 @@ class TokenAcceptance:
         started = time.perf_counter()
         if advance:
             self._advance_matchers(live, tokens)
-        jobs, outs, logprobs, plain, eos, extend = self.jobs, self.out, self.logprobs, self.plain, self.eos, self.tree.extend
+        jobs, outs, logprobs, quick, limit, eos_ends, eos = (self.jobs, self.out, self.logprobs, self.quick,
+                                                             self.limit, self.eos_ends, self.eos)
         state, walk = self.state, self.run.engine.automata.walk if self.state else None
         may_stop = self._may_stop(live, tokens)
         # (branch, result) of the branches this block ends, in row order (see _accept): they complete after the
         # loop, their texts decoded at once. (So a completion that cancels another job — a program over its
         # max_program_tokens — comes after that job's tokens of this block are taken and streamed.)
         ending: list = []
+        # the fast path's new tokens for the branches' nodes, appended in one call (before any other branch's
+        # are taken on the slow path, which may stream them: the tree is then as if each had been at once)
+        grown_nodes: list[int] = []
+        grown: list[list[int]] = []
+        taken = 0
         for j, b in enumerate(live):
             job = jobs[b]
             if job.done:  # (finished, or cancelled by a callback of an earlier branch)
                 continue
             # the usual case, inline: a branch that goes on (the part of _accept's first branch that ends nothing)
-            if (plain[b] or j not in may_stop) and job.on_tokens is None:
-                new, out, params = tokens[j], outs[b], job.request.params
-                if len(out) + len(new) < params.max_tokens and (params.ignore_eos or eos.isdisjoint(new)):
+            if quick[b] or (j not in may_stop and job.on_tokens is None):
+                new, out = tokens[j], outs[b]
+                if len(out) + len(new) < limit[b] and not (eos_ends[b] and not eos.isdisjoint(new)):
                     out.extend(new)
                     logprobs[b].extend(lps[j])
-                    extend(job.request.node, new)
-                    self.tokens_done += len(new)
-                    if b in state:  # (a token automaton's branch: its mask allowed every token)
+                    grown_nodes.append(job.request.node)
+                    grown.append(new)
+                    taken += len(new)
+                    if state and b in state:  # (a token automaton's branch: its mask allowed every token)
                         state[b] = walk(state[b], new)
                     continue
+            if grown:
+                self.tree.extend_leaves(grown_nodes, grown)
+                grown_nodes, grown = [], []
             self._accept(b, tokens[j], lps[j], j not in may_stop, ending)
+        if grown:
+            self.tree.extend_leaves(grown_nodes, grown)
+        self.tokens_done += taken
         if ending:  # the texts still to decode in one batched call, then the jobs complete in row order
             untold = [r for _, r in ending if r.text is None]
             texts = iter(self.run.engine.batch_decode([r.tokens[:-1] if r.finish_reason == "eos" else r.tokens

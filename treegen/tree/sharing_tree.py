@@ -110,9 +110,16 @@ class SharingTree:
 
     def extend(self, node: int, tokens) -> None:
         """Append ids to a node's run; only a node without children may grow."""
-        if self._succ[node]:
-            raise ValueError(f"node {node} has children; its tokens are shared and cannot grow")
-        self._data[node]["tokens"].extend(tokens)
+        self.extend_leaves((node,), (tokens,))
+
+    def extend_leaves(self, nodes, runs) -> None:
+        """:meth:`extend` of each of ``nodes`` by its run of ``runs``, in order (a decode block's tokens: one call;
+        a node with children is refused there, the nodes before it having grown)."""
+        succ, data = self._succ, self._data
+        for node, tokens in zip(nodes, runs):
+            if succ[node]:
+                raise ValueError(f"node {node} has children; its tokens are shared and cannot grow")
+            data[node]["tokens"].extend(tokens)
 
     def split(self, node: int, length: int) -> int:
         """Put a new node holding ``node``'s first ``length`` tokens between it and its parent; ``node``
