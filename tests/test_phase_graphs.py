@@ -113,10 +113,12 @@ def _two_rounds(model, tokenizer, keep: bool):
     return first + second, run
 
 
-def test_phases_in_kept_buffers_give_the_same_tokens(model64, tokenizer):
+def test_phases_in_kept_buffers_give_the_same_tokens(model64, tokenizer, monkeypatch):
     """Phases run in kept, padded buffers (eagerly on the CPU: the same buffers a CUDA graph would
     replay) give the tokens and log-probabilities of phases in tensors of their own, and later phases
-    of the same padded shape reuse earlier ones' buffers."""
+    of the same padded shape reuse earlier ones' buffers. (Mixed steps' kept buffers, which share the
+    store, are off here: tests/test_mixed_graphs.py.)"""
+    monkeypatch.setenv("TREEGEN_KEEP_MIXED_GRAPHS", "0")
     kept, run = _two_rounds(model64, tokenizer, keep=True)
     plain, _ = _two_rounds(model64, tokenizer, keep=False)
     assert [r.tokens for r in kept] == [r.tokens for r in plain]
