@@ -95,7 +95,7 @@ class ConstrainedSteps:
             forward()
             upload()
         elif capturing:
-            graph, _ = self._graph(forward, pool)  # (if it ran step 0's forward, its logits are not the graph's output)
+            graph, _ = self.capture_graph(forward, pool)  # (if it ran step 0's forward, its logits are not the graph's output)
             graphs["forward"] = graph
             graph.replay()  # so run it (again) into that output (rewriting the same KV)
             upload()

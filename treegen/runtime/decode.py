@@ -537,13 +537,16 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         at = min(len(remaining) - 1, int(len(remaining) * REPLAN_FRACTION))
         return sorted(remaining)[at] >= MIN_CAPTURED_STEPS
 
-    def _graph(self, fn, pool=None) -> tuple[torch.cuda.CUDAGraph, bool]:
-        """``fn`` captured as a CUDA graph, and whether capturing ran it for real: without the warm-up
-        run once this engine has captured a phase (see ``cold_captures``), else with it."""
+    def capture_graph(self, fn, pool=None, compiled: bool | None = None) -> tuple[torch.cuda.CUDAGraph, bool]:
+        """``fn`` captured as a CUDA graph, and whether capturing ran it for real: without the warm-up run where
+        its kernel variants are compiled already (see ``cold_captures``), else with it. ``compiled``: whether they
+        are (None: a decode phase's step, compiled once this engine has captured one, which this capture counts)."""
         engine = self.run.engine
-        cold = self.cold_captures and engine.phases_captured > 0
+        if compiled is None:
+            compiled = engine.phases_captured > 0
+            engine.phases_captured += 1
+        cold = self.cold_captures and compiled
         graph, ran = capture_cold(fn, pool) if cold else (capture(fn, pool), True)
-        engine.phases_captured += 1
         self.cold_fallbacks += cold and ran
         return graph, ran
 
@@ -553,7 +556,7 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         for real, that was the phase's first step, so the first call does nothing."""
         if name in graphs:
             return graphs[name].replay
-        graph, ran = self._graph(step, pool)
+        graph, ran = self.capture_graph(step, pool)
         graphs[name] = graph
         first = [ran]
 

@@ -41,7 +41,6 @@ from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, lib
                                             tree_attention, tree_lse_reference)
 from treegen.runtime import mixed_graphs, swa
 from treegen.runtime.collector import full_collections_paused
-from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.decode import Decoder
 from treegen.runtime.device_memory import activation_margin, device_free
 from treegen.runtime.kv_store import KVStore
@@ -140,7 +139,7 @@ class TreeRun:
         self.phase_passes: list[int] = []
         self.phase_capture_seconds: list[float] = []  # host seconds each of them spent capturing (0: replayed kept graphs)
         self.mixed_steps = 0  # forward passes that prefilled new work (with the live branches' decode rows)
-        # wall seconds of those steps, whole: planned, launched uncaptured, their tokens drawn and read
+        # wall seconds of those steps, whole: planned, run (launched uncaptured, or replayed), tokens drawn and read
         self.mixed_seconds = 0.0
         # mixed steps run in kept buffers, and those of them in buffers an earlier one made (see mixed_graphs; on
         # CUDA the others were captured as graphs, these replayed one)
@@ -611,13 +610,9 @@ class TreeRun:
             kept.graphs["forward"].replay()
         else:
             started = time.perf_counter()
-            # without a warm-up run once a mixed step has been captured (its kernel variants compiled: a decode
-            # phase's capture is no sign of the prefill tiles'), else with one (see Decoder._graph)
-            if dec.cold_captures and self.mixed_kept - self.mixed_reused > 1:  # (this step is one of them)
-                graph, ran = capture_cold(forward, dec.kept.pool())
-                dec.cold_fallbacks += ran
-            else:
-                graph = capture(forward, dec.kept.pool())
+            # its kernel variants are compiled once a mixed step has been captured (a decode phase's capture is
+            # no sign of the prefill tiles'); this step is counted in mixed_kept - mixed_reused already
+            graph, _ = dec.capture_graph(forward, dec.kept.pool(), compiled=self.mixed_kept - self.mixed_reused > 1)
             kept.graphs["forward"] = graph
             graph.replay()  # (a capture that ran it, warming up, gave its logits elsewhere)
             self.host_seconds["capture"] += time.perf_counter() - started
