@@ -191,6 +191,55 @@ class MixedParts:
                 "plans_with_library": f"{self.library_plans}/{self.plans}", **self.reuse()}
 
 
+class Timed:
+    """Host seconds and calls of the functions named ``module.Class.method`` (or ``module.function``) while in
+    the block, wrapped by a timer only (no profiler): e.g. the scheduler's parts in a run timed as bench_dynamic
+    times it. A call inside another timed one counts in both."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.s = {n: [0, 0.0] for n in names}
+        self._saved: list = []
+
+    def __enter__(self):
+        import importlib
+
+        for name in self.names:
+            parts = name.split(".")
+            for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+                try:
+                    owner = importlib.import_module(".".join(parts[:cut]))
+                    break
+                except ImportError:
+                    continue
+            else:
+                raise ValueError(f"--time {name}: no importable module in it")
+            for attr in parts[cut:-1]:
+                owner = getattr(owner, attr)
+            fn = getattr(owner, parts[-1])
+            record = self.s[name]
+
+            def wrapper(*a, _fn=fn, _record=record, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    _record[0] += 1
+                    _record[1] += time.perf_counter() - t0
+
+            self._saved.append((owner, parts[-1], fn))
+            setattr(owner, parts[-1], wrapper)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+
+    def as_dict(self) -> dict:
+        return {n: {"calls": c, "ms": round(1e3 * sec, 2), "ms_per_call": round(1e3 * sec / max(1, c), 3)}
+                for n, (c, sec) in self.s.items()}
+
+
 def run_once(engine: Engine, kind: str, programs: int, width: int, seed: int, profile: cProfile.Profile | None):
     prog, inputs, _ = workload(kind, programs, width, engine.model.vocab_size, seed=seed)
     torch.cuda.synchronize()
@@ -210,6 +259,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--mixed-options", type=json.loads, default=None,
                         help='JSON triton_options for the plans of mixed steps, e.g. \'{"library": false}\'')
+    parser.add_argument("--time", nargs="*", default=[], metavar="MODULE.CLASS.METHOD",
+                        help="functions timed (calls, ms) in the unprofiled run, e.g. "
+                             "treegen.runtime.scheduler.Scheduler._admit")
+    parser.add_argument("--callees", nargs="*", default=[], metavar="FILE:FUNCTION",
+                        help="print the profiled callees of these (pstats restrictions, e.g. scheduler.py:372)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -219,7 +273,7 @@ def main() -> None:
     profile = cProfile.Profile()
     with mixed_plan_options(args.mixed_options):
         run_once(engine, args.workload, programs, args.width, seed=1, profile=None)  # compile, warm
-        with MixedParts() as mixed_parts:
+        with MixedParts() as mixed_parts, Timed(args.time) as timed:
             plain_s, plain_run = run_once(engine, args.workload, programs, args.width, seed=0, profile=None)
         profiled_s, tree_run = run_once(engine, args.workload, programs, args.width, seed=0, profile=profile)
     plain_mixed_ms = 1e3 * plain_run.mixed_seconds / max(1, plain_run.mixed_steps)
@@ -237,11 +291,18 @@ def main() -> None:
         pstats.Stats(profile, stream=s).sort_stats(order).print_stats(args.top)
         listings[order] = s.getvalue()
         print(s.getvalue())
+    callees = {}
+    for want in args.callees:
+        s = io.StringIO()
+        pstats.Stats(profile, stream=s).sort_stats("cumtime").print_callees(want)
+        callees[want] = s.getvalue()
+        print(s.getvalue())
     row = {"benchmark": "profile_dynamic_host", "shape": args.shape, "workload": args.workload,
            "branches": args.branches, "programs": programs, "device": torch.cuda.get_device_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "mixed_options": args.mixed_options, "run_s": plain_s, "profiled_s": profiled_s,
            "unprofiled_mixed_step_ms": round(plain_mixed_ms, 2), "unprofiled_mixed_parts": mixed_parts.as_dict(),
+           "unprofiled_timed": timed.as_dict(), "callees": callees,
            "forward_passes": tree_run.forward_passes, "mixed_steps": tree_run.mixed_steps,
            "mixed_step_ms": round(1e3 * tree_run.mixed_seconds / max(1, tree_run.mixed_steps), 2),
            "decode_phases": len(tree_run.decode_phases),
