@@ -336,7 +336,7 @@ def test_when_the_host_runs_out_of_memory_auto_recomputes_and_host_says_so(model
     memory is locked up): ``"auto"`` drops the node it could not place and the rest, warns once, recomputes
     from then on (nothing more goes to the host), and gives the unlimited run's tokens; ``"host"`` stops with the error naming the node."""
     from treegen.runtime.host_arena import HostArena
-    from treegen.runtime.kv_store import HostMemoryError
+    from treegen.runtime.kv_host import HostMemoryError
 
     take, taken = HostArena.take, []
 

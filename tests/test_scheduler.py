@@ -395,7 +395,7 @@ def test_a_job_left_out_of_a_full_step_does_not_count_its_nodes_as_taken():
 
 
 def test_a_restore_copies_per_layer_when_few_nodes_come_back_and_in_fewer_groups_when_many_do():
-    from treegen.runtime.kv_store import RESTORE_COPIES, layer_groups
+    from treegen.runtime.kv_host import RESTORE_COPIES, layer_groups
 
     for layers in (1, 5, 32, 80):
         for copies in (1, 2, 8, 64, 400, 10_000):

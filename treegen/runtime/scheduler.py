@@ -57,7 +57,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from treegen.runtime.kv_store import HostMemoryError
+from treegen.runtime.kv_host import HostMemoryError
 from treegen.runtime.offload import OffloadPolicy
 from treegen.runtime.requests import GenRequest, Job
 from treegen.runtime.swa import DEFAULT_EVERY, reserve_slots

@@ -270,7 +270,7 @@ class TreeRun:
     @property
     def offload_stats(self) -> dict:
         """KV moved to the host and back, dropped and recomputed during this run, and the time it took
-        (:class:`~treegen.runtime.kv_store.OffloadCounters`)."""
+        (:class:`~treegen.runtime.kv_host.OffloadCounters`)."""
         return self.kv.counters.as_dict()
 
     def cancel(self, job: Job) -> None:
