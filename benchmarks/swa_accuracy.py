@@ -1,7 +1,7 @@
 """Accuracy of sparse window attention (ALISA SWA, issue 19) against dense attention and a recent-window baseline.
 
-Model: the embedded SmolLM2-135M-Instruct, fp32 on the CPU by default (``--device cuda --dtype bfloat16``
-on a GPU). Every method runs on the same loaded weights.
+Model: the embedded SmolLM2-135M-Instruct, fp32 on the CPU by default, or ``--model`` (a local checkpoint or a
+hub id: the paper's comparison is with 6.7B-33B models; ``--device cuda --dtype bfloat16`` on a GPU). Every method runs on the same loaded weights.
 
 Methods, at each keep ratio r (``--ratios``, default 0.1 0.2 0.3 0.4 0.5):
 
@@ -187,6 +187,9 @@ def generate(engine: Engine, prompts, tokens: int, temperature: float, keeps: li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="a local checkpoint directory or hub id (default: the embedded SmolLM2-135M-Instruct) — "
+                             "ALISA's comparison is with 6.7B-33B models; --device cuda --dtype bfloat16 for those")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.1, 0.2, 0.3, 0.5])
@@ -211,7 +214,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t_all = time.perf_counter()
-    model, tokenizer = load_model(None, dtype=DTYPES[args.dtype], device=args.device)
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    model_name = args.model or "SmolLM2-135M-Instruct (embedded)"
     device = model.device
     engine = Engine(model, tokenizer, kv_keep_every=args.every, kv_keep_history=args.history)
     ids = tokenizer(TEXT.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
@@ -226,7 +230,7 @@ def main() -> None:
     text_conts = [s[args.sink + 1:] for s in text_seqs]
     gap = (len(ids) - args.prompt_tokens) // max(1, args.gen_seqs)
     gen_prompts = [ids[i * gap: i * gap + args.prompt_tokens] for i in range(args.gen_seqs)]
-    print(f"model SmolLM2-135M-Instruct ({args.dtype}) on {device}; text {args.text_seqs} x {args.text_tokens} "
+    print(f"model {model_name} ({args.dtype}) on {device}; text {args.text_seqs} x {args.text_tokens} "
           f"tokens; generations {args.gen_seqs} x {args.gen_tokens} (prompt {args.prompt_tokens}); "
           f"every {args.every}, history {args.history}", flush=True)
 
@@ -287,7 +291,7 @@ def main() -> None:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "torch_threads": torch.get_num_threads(),
-        "model": "SmolLM2-135M-Instruct (embedded)", "dtype": args.dtype,
+        "model": model_name, "dtype": args.dtype,
         "text": {"file": str(TEXT.relative_to(HERE.parent)), "sequences": args.text_seqs,
                  "tokens_per_sequence": args.text_tokens, "dense_root_tokens": args.sink},
         "generations": {"sequences": args.gen_seqs, "prompt_tokens": args.prompt_tokens, "tokens": args.gen_tokens,
@@ -305,7 +309,8 @@ def main() -> None:
         "seconds": {"teacher_forced": round(tf_seconds, 1), "greedy": round(greedy_seconds, 1),
                     "total": round(time.perf_counter() - t_all, 1)},
     }
-    out = Path(args.out) if args.out else HERE / "results" / f"alisa_swa_accuracy_{device_slug(device)}.json"
+    slug = "" if args.model is None else "_" + Path(str(args.model)).name.lower()  # (a checkpoint's own file)
+    out = Path(args.out) if args.out else HERE / "results" / f"alisa_swa_accuracy{slug}_{device_slug(device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
@@ -323,7 +328,7 @@ def main() -> None:
             ax.set_xlabel("kv_keep (fraction of the branch's own KV kept)")
             ax.set_ylabel("perplexity increase over dense (%)")
             ax.set_yscale("symlog", linthresh=1)
-            ax.set_title(f"SmolLM2-135M, {title}")
+            ax.set_title(f"{model_name}, {title}")
             ax.legend()
         save(fig, out.with_suffix(".png"))
 
