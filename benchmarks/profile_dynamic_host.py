@@ -34,7 +34,7 @@ from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.phase_graphs import _fits, _room, bucket
 
 # (file suffix, function): the engine's parts whose cumulative time is reported by name
-PARTS = [("tree_run.py", "_run_step"), ("tree_run.py", "plan_rows"), ("tree_run.py", "_forward"),
+PARTS = [("mixed_step.py", "_run_step"), ("tree_run.py", "plan_rows"), ("tree_run.py", "_forward"),
          ("scheduler.py", "next_step"), ("decode.py", "phase"), ("decode.py", "draw"), ("decode.py", "_steps"),
          ("decode.py", "_replayer"), ("phase_graphs.py", "load"), ("token_accept.py", "_settle"),
          ("token_accept.py", "_accept"), ("model.py", "forward"), ("phase_io.py", "pick"),
@@ -44,7 +44,7 @@ PARTS = [("tree_run.py", "_run_step"), ("tree_run.py", "plan_rows"), ("tree_run.
 
 @contextmanager
 def mixed_plan_options(options: dict | None):
-    """While in the block, the attention plans of mixed steps (``TreeRun._run_step``) get these
+    """While in the block, the attention plans of mixed steps (``MixedSteps._run_step``) get these
     ``triton_options`` (e.g. ``{"library": false, "use_tma": false}``); decode phases keep theirs."""
     if not options:
         yield
@@ -72,7 +72,7 @@ def mixed_plan_options(options: dict | None):
 
 
 class MixedParts:
-    """Host seconds of the mixed steps' parts (``TreeRun._run_step``) while in the block: planning
+    """Host seconds of the mixed steps' parts (``MixedSteps._run_step``) while in the block: planning
     (``plan_rows``), launching the forward (``model.forward``, returning before the device is done), drawing
     (``Decoder.draw``: the tokens read back), and the step whole; within the forward, its calls of tree
     attention, of ``F.linear`` and of the fused norm / RoPE / SiLU kernels (``in_forward``); and the plans'

@@ -1,7 +1,7 @@
 """Mixed steps' forward passes captured as CUDA graphs and kept, as decode phases' are (:mod:`phase_graphs`).
 
 A *mixed step* (a forward pass that prefills new work beside the live branches' decode rows,
-``TreeRun._run_step``) runs uncaptured, and launching its kernels costs the host far more than the GPU
+:mod:`~treegen.runtime.mixed_step`) runs uncaptured, and launching its kernels costs the host far more than the GPU
 needs to run them: measured on an H100 host, TinyLlama's 22 layers took 18-21 ms to launch while the step's
 GPU work was a few ms, at each of a tree-of-thought search's 23 phase boundaries
 (``benchmarks/profile_dynamic_host.py``). Mixed steps of one run often have the same shape: of those 23,
@@ -13,7 +13,7 @@ the rows whose logits it returns too, the attention plan's tables half again as 
 captured once per :class:`MixedKey` and replayed by later mixed steps that fit. Padding rows feed token 0 at
 position 0 and attend to nothing (no work item names them); their keys and values are written to one slot
 that holds no KV while the step runs (``pad_slot``: the last reserved slot of a generating branch's node,
-past every token that branch can have by then, see ``TreeRun._pad_slot``); their logits are never read. (Their
+past every token that branch can have by then, see ``MixedSteps._pad_slot``); their logits are never read. (Their
 attention output is never written, so what they write there may not be finite: nothing reads it — every kernel
 reads keys only up to its rows' positions, and moves, offloads and compactions copy only written slots.)
 

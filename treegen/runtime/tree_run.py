@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -39,14 +38,14 @@ import torch
 
 from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, library_copy_bytes, plan_tree_attention,
                                             tree_attention, tree_lse_reference)
-from treegen.runtime import mixed_graphs, swa
+from treegen.runtime import swa
 from treegen.runtime.collector import full_collections_paused
 from treegen.runtime.decode import Decoder
 from treegen.runtime.device_memory import activation_margin, device_free
 from treegen.runtime.kv_store import KVStore
-from treegen.runtime.mixed_graphs import MixedBuffers
+from treegen.runtime.mixed_step import MixedSteps
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
-from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row, score_rows
+from treegen.runtime.scheduler import KVBudget, Scheduler
 from treegen.runtime.token_automata import FREE
 from treegen.tree.sharing_tree import SharingTree
 
@@ -116,7 +115,7 @@ class PassPlan:
 _FINISHED_RUN_BYTES = 2**30
 
 
-class TreeRun:
+class TreeRun(MixedSteps):
     """One sharing tree, the KV of its nodes, and the jobs running over it (see the module doc)."""
 
     def __init__(self, engine) -> None:
@@ -303,36 +302,6 @@ class TreeRun:
                 raise j.error
         return [j.result for j in jobs[: len(gens)]], [j.result for j in jobs[len(gens):]]
 
-    def _run_step(self, step) -> None:
-        """One forward pass: the live branches' decode rows, then ``step.rows``; draws the live
-        branches' next tokens and the first tokens of ready gens, and scores ready selects."""
-        tree, dec = self.tree, self.decoder
-        decode_rows = dec.decode_rows()
-        rows = decode_rows + step.rows
-        self.prefill_rows += len(step.rows)
-        row_of = {r: j for j, r in enumerate(rows)}
-        gens = [j for j in step.ready if j.is_gen]
-        scores = [j for j in step.ready if not j.is_gen]
-        wanted = [row_of[r] for r in decode_rows] + [row_of[conditioning_row(tree, j.request.node)] for j in gens]
-        per_score = [score_rows(tree, j) for j in scores]
-        for rs in per_score:
-            wanted += [row_of[r] for choice in rs for r in choice]
-        split = self.model.vocab_split  # (a head split by vocabulary: the sampler reads this rank's logits)
-        logits = self._forward(rows, wanted, gather=split is None, pad_ends=(decode_rows, gens))
-        self.mixed_steps += 1
-        dec.draw(logits[: len(decode_rows) + len(gens)], gens)
-        if not scores:
-            return
-        # every choice's mean token log-probability, read to the host at once
-        at = len(decode_rows) + len(gens)
-        targets = torch.tensor([t for job in scores for c in job.request.choices for t in tree.tokens(c)],
-                               device=logits.device)
-        chosen = logits[at:] if split is None else split.gather(logits[at:])
-        picked = chosen.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
-        sizes = [len(choice_rows) for rs in per_score for choice_rows in rs]
-        means = iter(torch.stack([part.mean() for part in picked.split(sizes)]).tolist())
-        for job in scores:
-            self.complete(job, [next(means) for _ in job.request.choices])
 
     # ---------------------------------------------------------------------------------------------
     def can_split(self, node: int, length: int) -> bool:
@@ -522,20 +491,6 @@ class TreeRun:
         attend.lse = lse
         return attend
 
-    def _pad_slot(self, decode_rows: list[tuple[int, int]], gens: list[Job]) -> int | None:
-        """A KV slot that no row of a mixed step writes and that holds no KV while it runs, for the padding
-        rows of a kept mixed step (:mod:`~treegen.runtime.mixed_graphs`): the last reserved slot of a
-        generating branch's node — a decode row's, or a new gen's — past every token that node holds now
-        (a gen's last token is never run, so its slot is written by nothing before the node grows). None:
-        no such slot (the step runs uncaptured)."""
-        segments = self.kv.segments
-        ends = itertools.chain(decode_rows, ((j.request.node, len(self.tree.tokens(j.request.node)) - 1) for j in gens))
-        for n, last in ends:
-            seg = segments.get(n)
-            if seg is not None and seg.capacity - 1 > last - seg.dropped:
-                return seg.start + seg.capacity - 1
-        return None
-
     def _forward(self, rows: list[tuple[int, int]], logits_rows: list[int], gather: bool = True,
                  pad_ends: tuple | None = None) -> torch.Tensor:
         """Run the model on the (node, index) token rows → fp32 logits [len(logits_rows), vocab].
@@ -569,55 +524,6 @@ class TreeRun:
         out = torch.empty_like(logits)
         out[torch.tensor(taken, dtype=torch.int64, device=logits.device)] = logits
         return out
-
-    def _kept_mixed(self, plan: PassPlan, rows: int, logits_rows: int, gather: bool,
-                    pad_ends: tuple) -> tuple[MixedBuffers | None, int | None]:
-        """The kept buffers a mixed step with this plan runs in (an earlier step's of the same key, or new
-        ones) and its padding rows' slot (:meth:`_pad_slot` of ``pad_ends``; chosen after planning, whose
-        reservations may move segments), or ``(None, None)``: it runs uncaptured (keeping off, decode phases'
-        kept graphs off, too many rows, a plan that cannot be padded, no pad slot). See
-        :mod:`~treegen.runtime.mixed_graphs`."""
-        kept = self.decoder.kept
-        if kept is None or not mixed_graphs.enabled() or self.engine.attention == "none" or plan.backend != "triton":
-            return None, None
-        key = mixed_graphs.mixed_key(plan, rows=rows, logits_rows=logits_rows, gather=gather,
-                                     pool_generation=self.kv.pool_generation)
-        pad_slot = None if key is None else self._pad_slot(*pad_ends)
-        if pad_slot is None:
-            return None, None
-        self.mixed_kept += 1
-        found = kept.get(key, plan)
-        if found is not None:
-            self.mixed_reused += 1
-            return found, pad_slot
-        return kept.add(key, MixedBuffers.allocate(plan=plan, rows=rows, logits_rows=logits_rows,
-                                                   device=self.model.device)), pad_slot
-
-    def _run_kept_mixed(self, kept: MixedBuffers, input_ids, slots, pad_slot: int, wanted, plan, gather: bool):
-        """Run a mixed step in ``kept``: its values loaded, its forward replayed (captured first if new; on the
-        CPU run eagerly in the same buffers). Returns its logits (the step's rows only), fp32."""
-        self.kv.wait_restores()  # (a captured forward cannot wait on copies made outside it)
-        kept.load(input_ids=input_ids, slots=slots, pad_slot=pad_slot, logits_rows=wanted, plan=plan)
-
-        def forward() -> None:
-            kept.logits = self.model.forward(kept.input_ids, kept.plan.query_pos, self.attend_fn(kept.plan, kept.slots),
-                                             kept.logits_rows, gather=gather, fp32_logits=False)
-
-        dec = self.decoder
-        if not dec.graphs:
-            forward()
-        elif "forward" in kept.graphs:
-            kept.graphs["forward"].replay()
-        else:
-            started = time.perf_counter()
-            # its kernel variants are compiled once a mixed step has been captured (a decode phase's capture is
-            # no sign of the prefill tiles'); this step is counted in mixed_kept - mixed_reused already
-            graph, _ = dec.capture_graph(forward, dec.kept.pool(), compiled=self.mixed_kept - self.mixed_reused > 1)
-            kept.graphs["forward"] = graph
-            graph.replay()  # (a capture that ran it, warming up, gave its logits elsewhere)
-            self.host_seconds["capture"] += time.perf_counter() - started
-            dec.kept.trim()
-        return kept.logits[: wanted.numel()].float()
 
     def prefill(self, nodes: list[int]) -> dict[int, torch.Tensor]:
         """Compute the KV of every pending token on the paths of ``nodes`` in one forward pass.
