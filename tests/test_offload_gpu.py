@@ -23,11 +23,11 @@ pytestmark = pytest.mark.gpu  # skipped without CUDA and compiled kernels (tests
 def test_offload_and_restore_round_trip_through_pinned_memory_on_a_side_stream(kv_dtype, grouped, monkeypatch):
     """(``grouped``: the nodes offloaded in one call, gathered together, and restored with the layers in
     groups of two — as when many nodes come back at once — each layer's wait covering its group.)"""
-    import treegen.runtime.kv_store as kv_store
+    import treegen.runtime.kv_host as kv_host
     from treegen.kernels.kv_quant import kv_format
 
     if grouped:
-        monkeypatch.setattr(kv_store, "RESTORE_COPIES", 2 * 2 * (4 if kv_dtype else 2))
+        monkeypatch.setattr(kv_host, "RESTORE_COPIES", 2 * 2 * (4 if kv_dtype else 2))
 
     fmt = kv_format(kv_dtype, torch.float32, "cuda")
     kv = KVStore(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, device="cuda", initial_slots=64,

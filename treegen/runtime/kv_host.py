@@ -12,7 +12,7 @@ its compute. :meth:`HostTransfers.drop` frees a node's slots keeping nothing: it
 when read.
 
 The store's own parts it uses: ``segments``, ``free_spans``, ``offloaded``, ``to_recompute``, ``host_bytes``,
-``arena``, ``counters``, the pools (``_pools``, ``_pool_rows``, ``_gather_slots``), ``_allocate`` and
+``arena``, ``counters``, the pools (``_pools``, ``_pool_rows``, ``_gather_slots``), ``_place`` (a new segment) and
 ``_indices_to_device``.
 """
 

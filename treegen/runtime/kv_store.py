@@ -53,6 +53,8 @@ class Segment:
 # between forward passes, within the activations' margin; on an H100, Llama-3-8B's compactions in batches of
 # 64 MiB were ~3,800 batches of ~0.5 ms host time each in a tree-of-thought run short of memory
 COMPACT_BYTES = 256 * 2**20
+
+
 class KVStore(HostTransfers):
     """A growable slot pool with best-fit allocation of per-node segments."""
 
