@@ -354,7 +354,7 @@ def test_when_the_host_runs_out_of_memory_auto_recomputes_and_host_says_so(model
         with pytest.raises(HostMemoryError, match=r"offloading node \d+'s KV .* needs host memory: could not allocate"):
             follow_up.run(engine, temperature=0.0, seed=4, **ARGS)
         return
-    with caplog.at_level("WARNING", logger="treegen.runtime.scheduler"):
+    with caplog.at_level("WARNING", logger="treegen.runtime.eviction"):
         got = follow_up.run(engine, temperature=0.0, seed=4, **ARGS)
     assert got.ret_value == want.ret_value
     run = got._run.tree_run

@@ -23,7 +23,8 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
   ``token_budget`` tokens, a whole job at a time (at least one job per step, so a large prompt still
   moves). A job whose rows are all in the step is *ready*: a gen draws its first token from the
   step's logits and joins decoding, a score is computed.
-* **offload / recompute** (:mod:`~treegen.runtime.offload`) — when a job does not fit, the KV of
+* **offload / recompute** (:mod:`~treegen.runtime.offload`: the policy; :mod:`~treegen.runtime.eviction`: which
+  nodes, carried out) — when a job does not fit, the KV of
   *idle* nodes (no admitted or decoding job reads them: a branch that will continue later, the
   nodes of a waiting subtree) leaves the budget, least recently used first and nodes no waiting job
   reads before those one does: copied to the host, or dropped to be prefilled again, as the
@@ -52,17 +53,13 @@ it is tested on the CPU without one (``tests/test_scheduler.py``).
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from treegen.runtime.kv_host import HostMemoryError
+from treegen.runtime.eviction import Evictions
 from treegen.runtime.offload import OffloadPolicy
 from treegen.runtime.requests import GenRequest, Job
 from treegen.runtime.swa import DEFAULT_EVERY, reserve_slots
-
-logger = logging.getLogger(__name__)
 
 # A decode phase stops for new work once the new jobs plus the branches finished since it began reach
 # this fraction of its size. Replanning costs about ten steps of a 256-branch TinyLlama phase (the
@@ -126,24 +123,6 @@ class Step:
         return bool(self.rows or self.ready)
 
 
-@dataclass
-class _IdleNodes:
-    """One admission pass's view of the KV that may leave the GPU: ``protected`` nodes (read by running or
-    admitted work; it grows as jobs are admitted) and the others' eviction ``order``, sorted once a pass —
-    the order of the nodes left does not change within it, so each eviction goes on from ``cursor``
-    instead of listing and sorting every segment for each job (a CPU replay of a thousand-branch search short of
-    memory, ``benchmarks/dynamic_schedule_cpu.py --kv-budget-mb``: 34.9 -> 8.7 ms a scheduling call)."""
-
-    protected: set[int]
-    order: list[int]
-    cursor: int = 0
-    # the evictions decided in this pass, carried out together at its end (one batched offload: see
-    # Scheduler._evict): node → to the host (True) or dropped (False), and the slots and host bytes they free
-    evicting: dict[int, bool] = field(default_factory=dict)
-    freed: int = 0
-    host_bytes: int = 0
-
-
 def conditioning_row(tree, node: int) -> tuple[int, int]:
     """(node, index) of the last token on ``node``'s path — the one whose logits come next."""
     for n in reversed(tree.path(node)):
@@ -158,7 +137,7 @@ def score_rows(tree, job: Job) -> list[list[tuple[int, int]]]:
     return [[cond] + [(c, i) for i in range(len(tree.tokens(c)) - 1)] for c in job.request.choices]
 
 
-class Scheduler:
+class Scheduler(Evictions):
     """Decides each step of one tree run (see the module docstring).
 
     ``budget()``: the current :class:`KVBudget` (asked only when jobs wait); ``token_budget``: rows a
@@ -378,7 +357,7 @@ class Scheduler:
         taken: list[tuple[Job, dict[int, int]]] = []
         busy = live > 0 or bool(self.admitted)
         generating = live + sum(1 for j in self.admitted if j.is_gen)
-        idle = None  # the idle nodes in eviction order (see _IdleNodes), made at the first eviction
+        idle = None  # the idle nodes in eviction order (see eviction.IdleNodes), made at the first eviction
         # slots kept free for the largest range a growing node holds while it moves: with that much free
         # after the pass, every move finds room for its new range (it gains its share of the rest)
         move = 0
@@ -471,83 +450,6 @@ class Scheduler:
             job.queued = (key[0], key[-1])
         taken.append((job, need))
         counted |= set(need)
-
-    # offload / recompute --------------------------------------------------------------------------
-    def _idle_nodes(self, taken) -> "_IdleNodes":
-        """The nodes that are not idle (read by live branches, admitted jobs, jobs taken this step) and the
-        idle ones, those holding KV, in eviction order: nodes no waiting job reads, least recently used
-        first; then those read by waiting jobs, the one read last first."""
-        protected = {n for leaf in self._reading for n in self.tree.path(leaf)}
-        for job in [*self.admitted, *(j for j, _ in taken)]:
-            protected.update(self.nodes(job))
-        first: dict[int, int] = {}  # each node a waiting job reads: the queue position of the first such job
-        for i, job in enumerate(self.waiting):
-            for n in self.nodes(job):
-                first.setdefault(n, i)
-        order = [n for n in self.kv.segments if n not in protected]
-        order.sort(key=lambda n: (n in first, -first.get(n, 0), self.last_used.get(n, -1), n))
-        return _IdleNodes(protected, order)
-
-    def _evict(self, deficit: int, idle: "_IdleNodes", also: set[int], step: Step) -> int | None:
-        """Free at least ``deficit`` slots by moving idle nodes' KV to the host or dropping it (the
-        policy decides per node), in ``idle``'s order, none of ``also`` (the nodes of the job admitted);
-        None, moving nothing, when the idle nodes cannot free that much. Returns the slots freed."""
-        kv, policy = self.kv, self.offload
-        per = kv.bytes_per_token
-        if policy.mode == "auto" and self._rates is None:
-            self._rates = policy.rates()
-        host_free = policy.host_bytes - kv.host_bytes - idle.host_bytes
-        plan, freed = [], 0
-        i = idle.cursor
-        while i < len(idle.order) and freed < deficit:
-            n = idle.order[i]
-            i += 1
-            seg = kv.segments.get(n)
-            if seg is None or n in idle.evicting or n in idle.protected or n in also:
-                continue  # moved already, or read by work admitted since the order was made, or by this job
-            to_host = policy.to_host(seg.computed, seg.computed * per, host_free, self._rates,
-                                     recomputable=not seg.dropped)
-            if to_host is None:
-                continue  # no room on the host, and recomputing is not allowed (or not exact)
-            plan.append((n, to_host))
-            freed += seg.capacity
-            host_free -= seg.computed * per if to_host else 0
-        if freed < deficit:
-            return None
-        # every node before ``i`` is moved now, or stays passed over for the rest of this admission pass
-        # (protection only grows, the host's room only shrinks, and this job's nodes are protected next)
-        idle.cursor = i
-        for n, to_host in plan:
-            idle.evicting[n] = to_host
-            idle.host_bytes += kv.segments[n].computed * per if to_host else 0
-        idle.freed += freed
-        return freed
-
-    def _carry_out(self, idle: "_IdleNodes", step: Step) -> None:
-        """The evictions this admission pass decided, together: one offload call for every node going to the
-        host (its copies batched: on an H100 host, Llama-3-8B short of memory made ~2,700 offload calls of a
-        node or two, 1.8 s of host time while the GPU waited), then the drops."""
-        to_host = [n for n, host in idle.evicting.items() if host]
-        try:
-            self.kv.offload(to_host)
-        except HostMemoryError as e:
-            left = [n for n in to_host if n in self.kv.segments]  # (those before it are on the host)
-            if self.offload.mode != "auto" or any(self.kv.dropped(n) for n in left):
-                raise  # ("host" keeps its promise; a node sparse window attention compacted cannot be recomputed)
-            # the host has no more memory: this node and the rest are dropped and prefilled again when read, and
-            # "auto" recomputes from now on (no host cap left; what is on the host comes back as it is read)
-            logger.warning("treegen: offload to the host failed (%s); dropping %d nodes to recompute instead, and "
-                           "recomputing from now on", e, len(left))
-            self.offload = dataclasses.replace(self.offload, host_bytes=0)
-            self.host_fallbacks += 1
-            for n in left:
-                idle.evicting[n] = False
-            to_host = [n for n in to_host if n not in left]
-        step.offloaded += to_host
-        for n, host in idle.evicting.items():
-            if not host:
-                self.kv.drop(n)
-                step.dropped.append(n)
 
     def _never_fits(self, job: Job, slots: int, total: int, budget: KVBudget) -> MemoryError:
         """Why ``job`` can never be admitted while nothing runs (the memory is held by idle nodes)."""
