@@ -263,7 +263,7 @@ def main() -> None:
                         help="functions timed (calls, ms) in the unprofiled run, e.g. "
                              "treegen.runtime.scheduler.Scheduler._admit")
     parser.add_argument("--callees", nargs="*", default=[], metavar="FILE:FUNCTION",
-                        help="print the profiled callees of these (pstats restrictions, e.g. scheduler.py:372)")
+                        help="print the profiled callees of these (pstats restrictions, e.g. scheduler.py:351, the admission)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
