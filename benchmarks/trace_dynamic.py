@@ -51,7 +51,7 @@ MARKED = {
     (decode.Decoder, "draw"): "draw",
     (decode.Decoder, "_settle"): "settle",
     (phase_io.TokenBlock, "read"): "wait_tokens",
-    (decode.Decoder, "_graph"): "capture",
+    (decode.Decoder, "capture_graph"): "capture",
     (phase_graphs.PhaseBuffers, "load"): "kept_load",
     (phase_io.RowSampling, "__init__"): "params",
     (Cooperative, "_resume"): "programs",
