@@ -71,6 +71,39 @@ def mixed_plan_options(options: dict | None):
         tree_run_module.plan_tree_attention, tree_run_module.TreeRun._run_step = plan, step
 
 
+def timed_wrap(owner, name: str, record, saved: list, active=None, marks=None) -> None:
+    """Replace ``owner.name`` by a timed wrapper: timed while ``active[0]`` (None: always), ``record(seconds,
+    result)`` after each call, ``marks[0]`` true during it; what :func:`restore` needs goes on ``saved``."""
+    fn = getattr(owner, name)
+
+    def wrapper(*a, **kw):
+        if active is not None and not active[0]:
+            return fn(*a, **kw)
+        if marks is not None:
+            marks[0] = True
+        t0 = time.perf_counter()
+        try:
+            out = fn(*a, **kw)
+        finally:
+            if marks is not None:
+                marks[0] = False
+        record(time.perf_counter() - t0, out)
+        return out
+
+    saved.append((owner, name, fn, name in vars(owner)))  # (not its own: a base class's, put back by deleting)
+    setattr(owner, name, wrapper)
+
+
+def restore(saved: list) -> None:
+    """Put back what :func:`timed_wrap` replaced, the last first."""
+    for owner, name, fn, own in reversed(saved):
+        if own:
+            setattr(owner, name, fn)
+        else:
+            delattr(owner, name)
+    saved.clear()
+
+
 class MixedParts:
     """Host seconds of the mixed steps' parts (``MixedSteps._run_step``) while in the block: planning
     (``plan_rows``), launching the forward (``model.forward``, returning before the device is done), drawing
@@ -92,26 +125,7 @@ class MixedParts:
         parts, inside, in_forward = self, [False], [False]
 
         def wrap(owner, name, active, record, marks=None):
-            """``owner.name`` timed while ``active[0]`` (None: always): ``record(seconds, result)`` after each
-            call; ``marks[0]`` true during it."""
-            fn = getattr(owner, name)
-
-            def wrapper(*a, **kw):
-                if active is not None and not active[0]:
-                    return fn(*a, **kw)
-                if marks is not None:
-                    marks[0] = True
-                t0 = time.perf_counter()
-                try:
-                    out = fn(*a, **kw)
-                finally:
-                    if marks is not None:
-                        marks[0] = False
-                record(time.perf_counter() - t0, out)
-                return out
-
-            self._saved.append((owner, name, fn))
-            setattr(owner, name, wrapper)
+            timed_wrap(owner, name, record, self._saved, active, marks)
 
         def add(key):
             def record(seconds, _):
@@ -148,8 +162,7 @@ class MixedParts:
         return self
 
     def __exit__(self, *exc) -> None:
-        for owner, name, fn in reversed(self._saved):
-            setattr(owner, name, fn)
+        restore(self._saved)
 
     def reuse(self) -> dict:
         """Had each mixed step's forward been captured and kept as decode phases' are (``phase_graphs``: tables
@@ -216,24 +229,17 @@ class Timed:
                 raise ValueError(f"--time {name}: no importable module in it")
             for attr in parts[cut:-1]:
                 owner = getattr(owner, attr)
-            fn = getattr(owner, parts[-1])
-            record = self.s[name]
-
-            def wrapper(*a, _fn=fn, _record=record, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return _fn(*a, **kw)
-                finally:
-                    _record[0] += 1
-                    _record[1] += time.perf_counter() - t0
-
-            self._saved.append((owner, parts[-1], fn))
-            setattr(owner, parts[-1], wrapper)
+            timed_wrap(owner, parts[-1], self._record(name), self._saved)
         return self
 
+    def _record(self, name: str):
+        def record(seconds, _):
+            self.s[name][0] += 1
+            self.s[name][1] += seconds
+        return record
+
     def __exit__(self, *exc) -> None:
-        for owner, name, fn in reversed(self._saved):
-            setattr(owner, name, fn)
+        restore(self._saved)
 
     def as_dict(self) -> dict:
         return {n: {"calls": c, "ms": round(1e3 * sec, 2), "ms_per_call": round(1e3 * sec / max(1, c), 3)}
