@@ -238,16 +238,13 @@ class KVStore(HostTransfers):
             if self.free_spans.extend(seg.start + seg.capacity, length - seg.capacity):
                 seg.capacity = length
                 return seg
-        start = self._allocate(length)
-        new = Segment(start, length, 0)
+        new = self._place(node, length, *((seg.computed, seg.dropped) if seg is not None else ()))
         if seg is not None:
             if seg.computed:
-                src, dst = slice(seg.start, seg.start + seg.computed), slice(start, start + seg.computed)
+                src, dst = slice(seg.start, seg.start + seg.computed), slice(new.start, new.start + seg.computed)
                 for pool in (getattr(self, name) for name in self._pools()):
                     pool[:, dst] = pool[:, src]
-            new.computed, new.dropped = seg.computed, seg.dropped
             self.free_spans.release(seg.start, seg.capacity)
-        self.segments[node] = new
         return new
 
     def ensure_free(self, slots: int, limit: int | None = None, want: int = 0) -> None:
