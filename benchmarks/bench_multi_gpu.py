@@ -78,9 +78,13 @@ def main() -> None:
     p.add_argument("--skip-70b", action="store_true", help="the same as --shapes llama3-8b")
     p.add_argument("--vocab-parallel", choices=["on", "off", "both"], default="both",
                    help="tp=N: the LM head split by vocabulary (on), whole on each GPU (off), or both, alternately")
+    p.add_argument("--peer-output", choices=["on", "off", "both"], default="on",
+                   help="tp=N on the 8B shape: o and down write into the peer all-reduce's buffer (on), or their "
+                        "products are copied in and out (off), or both, alternately (rows: peer_output)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.heads = {"on": [True], "off": [False], "both": [False, True]}[args.vocab_parallel]
+    args.peer_outputs = {"on": [True], "off": [False], "both": [True, False]}[args.peer_output]
 
     gpus = int(os.environ.get("WORLD_SIZE", "2"))
     tpn = init_parallel(tensor_parallel=gpus, device="cuda", timeout_s=1800)  # all GPUs as one replica
@@ -142,16 +146,16 @@ def measure_8b(args, tpn, dpn, record, new_tokens) -> None:
 
     # both heads' models at once (8B at tp=2: ~8.5 GB a GPU each), measured alternately at every batch, so
     # drift over the run falls on both alike
-    engines = {split: Engine(LlamaFamilyModel.random(cfg, device=tpn.device, tp=split_head(tpn, split)), IdTokenizer(),
-                             parallel=tpn) for split in args.heads}
+    engines = {(split, direct): Engine(LlamaFamilyModel.random(cfg, device=tpn.device, tp=split_head(tpn, split, direct)),
+                                       IdTokenizer(), parallel=tpn) for split in args.heads for direct in args.peer_outputs}
     for batch in args.batches:
-        for split, engine in (engines.items() if batch % 2 == 0 else reversed(engines.items())):
+        for (split, direct), engine in (engines.items() if batch % 2 == 0 else reversed(engines.items())):
             dist.barrier()
             dt, total = decode_time(engine, batch, args.prefix, args.new)
             tok_s = new_tokens(batch, dt)
             record({"shape": "llama3-8b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
                     "total_s": total, "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
-                    "all_reduce": tpn.tensor.all_reduce_path})
+                    "all_reduce": tpn.tensor.all_reduce_path, "peer_output": direct})
     del engines
     gc.collect()
     torch.cuda.empty_cache()
@@ -200,9 +204,10 @@ def measure_8b_hybrid(args, par, record, new_tokens, one_gpu: dict[int, float]) 
     torch.cuda.empty_cache()
 
 
-def split_head(tpn, split: bool):
-    """tpn's tensor-parallel group, the LM head split by vocabulary or whole."""
-    return dataclasses.replace(tpn.tensor, vocab_parallel=split)
+def split_head(tpn, split: bool, peer_output: bool = True):
+    """tpn's tensor-parallel group, the LM head split by vocabulary or whole; o and down writing into the
+    peer buffer (``peer_output``) or copied in and out of it."""
+    return dataclasses.replace(tpn.tensor, vocab_parallel=split, peer_output=peer_output)
 
 
 def measure_70b(args, tpn, record, new_tokens) -> None:
@@ -238,7 +243,8 @@ def write_json(args, rows: list[dict], out: Path) -> None:
               "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); greedy, EOS ignored, tree attention, CUDA graphs; "
                         "one warm-up run per point; dp=N: 1/N of the branches per GPU, the slowest replica's time; "
                         "tp=N rows: vocab_parallel = LM head split by vocabulary (else whole on each GPU), the 8B "
-                        "shape's two heads measured alternately at every batch",
+                        "shape's two heads measured alternately at every batch; peer_output = o and down write into "
+                        "the peer all-reduce's buffer (False: copied in and out; plotted: True)",
               "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -255,7 +261,8 @@ def plot(rows: list[dict], out: Path, n: int = 2) -> None:
                                  (n, 1, True, f"tp={n}, head split by vocab"), (1, n, None, f"dp={n}"),
                                  *([(2, n // 2, False, f"dp={n // 2} x tp=2")] if n >= 4 else [])):
         pts = sorted((r["batch"], r["tok_s"]) for r in small
-                     if r["tp"] == tp and r["dp"] == dp and (tp == 1 or bool(r.get("vocab_parallel")) == split))
+                     if r["tp"] == tp and r["dp"] == dp and r.get("peer_output", True)
+                     and (tp == 1 or bool(r.get("vocab_parallel")) == split))
         if pts:
             axes[0].plot(*zip(*pts), marker="o", label=label)
     axes[0].set_title("Llama-3-8B shape")

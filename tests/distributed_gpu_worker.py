@@ -144,6 +144,22 @@ def peer_all_reduce_is_nccls(tp2) -> None:
         torch.testing.assert_close(y, want, rtol=2**-7, atol=0)
     big = torch.ones(peer.nbytes // 2 + 8, dtype=torch.bfloat16, device=tp2.device)
     assert not peer.fits(big) and torch.equal(tp2.tensor.all_reduce(big), torch.full_like(big, 2))
+    # the row-parallel linear writes its product into the peer buffer and is summed there: the same bits as
+    # the product summed through a copy, in and out of a CUDA graph
+    x = torch.randn(256, 2048, dtype=torch.bfloat16, device=tp2.device) * (1 + tp2.rank)
+    w = torch.randn(4096, 2048, dtype=torch.bfloat16, device=tp2.device) / 64
+    for bias in (None, torch.randn(4096, dtype=torch.bfloat16, device=tp2.device)):
+        want = tp2.tensor.all_reduce(torch.nn.functional.linear(x, w, bias))
+        got = tp2.tensor.linear_all_reduce(x, w, bias)
+        assert got.data_ptr() == peer.buffer.data_ptr() and torch.equal(got, want)
+    want = tp2.tensor.all_reduce(torch.nn.functional.linear(x, w))
+    out = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out["y"] = tp2.tensor.linear_all_reduce(x, w) + 0  # (read at once, as the model does)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(out["y"], want)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from treegen.runtime.peer_all_reduce import PeerAllReduce, peer_all_reduce_for
 from treegen.runtime.shard import Shard
@@ -47,6 +48,7 @@ class TensorParallel:
     peer: PeerAllReduce | None = None  # the all-reduce over peer GPU memory, where the group can use it
     all_reduce_path: str = "none (one rank)"  # which all-reduce serves, or why NCCL does
     vocab_parallel: bool = False  # the LM head split by vocabulary over the group (see shard.py), else whole
+    peer_output: bool = True  # o and down write their products into the peer buffer (False: copied in and out)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group, in place (every rank gets the same bits); returns ``t``."""
@@ -55,6 +57,23 @@ class TensorParallel:
                 return self.peer.all_reduce_(t)
             dist.all_reduce(t, group=self.group)
         return t
+
+    def linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A row-parallel linear: ``F.linear(x, weight, bias)`` of this rank's slice, summed over the group.
+        Over peer memory the product is written straight into the symmetric buffer and summed there, and
+        the buffer itself is returned (no copy in or out: two of a decode step's kernels per all-reduce);
+        it holds the sum until the group's next collective, so its reader must come first (the model adds
+        it to the residual stream at once). Otherwise a new tensor, summed by :meth:`all_reduce`."""
+        out = None
+        if self.shard.size > 1 and self.peer is not None and self.peer_output and x.dim() == 2:
+            out = self.peer.output((x.shape[0], weight.shape[0]), x.dtype)
+        if out is None:
+            return self.all_reduce(F.linear(x, weight, bias))
+        if bias is None:
+            torch.mm(x, weight.t(), out=out)
+        else:
+            torch.addmm(bias, x, weight.t(), out=out)
+        return self.peer.sum_(out)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t``, stacked in rank order: ``[size, *t.shape]`` (the same on every rank).

@@ -445,17 +445,13 @@ class LlamaFamilyModel:
                 else:
                     q, k = self._rope(qkv[:, :nh], cos, sin), self._rope(qkv[:, nh : nh + nkv], cos, sin)
                 o = attend(i, q, k, qkv[:, nh + nkv :])  # [T, H, D]
-            y = F.linear(o.reshape(n_tok, nh * hd), L.o_w, L.o_b)
-            if self.tp is not None:  # row-parallel: each rank's heads give a partial sum
-                self.tp.all_reduce(y)
+            y = self._row_parallel(o.reshape(n_tok, nh * hd), L.o_w, L.o_b)
             if L.attn_post_norm is not None:
                 y = self._norm(y, L.attn_post_norm)
             h, x = self._add_norm(h, y, L.mlp_norm, fused.norm)
             gate_up = F.linear(x, L.gate_up_w, L.gate_up_b)
             gated = silu_mul(gate_up) if fused.act else self.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            y = F.linear(gated, L.down_w, L.down_b)
-            if self.tp is not None:
-                self.tp.all_reduce(y)
+            y = self._row_parallel(gated, L.down_w, L.down_b)
             if L.mlp_post_norm is not None:
                 y = self._norm(y, L.mlp_post_norm)
         if y is not None:
@@ -475,6 +471,13 @@ class LlamaFamilyModel:
             return rms_norm(x, weight, self.eps)
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * weight).to(x.dtype)
+
+    def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """o and down: under tensor parallel each rank's slice gives a partial sum, summed over the group
+        (possibly in the group's peer buffer: read it before the next all-reduce, as ``forward`` does)."""
+        if self.tp is None:
+            return F.linear(x, weight, bias)
+        return self.tp.linear_all_reduce(x, weight, bias)
 
     def _add_norm(self, h: Tensor, y: Tensor | None, weight: Tensor | None, fused: bool) -> tuple[Tensor, Tensor]:
         """The residual add ``h + y`` (nothing when ``y`` is None) and its norm (the identity when

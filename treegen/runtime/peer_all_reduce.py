@@ -3,9 +3,10 @@
 A decode step of a split model all-reduces two small activations per layer ([batch, hidden]: 0.5 MB
 at batch 64 of the Llama-3-8B shape). NCCL spends ~20-35 µs on each on two H200s, latency rather than
 bandwidth, which at 64 of them a step is 1.3-2.3 ms, a quarter of the step (``benchmarks/
-profile_multi_gpu.py``). Here each rank copies its partial sum into a buffer that every rank of the
-group has mapped (``torch.distributed._symmetric_memory``, CUDA IPC over NVLink); the two-shot kernel
-then has each rank sum its share of the elements from every peer's buffer and gather the others'
+profile_multi_gpu.py``). Here each rank puts its partial sum into a buffer that every rank of the
+group has mapped (``torch.distributed._symmetric_memory``, CUDA IPC over NVLink): the row-parallel GEMMs
+write theirs there directly and the model reads the sum from there (:meth:`PeerAllReduce.output`,
+``TensorParallel.linear_all_reduce``); other tensors are copied in and out. The two-shot kernel then has each rank sum its share of the elements from every peer's buffer and gather the others'
 shares, with a barrier on signal pads at both ends. Measured on two H200s, 64 all-reduces captured in
 a CUDA graph, copies included: 0.66 / 1.06 / 2.59 ms at batch 64 / 256 / 1024 against NCCL's 1.36 /
 2.32 / 3.52 ms; one-shot measured 0.69 / 1.30 / 3.58 ms. Every rank ends with the same bits (each
@@ -25,6 +26,7 @@ later groups of the same process use NCCL.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -33,6 +35,7 @@ import torch.distributed as dist
 BUFFER_BYTES = 64 * 2**20  # per rank: [8192, 4096] bf16 activations
 _MAPPED = False  # this process has made a symmetric buffer (see the module doc: one per process)
 ALIGN = 16  # bytes: the kernels' vector width
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # the dtypes the buffer is summed as
 
 
 class PeerAllReduce:
@@ -55,15 +58,30 @@ class PeerAllReduce:
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
-        return (t.is_contiguous() and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        return (t.is_contiguous() and t.dtype in FLOATS
                 and 0 < nbytes <= self.nbytes and nbytes % ALIGN == 0)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group in place (``fits(t)`` must hold); returns ``t``."""
-        view = self.buffer[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view = self.output(t.shape, t.dtype)
         view.copy_(t)
+        return t.copy_(self.sum_(view))
+
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The start of the buffer as a tensor of ``shape`` and ``dtype``, for a kernel to write its partial
+        sum into before :meth:`sum_` (no copy in); None where such a tensor does not fit (then NCCL serves).
+        It is the buffer itself: what it holds is valid until the group's next collective through it."""
+        if dtype not in FLOATS:
+            return None
+        nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+        if not 0 < nbytes <= self.nbytes or nbytes % ALIGN:
+            return None
+        return self.buffer[:nbytes].view(dtype).view(shape)
+
+    def sum_(self, view: torch.Tensor) -> torch.Tensor:
+        """Sum an :meth:`output` tensor over the group in place, on every rank the same bits; returns it."""
         torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", self.group_name)
-        return t.copy_(view)
+        return view
 
 
 def peer_all_reduce_for(group, device: torch.device) -> tuple[PeerAllReduce | None, str]:
