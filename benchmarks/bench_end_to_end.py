@@ -226,8 +226,13 @@ def main() -> None:
                              "outside the timed runs; default 0: a run short of memory pins as it offloads)")
     parser.add_argument("--temperature", type=float, default=0.0, help="the treegen modes' sampling (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the treegen modes' nucleus (1: none)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of every mode at each point, one mode after another in each; rows report the "
+                             "median round's decode tok/s (decode_tok_s_runs: every round's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
 
     config = config_of(args.shape)
@@ -246,20 +251,24 @@ def main() -> None:
     runs = [(m, d, s) for m in args.modes for d in (args.kv_dtypes if m == "tree" else ["auto"])
             for s in (slices if m == "tree" else slices[:1])]
     for b, p in points:
-        for mode, kv_dtype, slice_tokens in runs:
-            if mode == "flat" and not flat_fits(model, b, p, args.new):
-                rows.append({"mode": mode, "batch": b, "prefix": p, "new": args.new, "skipped": "KV does not fit"})
-            else:
-                try:
-                    rows.append(measure_treegen(model, mode, b, p, args.new, kv_dtype, slice_tokens,
-                                                int(args.host_reserve_gib * 2**30)))
-                except (MemoryError, torch.cuda.OutOfMemoryError) as e:
-                    rows.append({"mode": mode, "kv_dtype": kv_dtype, "batch": b, "prefix": p, "new": args.new,
-                                 "skipped": f"out of memory: {str(e)[:200]}"})
-                    gc.collect()
-                    torch.cuda.empty_cache()
-            print(rows[-1], flush=True)
-            write_json(args, rows, fits)
+        rounds: list[list[dict]] = [[] for _ in runs]  # each run's rows, one a round
+        for _ in range(args.repeats):  # (the modes one after another in every round: drift falls on all alike)
+            for j, (mode, kv_dtype, slice_tokens) in enumerate(runs):
+                if mode == "flat" and not flat_fits(model, b, p, args.new):
+                    row = {"mode": mode, "batch": b, "prefix": p, "new": args.new, "skipped": "KV does not fit"}
+                else:
+                    try:
+                        row = measure_treegen(model, mode, b, p, args.new, kv_dtype, slice_tokens,
+                                              int(args.host_reserve_gib * 2**30))
+                    except (MemoryError, torch.cuda.OutOfMemoryError) as e:
+                        row = {"mode": mode, "kv_dtype": kv_dtype, "batch": b, "prefix": p, "new": args.new,
+                               "skipped": f"out of memory: {str(e)[:200]}"}
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                rounds[j].append(row)
+                print(row, flush=True)
+        rows += [median_row(r) for r in rounds]
+        write_json(args, rows, fits)
     for r in rows:  # the issue's columns: tok_s and the ratio to the attention-free ceiling at the same point
         none = next((n for n in rows if n["mode"] == "none" and n["batch"] == r["batch"] and n["prefix"] == r["prefix"]
                      and "decode_tok_s" in n), None)
@@ -301,6 +310,19 @@ def main() -> None:
     plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {torch.cuda.get_device_name()}")
 
 
+def median_row(runs: list[dict]) -> dict:
+    """One row for a mode's rounds at a point: the round of the median decode tok/s (the lower middle of an even
+    count), with every round's figures beside it; a round that did not run (skipped) stands for all when any did not."""
+    if any("decode_tok_s" not in r for r in runs):
+        return next(r for r in runs if "decode_tok_s" not in r)
+    order = sorted(runs, key=lambda r: r["decode_tok_s"])
+    row = dict(order[(len(order) - 1) // 2])
+    if len(runs) > 1:
+        row.update(rounds=len(runs), decode_tok_s_runs=[r["decode_tok_s"] for r in runs],
+                   total_s_runs=[r["total_s"] for r in runs])
+    return row
+
+
 def write_json(args, rows: list[dict], fits: list[dict]) -> Path:
     """The results so far (written after every point: a run cut short keeps what it measured)."""
     result = {"benchmark": "end_to_end", "shape": args.shape, "config": SHAPES[args.shape], "dtype": "bfloat16",
@@ -308,7 +330,8 @@ def write_json(args, rows: list[dict], fits: list[dict]) -> Path:
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                            "cuda": torch.version.cuda, "python": platform.python_version()},
               "method": "decode tok/s = batch*(new-1)/(t(new)-t(1)); "
-                        f"temperature {args.temperature}, top-p {args.top_p} (treegen modes), EOS ignored; one warm-up run per point",
+                        f"temperature {args.temperature}, top-p {args.top_p} (treegen modes), EOS ignored; one warm-up run per point; "
+                        f"{args.repeats} round(s) of the modes in turn, the median round's figures",
               # each row names the model and the path that ran it (treegen's fast forward; HF rows say hf)
               "rows": [{"model": args.shape, "path": r["mode"] if r["mode"].startswith("hf") else "fast", **r}
                        for r in rows]}
