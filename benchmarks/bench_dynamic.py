@@ -263,8 +263,6 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
             # scheduling runs only between decode phases: its time per call (the GPU may wait that long)
             "schedule_calls": tree_run.schedule_calls,
             "schedule_ms_per_call": 1e3 * tree_run.host_seconds["schedule"] / max(1, tree_run.schedule_calls),
-            # jobs admitted while a phase's last steps ran (their admission's host time: host_ms_per_step["admit_ahead"])
-            "admitted_ahead": tree_run.decoder.admitted_ahead,
             # kernel variants (Triton specializations) first launched, so compiled, inside the timed run
             "new_kernel_variants": kernel_variants() - variants,
             "phase_rows": tree_run.decode_phases, "phase_passes": tree_run.phase_passes,
@@ -421,8 +419,7 @@ def undone(owner, name: str, value):
 #     more finished rows computing until their phase ends;
 # fifo — the scheduler admits waiting work in arrival order (its order before priorities existed);
 # programs-after-phase — a block that completes jobs resumes their programs after the phase's end
-# decision (``Decoder.overlap_programs``); no-admit-ahead — no admission while a phase's last steps run, all of it
-# after the phase (``Decoder.admit_ahead``); mixed-uncaptured — mixed steps launched eagerly, not
+# decision (``Decoder.overlap_programs``); mixed-uncaptured — mixed steps launched eagerly, not
 # captured and kept as CUDA graphs (``TREEGEN_KEEP_MIXED_GRAPHS=0``, :mod:`treegen.runtime.mixed_graphs`; rows of
 # earlier runs name the kept graphs' side "kept-mixed", from when they were off by default); gc-full-collections — Python's full garbage collections run
 # during the batch (``treegen.runtime.collector`` not applied); arriving — not an engine choice: the inputs
@@ -452,7 +449,6 @@ VARIANTS = {"default": contextlib.nullcontext, "arriving": contextlib.nullcontex
             "replan-0.75": lambda: replan_fraction(0.75), "replan-0.9": lambda: replan_fraction(0.9),
             "fifo": lambda: undone(Scheduler, "priority", lambda self, job: (self._submitted,)),
             "programs-after-phase": lambda: undone(Decoder, "overlap_programs", False),
-            "no-admit-ahead": lambda: undone(Decoder, "admit_ahead", False),
             "mixed-uncaptured": lambda: environment("TREEGEN_KEEP_MIXED_GRAPHS", "0"),
             "gc-full-collections": lambda: undone(collector, "enabled", False)}
 

@@ -69,7 +69,7 @@ def replay(kind: str, branches: int, width: int, oversubscribe: int, kv_budget_b
             "phases": phases, "cpu_seconds": elapsed,
             # the engine's host time by part (on this CPU; the model's own time is in none of them)
             "host_seconds": {k: round(v, 3) for k, v in run.host_seconds.items()},
-            "schedule_calls": run.schedule_calls, "admitted_ahead": run.decoder.admitted_ahead,
+            "schedule_calls": run.schedule_calls,
             "offload": run.offload_stats, "memory_waits": run.scheduler.memory_waits,
             # pool compactions (memory short and fragmented) and the written slots they moved
             "kv_compactions": run.kv.compactions, "kv_slots_moved": run.kv.slots_moved}

@@ -7,7 +7,7 @@ from treegen.runtime.device_memory import UNRELEASABLE_CACHE, activation_margin,
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.requests import GenRequest, Job, ScoreRequest
 from treegen.runtime.sampler import SamplingParams
-from treegen.runtime.scheduler import AGING_STEPS, SHRINK_AFTER_STEPS, KVBudget, Scheduler
+from treegen.runtime.scheduler import SHRINK_AFTER_STEPS, KVBudget, Scheduler
 from treegen.tree.sharing_tree import SharingTree
 
 
@@ -405,45 +405,3 @@ def test_a_restore_copies_per_layer_when_few_nodes_come_back_and_in_fewer_groups
             assert len(groups) * copies <= max(RESTORE_COPIES, copies)
     assert layer_groups(32, 2) == [(i, i + 1) for i in range(32)]
     assert len(layer_groups(32, 64)) == RESTORE_COPIES // 64 and layer_groups(32, 400) == [(0, 32)]
-
-
-def test_work_admitted_ahead_of_a_phase_end_needs_no_kv_moved_and_keeps_priority_order():
-    tree, kv, sched = setup(budget_slots=40, max_batch=5)  # a pool of 16 slots, growable to 40
-    root = tree.add_node(None, [1, 2, 3])
-    kv.reserve(root, 3)
-    kv.segments[root].computed = 3
-    small = [gen(tree.add_node(root), max_tokens=5) for _ in range(2)]  # 6 slots each: 1 of 13 left
-    mid = tree.add_node(root, [7, 7, 7])
-    big = gen(tree.add_node(mid), max_tokens=3)  # deeper, so after them: 3 + 4 slots, only by growing the pool
-    late = gen(tree.add_node(root), max_tokens=1)  # 1 slot: it would fit, but came in a later window than `big`
-    for j in (*small, big):
-        sched.submit(j)
-    sched.tick(AGING_STEPS)  # (a later aging window: behind `big` whatever its depth)
-    sched.submit(late)
-    slots = kv.num_slots
-    assert sched.admit_ahead(live=1) == 2
-    assert sched.admitted == small and sched.waiting == [big, late]  # stopped at `big`: priority order kept
-    assert kv.num_slots == slots and kv.compactions == 0  # no growth, no compaction: nothing moved
-    assert sched.memory_waits == 0 and not sched.memory_blocked
-    step = sched.next_step(live=1)  # after the phase: the rest is admitted (the pool grows), every row taken
-    assert step.admitted == [big, late] and step.ready == [*small, big, late]
-    assert kv.num_slots > slots and {(n, i) for n, i in step.rows} >= {(mid, 0), (mid, 1), (mid, 2)}
-
-
-def test_nothing_is_admitted_ahead_that_grows_a_node_or_passes_the_batch_or_the_budget():
-    tree, kv, sched = setup(budget_slots=12, max_batch=2)
-    root = tree.add_node(None, [1, 2])
-    kv.reserve(root, 2)
-    kv.segments[root].computed = 2
-    grown = tree.add_node(root, [5])
-    kv.reserve(grown, 1)  # a node whose range its gen must grow (a move: after the phase)
-    sched.submit(gen(grown, max_tokens=3))
-    assert sched.admit_ahead(live=0) == 0 and len(sched.waiting) == 1
-    tree2, kv2, sched2 = setup(budget_slots=100, max_batch=2)
-    r = tree2.add_node(None, [1])
-    sched2.submit(gen(tree2.add_node(r)))
-    assert sched2.admit_ahead(live=2) == 0  # the batch is full
-    tree3, kv3, sched3 = setup(budget_slots=6)
-    r = tree3.add_node(None, [1, 2, 3])
-    sched3.submit(gen(tree3.add_node(r), max_tokens=4))  # 3 + 5 slots: more than the budget's 6
-    assert sched3.admit_ahead(live=0) == 0 and sched3.memory_waits == 0 and not sched3.admitted

@@ -64,11 +64,11 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
     # programs resume while the GPU decodes: a block that completes jobs yields before the phase decides
     # whether to end (False: after it, the order before; an A/B). (Decoding one more block for the live
     # branches where a phase ends at a block boundary, while its last jobs' programs run, measured no
-    # gain: tot / rounds at 256 branches on an H100, -0.01 / +0.03 of the static ratio, within the spread.)
+    # gain: tot / rounds at 256 branches on an H100, -0.01 / +0.03 of the static ratio, within the spread.
+    # Nor did admitting, while a phase's last block still ran, the waiting work that needed no KV moved: tot at
+    # 1,024 on an H100, scheduling after the phase 18.4 vs 22.2 ms a call, the static ratio 1.059 vs 1.062;
+    # dynamic_tinyllama-1.1b_tot_1024_admit_ahead_ab_h100.json, stop 60.)
     overlap_programs = True
-    # a phase that ends admits the waiting work that needs no KV moved before the host waits for its last
-    # steps (Scheduler.admit_ahead; False: all admission after the phase, the order before; an A/B)
-    admit_ahead = True
 
     def __init__(self, run) -> None:
         self.run = run
@@ -116,7 +116,6 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         # a pipelined phase looks at the device's count of rows still generating every step and ends as
         # soon as the scheduler would (one process only: ranks would see the count at different steps)
         self.early_ends = 0  # phases ended on that count before their block's tokens were read
-        self.admitted_ahead = 0  # jobs admitted while a phase's last steps ran (Scheduler.admit_ahead)
 
     def _stop_bits(self, words: int, device) -> torch.Tensor:
         """A bitmask row of ``words`` words allowing only EOS: what a constrained branch at a dead end may draw
@@ -466,7 +465,6 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
             if (t + 1) % self.sync_every and t + 1 < width:
                 if watching and watched_end(t):
                     run.scheduler.tick(t + 1 - done_steps)
-                    self._admit_ahead()
                     if pending is not None:
                         self._settle(live, pending)
                     self._settle(live, TokenBlock(buf, lp_buf, done_steps, t + 1, pipelined))
@@ -496,27 +494,13 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
                 if completed and not resume_first:
                     yield
             if watching and watched_end(t):
-                self._admit_ahead()
                 if pending is not None:  # (the block just made: steps up to t)
                     self._settle(live, pending)
                     pending = None
                 self.early_ends += 1
                 return
-        self._admit_ahead()
         if pending is not None:  # every step run is accepted (finished branches ignore theirs)
             self._settle(live, pending)
-
-    def _admit_ahead(self) -> None:
-        """The phase ends: admit the waiting work that needs no KV moved while its last steps still run on the
-        device (:meth:`~treegen.runtime.scheduler.Scheduler.admit_ahead`), before the host waits for their
-        tokens; the admission after the phase, while the device idles, is left the rest. (Without a pipeline,
-        on the CPU, the same call comes after the last tokens were read.)"""
-        run = self.run
-        if not (self.admit_ahead and run.scheduler.waiting):
-            return
-        started = time.perf_counter()
-        self.admitted_ahead += run.scheduler.admit_ahead(len(self.live))
-        run.host_seconds["admit_ahead"] += time.perf_counter() - started
 
     def _kept(self, plan, params, rows: int, width: int, constrained: bool, remaining: list[int], tables=None,
               recorded: int = 0):

@@ -44,10 +44,7 @@ Jobs (:class:`~treegen.runtime.requests.Job`) arrive at any time. Each engine st
   branch is given its next slice where its slice ends, without a pause (:meth:`extend`).
 * **phases** — between steps that prefill, live branches decode in phases planned once (see
   :mod:`~treegen.runtime.decode`); :meth:`Scheduler.phase_should_end` says when a phase should stop
-  so that finished branches leave and new work joins. When one ends, its last block of steps still runs
-  on the device while the host waits for their tokens: :meth:`Scheduler.admit_ahead` admits meanwhile the
-  waiting jobs that need no KV moved (free spans of the pool as it is), so that the admission after the
-  phase, while the device idles, has less to do.
+  so that finished branches leave and new work joins.
 
 Nothing here touches the model: the scheduler reads the sharing tree and the KV store's segments, so
 it is tested on the CPU without one (``tests/test_scheduler.py``).
@@ -442,52 +439,6 @@ class Scheduler(Evictions):
             self.kv.restore(restore)
             step.restored += list(restore)
         self.peak_slots = max(self.peak_slots, self.kv.slots_reserved())
-
-    def admit_ahead(self, live: int) -> int:
-        """Admit waiting jobs while a decode phase's last steps still run on the device (``live`` branches
-        decoding when it ended), so that the admission after the phase has less to do while the device idles.
-        Only what needs no KV to move: each job's new nodes must fit free spans of the pool as it is — no
-        growth, compaction, growing node, restore or eviction (the running steps write KV the host has not
-        counted yet, which such copies would leave behind) — within the budget and ``max_batch``, in priority
-        order, stopping at the first job that does not (nothing is refused and no wait is counted: the
-        admission after the phase does that). :meth:`next_step` takes their rows. Returns how many entered."""
-        if not self.waiting:
-            return 0
-        kv, free = self.kv, self.kv.free_spans
-        total = self.budget().slots
-        self._total = total
-        self._evicting = {}
-        reserved = kv.slots_reserved()
-        generating = live + sum(1 for j in self.admitted if j.is_gen)
-        counted: set[int] = set()
-        taken: list = []
-        while self.waiting:
-            job = self.waiting[0]
-            if self.max_batch is not None and job.is_gen and generating >= self.max_batch:
-                break
-            need = self.need(job, counted)
-            lengths = {}
-            for node, amount in need.items():
-                if not amount:  # (a gen whose node holds its range already)
-                    continue
-                if node in kv.segments or node in kv.offloaded or node in kv.to_recompute:
-                    break  # (a node that grows, or whose KV is on the host or dropped: after the phase)
-                gen = isinstance(job.request, GenRequest) and node == job.request.node
-                lengths[node] = max(self.gen_slots(job) if gen else self.held(node), 1)
-            else:
-                slots = sum(lengths.values())
-                # (a sum within the largest free span fits however best-fit places the nodes one by one)
-                if (total is None or reserved + slots <= total) and slots <= free.largest():
-                    self._take(job, need, taken, counted)
-                    for node, length in lengths.items():
-                        kv.reserve(node, length)
-                    self.admitted.append(job)
-                    reserved += slots
-                    generating += job.is_gen
-                    continue
-            break
-        self.peak_slots = max(self.peak_slots, kv.slots_reserved())
-        return len(taken)
 
     def _pop_waiting(self) -> None:
         del self._priority[self.waiting.pop(0)]

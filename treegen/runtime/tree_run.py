@@ -149,11 +149,10 @@ class TreeRun(MixedSteps):
         self.schedule_calls = 0
         self._phase = None  # the running decode phase (a generator), if any
         self._mixed_in_row = 0  # steps in a row that prefilled new work (0: the last step did not; see advance)
-        # host time by kind (seconds): scheduling between phases, admitting work while a phase's last steps
-        # run (the device busy meanwhile: Decoder._admit_ahead), planning phases, capturing their CUDA graphs
-        # (which runs the first step), reading sampled tokens, running program code (batch driver)
-        self.host_seconds = {"schedule": 0.0, "admit_ahead": 0.0, "plan": 0.0, "capture": 0.0, "accept": 0.0,
-                             "programs": 0.0, "swa": 0.0}
+        # host time by kind (seconds): scheduling, planning phases, capturing their CUDA graphs (which
+        # runs the first step), reading sampled tokens, running program code (batch driver)
+        self.host_seconds = {"schedule": 0.0, "plan": 0.0, "capture": 0.0, "accept": 0.0, "programs": 0.0,
+                             "swa": 0.0}
         # sparse window attention: compactions run, KV tokens dropped; swa_log (None: off) = {} records
         # each compaction as node -> [(tokens accounted for, token indices kept), ...]
         self.swa_compactions = self.swa_dropped = 0
