@@ -6,11 +6,14 @@ bandwidth, which at 64 of them a step is 1.3-2.3 ms, a quarter of the step (``be
 profile_multi_gpu.py``). Here each rank puts its partial sum into a buffer that every rank of the
 group has mapped (``torch.distributed._symmetric_memory``, CUDA IPC over NVLink): the row-parallel GEMMs
 write theirs there directly and the model reads the sum from there (:meth:`PeerAllReduce.output`,
-``TensorParallel.linear_all_reduce``); other tensors are copied in and out. The two-shot kernel then has each rank sum its share of the elements from every peer's buffer and gather the others'
-shares, with a barrier on signal pads at both ends. Measured on two H200s, 64 all-reduces captured in
+``TensorParallel.linear_all_reduce``); other tensors are copied in and out. The two-shot kernel then
+has each rank sum its share of the elements from every peer's buffer and gather the others' shares,
+with a barrier on signal pads at both ends. Measured on two H200s, 64 all-reduces captured in
 a CUDA graph, copies included: 0.66 / 1.06 / 2.59 ms at batch 64 / 256 / 1024 against NCCL's 1.36 /
 2.32 / 3.52 ms; one-shot measured 0.69 / 1.30 / 3.58 ms. Every rank ends with the same bits (each
-element is summed on one rank and copied to the others), as NCCL's all-reduce guarantees.
+element is summed on one rank and copied to the others), as NCCL's all-reduce guarantees. Without the
+copies (products written in place), tp=2 at batch 256 went from 1.26x to 1.40x one GPU and was unchanged
+at 1,024 (1.50x) on two H200s (``bench_multi_gpu.py --peer-output both``, multi_gpu_peer_output_h200_x2.json).
 
 Only peer loads and stores are used: never NVLink multicast (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is
 set before the buffer is made, and no ``multimem`` operation is called). Tensors larger than the
