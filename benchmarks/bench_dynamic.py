@@ -67,7 +67,7 @@ from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
 from treegen.runtime.sampler import SamplingParams
 from treegen.runtime.scheduler import Scheduler
-from bench_end_to_end import SHAPES, config_of  # benchmarks/
+from bench_end_to_end import SHAPES, config_of, median_run  # benchmarks/
 from plotting import pyplot, save
 
 PREFIX, QUESTION, FOLLOW_UP, ROUNDS = 512, 32, 8, 3
@@ -459,11 +459,6 @@ def variant_of(row: dict) -> str:
         return row["variant"]
     admission = row.get("admission", "fifo")
     return "default" if admission == "priority" else admission
-
-
-def median_run(runs: list[dict], key: str) -> dict:
-    """The run with the median ``key`` (the lower middle one of an even count)."""
-    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
 
 
 def now() -> str:

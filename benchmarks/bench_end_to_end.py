@@ -310,13 +310,17 @@ def main() -> None:
     plot(rows, out.with_suffix(".png"), f"{args.shape} shape, bf16, {torch.cuda.get_device_name()}")
 
 
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run with the median ``key`` (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+
+
 def median_row(runs: list[dict]) -> dict:
-    """One row for a mode's rounds at a point: the round of the median decode tok/s (the lower middle of an even
-    count), with every round's figures beside it; a round that did not run (skipped) stands for all when any did not."""
+    """One row for a mode's rounds at a point: the round of the median decode tok/s, with every round's figures
+    beside it; a round that did not run (skipped) stands for all when any did not."""
     if any("decode_tok_s" not in r for r in runs):
         return next(r for r in runs if "decode_tok_s" not in r)
-    order = sorted(runs, key=lambda r: r["decode_tok_s"])
-    row = dict(order[(len(order) - 1) // 2])
+    row = dict(median_run(runs, "decode_tok_s"))
     if len(runs) > 1:
         row.update(rounds=len(runs), decode_tok_s_runs=[r["decode_tok_s"] for r in runs],
                    total_s_runs=[r["total_s"] for r in runs])

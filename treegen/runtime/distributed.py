@@ -65,7 +65,7 @@ class TensorParallel:
         it holds the sum until the group's next collective, so its reader must come first (the model adds
         it to the residual stream at once). Otherwise a new tensor, summed by :meth:`all_reduce`."""
         out = None
-        if self.shard.size > 1 and self.peer is not None and self.peer_output and x.dim() == 2:
+        if self.peer is not None and self.peer_output and x.dim() == 2:  # (a peer buffer: a group of ranks)
             out = self.peer.output((x.shape[0], weight.shape[0]), x.dtype)
         if out is None:
             return self.all_reduce(F.linear(x, weight, bias))

@@ -60,9 +60,8 @@ class PeerAllReduce:
         _MAPPED = True
 
     def fits(self, t: torch.Tensor) -> bool:
-        nbytes = t.numel() * t.element_size()
-        return (t.is_contiguous() and t.dtype in FLOATS
-                and 0 < nbytes <= self.nbytes and nbytes % ALIGN == 0)
+        """Whether ``t`` can be summed through the buffer (copied in and out: :meth:`all_reduce_`)."""
+        return t.is_contiguous() and self._bytes(t.shape, t.dtype) is not None
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group in place (``fits(t)`` must hold); returns ``t``."""
@@ -74,12 +73,16 @@ class PeerAllReduce:
         """The start of the buffer as a tensor of ``shape`` and ``dtype``, for a kernel to write its partial
         sum into before :meth:`sum_` (no copy in); None where such a tensor does not fit (then NCCL serves).
         It is the buffer itself: what it holds is valid until the group's next collective through it."""
+        nbytes = self._bytes(shape, dtype)
+        return None if nbytes is None else self.buffer[:nbytes].view(dtype).view(shape)
+
+    def _bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+        """The bytes a tensor of ``shape`` and ``dtype`` takes of the buffer; None where it cannot go through it
+        (not a float the kernel sums, empty, larger than the buffer, or not a multiple of its vector width)."""
         if dtype not in FLOATS:
             return None
         nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
-        if not 0 < nbytes <= self.nbytes or nbytes % ALIGN:
-            return None
-        return self.buffer[:nbytes].view(dtype).view(shape)
+        return nbytes if 0 < nbytes <= self.nbytes and nbytes % ALIGN == 0 else None
 
     def sum_(self, view: torch.Tensor) -> torch.Tensor:
         """Sum an :meth:`output` tensor over the group in place, on every rank the same bits; returns it."""

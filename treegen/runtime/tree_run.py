@@ -302,7 +302,6 @@ class TreeRun(MixedSteps):
                 raise j.error
         return [j.result for j in jobs[: len(gens)]], [j.result for j in jobs[len(gens):]]
 
-
     # ---------------------------------------------------------------------------------------------
     def can_split(self, node: int, length: int) -> bool:
         """Whether :meth:`split` may divide ``node`` after its first ``length`` tokens now: a node with children
