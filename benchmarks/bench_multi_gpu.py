@@ -81,10 +81,15 @@ def main() -> None:
     p.add_argument("--peer-output", choices=["on", "off", "both"], default="on",
                    help="tp=N on the 8B shape: o and down write into the peer all-reduce's buffer (on), or their "
                         "products are copied in and out (off), or both, alternately (rows: peer_output)")
+    p.add_argument("--fused-norm", choices=["on", "off", "both"], default="on",
+                   help="tp=N on the 8B shape: o and down's sums, the residual add and the next RMSNorm in one kernel "
+                        "over peer memory (on), or the all-reduce and then the norm kernel (off), or both, "
+                        "alternately (rows: fused_norm)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.heads = {"on": [True], "off": [False], "both": [False, True]}[args.vocab_parallel]
     args.peer_outputs = {"on": [True], "off": [False], "both": [True, False]}[args.peer_output]
+    args.fused_norms = {"on": [True], "off": [False], "both": [True, False]}[args.fused_norm]
 
     gpus = int(os.environ.get("WORLD_SIZE", "2"))
     tpn = init_parallel(tensor_parallel=gpus, device="cuda", timeout_s=1800)  # all GPUs as one replica
@@ -146,16 +151,18 @@ def measure_8b(args, tpn, dpn, record, new_tokens) -> None:
 
     # both heads' models at once (8B at tp=2: ~8.5 GB a GPU each), measured alternately at every batch, so
     # drift over the run falls on both alike
-    engines = {(split, direct): Engine(LlamaFamilyModel.random(cfg, device=tpn.device, tp=split_head(tpn, split, direct)),
-                                       IdTokenizer(), parallel=tpn) for split in args.heads for direct in args.peer_outputs}
+    engines = {(split, direct, fused): Engine(LlamaFamilyModel.random(cfg, device=tpn.device,
+                                                                      tp=split_head(tpn, split, direct, fused)),
+                                              IdTokenizer(), parallel=tpn)
+               for split in args.heads for direct in args.peer_outputs for fused in args.fused_norms}
     for batch in args.batches:
-        for (split, direct), engine in (engines.items() if batch % 2 == 0 else reversed(engines.items())):
+        for (split, direct, fused), engine in (engines.items() if batch % 2 == 0 else reversed(engines.items())):
             dist.barrier()
             dt, total = decode_time(engine, batch, args.prefix, args.new)
             tok_s = new_tokens(batch, dt)
             record({"shape": "llama3-8b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
                     "total_s": total, "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
-                    "all_reduce": tpn.tensor.all_reduce_path, "peer_output": direct})
+                    "all_reduce": tpn.tensor.all_reduce_path, "peer_output": direct, "fused_norm": fused})
     del engines
     gc.collect()
     torch.cuda.empty_cache()
@@ -204,10 +211,11 @@ def measure_8b_hybrid(args, par, record, new_tokens, one_gpu: dict[int, float]) 
     torch.cuda.empty_cache()
 
 
-def split_head(tpn, split: bool, peer_output: bool = True):
+def split_head(tpn, split: bool, peer_output: bool = True, fused_norm: bool = True):
     """tpn's tensor-parallel group, the LM head split by vocabulary or whole; o and down writing into the
-    peer buffer (``peer_output``) or copied in and out of it."""
-    return dataclasses.replace(tpn.tensor, vocab_parallel=split, peer_output=peer_output)
+    peer buffer (``peer_output``) or copied in and out of it; their sums taken in the fused add + norm kernel
+    (``fused_norm``) or by the all-reduce and then the norm."""
+    return dataclasses.replace(tpn.tensor, vocab_parallel=split, peer_output=peer_output, fused_norm=fused_norm)
 
 
 def measure_70b(args, tpn, record, new_tokens) -> None:
@@ -244,7 +252,9 @@ def write_json(args, rows: list[dict], out: Path) -> None:
                         "one warm-up run per point; dp=N: 1/N of the branches per GPU, the slowest replica's time; "
                         "tp=N rows: vocab_parallel = LM head split by vocabulary (else whole on each GPU), the 8B "
                         "shape's two heads measured alternately at every batch; peer_output = o and down write into "
-                        "the peer all-reduce's buffer (False: copied in and out; plotted: True)",
+                        "the peer all-reduce's buffer (False: copied in and out; plotted: True); fused_norm = their sums, "
+                        "the residual add and the next RMSNorm in one kernel over peer memory (False: the all-reduce "
+                        "and then the norm kernel; plotted: True)",
               "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -261,7 +271,7 @@ def plot(rows: list[dict], out: Path, n: int = 2) -> None:
                                  (n, 1, True, f"tp={n}, head split by vocab"), (1, n, None, f"dp={n}"),
                                  *([(2, n // 2, False, f"dp={n // 2} x tp=2")] if n >= 4 else [])):
         pts = sorted((r["batch"], r["tok_s"]) for r in small
-                     if r["tp"] == tp and r["dp"] == dp and r.get("peer_output", True)
+                     if r["tp"] == tp and r["dp"] == dp and r.get("peer_output", True) and r.get("fused_norm", True)
                      and (tp == 1 or bool(r.get("vocab_parallel")) == split))
         if pts:
             axes[0].plot(*zip(*pts), marker="o", label=label)

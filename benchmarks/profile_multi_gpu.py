@@ -5,7 +5,8 @@
 Per batch, the decode step time (ms) of the Llama-3-8B shape (random bf16 weights, prefix 2048, 128
 new tokens, CUDA graphs) at one GPU and at tp=2, each with tree attention and attention-free
 (``none``); the model's forward alone (no engine, no attention, captured as one CUDA graph) at tp=1
-and tp=2; and 64 all-reduces of [batch, 4096] bf16 (the two per layer of a step) captured as one graph.
+and tp=2; and 64 all-reduces of [batch, 4096] bf16 (the two per layer of a step) captured as one graph, and 64 of
+the all-reduce + residual add + RMSNorm, two-shot then the norm kernel against the fused kernel.
 Also the LM head and the sampler alone (``head_pick_*``: ``[batch, 4096] x [4096, 128256]`` and
 :func:`~treegen.runtime.sampler.pick`, one CUDA graph), greedy / temperature / top-p, with the head
 whole on each GPU against split by vocabulary (its ``[batch, 4]`` all-gather, or for top-p the logits').
@@ -120,6 +121,42 @@ def symmetric_memory_all_reduces(tp2, hidden: int, batches: list[int]) -> dict:
     return res
 
 
+def fused_add_norm_ms(tp2, hidden: int, batches: list[int]) -> dict:
+    """Per batch, 64 of the layer's sum + residual add + RMSNorm of [batch, hidden] bf16 over the group's peer
+    memory, captured as one graph: PyTorch's two-shot all-reduce of a product already in the peer buffer and
+    then the add + norm kernel (``two_shot_add_norm_64_ms``: the path before the fused kernel), against the
+    fused kernel (``fused_add_norm_64_ms``); and whether the fused one gives the same ``h`` bits."""
+    from treegen.kernels import peer_add_norm
+    from treegen.kernels.fused_ops import add_rms_norm
+
+    peer = tp2.tensor.peer
+    w = torch.rand(hidden, dtype=torch.bfloat16, device=tp2.device) + 0.5
+    res = {}
+    for b in batches:
+        part = torch.randn(b, hidden, dtype=torch.bfloat16, device=tp2.device) * (1 + tp2.rank)
+        h0 = torch.randn(b, hidden, dtype=torch.bfloat16, device=tp2.device)
+        h_two, h_fused = h0.clone(), h0.clone()
+        view = peer.output((b, hidden), torch.bfloat16)
+        view.copy_(part)
+        x_two = add_rms_norm(h_two, peer.sum_(view), w, 1e-5)
+        x_fused = peer.add_rms_norm_(part, h_fused, w, 1e-5)
+        torch.cuda.synchronize()
+        row = {"fused_h_equal": bool(torch.equal(h_two, h_fused)),
+               "fused_x_max_err": (x_two.float() - x_fused.float()).abs().max().item()}
+        h = h0.clone()
+        row["two_shot_add_norm_64_ms"] = graph_ms(lambda: [add_rms_norm(h, peer.sum_(view), w, 1e-5)
+                                                          for _ in range(64)])
+        row["fused_add_norm_64_ms"] = graph_ms(lambda: [peer.add_rms_norm_(part, h, w, 1e-5) for _ in range(64)])
+        default = (peer_add_norm.TILE_ELEMS, peer_add_norm.NUM_WARPS)
+        for tile, warps in ((4096, 4), (8192, 8), (16384, 8), (16384, 32), (32768, 16)):  # the kernel's tiling
+            peer_add_norm.TILE_ELEMS, peer_add_norm.NUM_WARPS = tile, warps
+            row[f"fused_add_norm_64_ms_tile{tile}_warps{warps}"] = graph_ms(
+                lambda: [peer.add_rms_norm_(part, h, w, 1e-5) for _ in range(64)])
+        peer_add_norm.TILE_ELEMS, peer_add_norm.NUM_WARPS = default
+        res[b] = row
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
@@ -147,6 +184,10 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - a diagnostic: record why
         for b in args.batches:
             rows[b]["symm_error"] = f"{type(e).__name__}: {e}"[:500]
+    if tp2.tensor.peer is not None:
+        fused = fused_add_norm_ms(tp2, cfg.hidden_size, args.batches)
+        for b in args.batches:
+            rows[b].update(fused[b])
     heads = head_pick_ms(tp2, cfg.hidden_size, cfg.vocab_size, args.batches)
     for b in args.batches:
         rows[b].update(heads[b])

@@ -7,6 +7,11 @@
 * the all-reduce over peer memory gives NCCL's sums (fp32 bit for bit, bf16 within one step; the same
   bits on both ranks), also replayed in a CUDA graph; ``TensorParallel.all_gather`` gives NCCL's
   all-gather bit for bit (small ones over peer memory, large ones NCCL), also in a CUDA graph.
+* the fused all-reduce + residual add + RMSNorm kernel (peer memory) gives the two-shot all-reduce and
+  the norm kernel's ``h`` bit for bit and their ``x`` within two bf16 steps, the same bits on both ranks, over
+  many operations in a row (both parities of its receive slots) mixed with other collectives through the
+  buffer and with eager launches between CUDA-graph replays; a tp=2 model with it decodes the same tokens
+  as with the unfused path.
 * tp=2 with the LM head split by vocabulary vs tp=2 with the head whole (same random weights): the
   gathered prefill logits within bf16 tolerance (and whether bit-equal is printed), and the same tokens
   through CUDA-graph decode phases — greedy, temperature, top-p and top-k — on both ranks.
@@ -162,9 +167,77 @@ def peer_all_reduce_is_nccls(tp2) -> None:
         assert torch.equal(out["y"], want)
 
 
+def fused_add_norm_is_the_all_reduce_then_the_norm(tp2) -> None:
+    """The fused kernel (``PeerAllReduce.add_rms_norm_``) against the two-shot all-reduce + ``add_rms_norm``."""
+    from treegen.kernels.fused_ops import add_rms_norm
+
+    peer, tp = tp2.tensor.peer, tp2.tensor
+    hidden, eps = 4096, 1e-5
+    same = torch.Generator(device=tp2.device).manual_seed(3)  # what every rank holds alike (h, the weight)
+    mine = torch.Generator(device=tp2.device).manual_seed(100 + tp2.rank)  # this rank's partials
+    w = torch.rand(hidden, dtype=torch.bfloat16, device=tp2.device, generator=same) + 0.5
+
+    def unfused(part, h):
+        return add_rms_norm(h, tp.all_reduce(part.clone()), w, eps)
+
+    def check(got_h, want_h, got_x, want_x, where):
+        assert torch.equal(got_h, want_h), f"{where}: h differs from the unfused path's"
+        # (x: the norm's fp32 mean summed in another order, through two roundings: within two bf16 steps)
+        torch.testing.assert_close(got_x, want_x, rtol=2**-6, atol=1e-6, msg=lambda m: f"{where}: {m}")
+        every = [torch.empty_like(got_x) for _ in range(2)]
+        dist.all_gather(every, got_x, group=tp.group)
+        assert torch.equal(every[0], every[1]), f"{where}: the ranks' x differ"
+
+    for rows in (1, 3, 64, 256, 1000, 2048):
+        assert peer.fuses((rows, hidden), torch.bfloat16), rows
+        for i in range(3):
+            part = torch.randn(rows, hidden, dtype=torch.bfloat16, device=tp2.device, generator=mine)
+            h = torch.randn(rows, hidden, dtype=torch.bfloat16, device=tp2.device, generator=same)
+            want_h = h.clone()
+            want_x = unfused(part, want_h)
+            x = peer.add_rms_norm_(part, h, w, eps)
+            check(h, want_h, x, want_x, f"eager, {rows} rows, #{i}")
+    # in a CUDA graph: three fused operations (an odd number: replays alternate their parities) with another
+    # all-reduce through the buffer between, and an eager fused operation between replays
+    rows = 256
+    parts = [torch.empty(rows, hidden, dtype=torch.bfloat16, device=tp2.device) for _ in range(3)]
+    h = torch.empty(rows, hidden, dtype=torch.bfloat16, device=tp2.device)
+    other = torch.empty(rows, hidden, dtype=torch.bfloat16, device=tp2.device)
+    out = {}
+
+    def body():
+        out["a"] = peer.add_rms_norm_(parts[0], h, w, eps)
+        tp.all_reduce(other)
+        out["b"] = peer.add_rms_norm_(parts[1], h, w, eps)
+        out["c"] = peer.add_rms_norm_(parts[2], h, w, eps)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    for i in range(20):
+        for p in parts:
+            p.copy_(torch.randn(rows, hidden, dtype=torch.bfloat16, device=tp2.device, generator=mine))
+        h.copy_(torch.randn(rows, hidden, dtype=torch.bfloat16, device=tp2.device, generator=same))
+        other.copy_(parts[0])
+        want_h = h.clone()
+        want = [unfused(parts[0], want_h), None, None]
+        want_other = tp.all_reduce(other.clone())
+        want[1], want[2] = unfused(parts[1], want_h), unfused(parts[2], want_h)
+        graph.replay()
+        for key, wx in zip("ab", want):
+            torch.testing.assert_close(out[key], wx, rtol=2**-6, atol=1e-6)
+        check(h, want_h, out["c"], want[2], f"graph replay {i}")  # (h after all three)
+        torch.testing.assert_close(other, want_other, rtol=2**-7, atol=0)
+        extra_h, extra = h.clone(), torch.randn(rows, hidden, dtype=torch.bfloat16, device=tp2.device, generator=mine)
+        want_extra_h = extra_h.clone()
+        want_extra = unfused(extra, want_extra_h)
+        check(extra_h, want_extra_h, peer.add_rms_norm_(extra, extra_h, w, eps), want_extra, f"eager after replay {i}")
+
+
 def main() -> None:
     tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=600)
     peer_all_reduce_is_nccls(tp2)
+    fused_add_norm_is_the_all_reduce_then_the_norm(tp2)
     all_gather_is_nccls(tp2)
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
@@ -182,6 +255,15 @@ def main() -> None:
     assert every[0] == every[1], "tp=2 ranks drew different tokens"
     del whole
     torch.cuda.empty_cache()
+    # the same model with its all-reduces then the norm kernel, instead of the fused kernel
+    unfused = Engine(LlamaFamilyModel.random(cfg, device=tp2.device, tp=dataclasses.replace(tp2.tensor, fused_norm=False)),
+                     IdTokenizer(), parallel=tp2)
+    torch.testing.assert_close(prefill_logits(unfused), got, atol=0.01 * scale, rtol=0.01)
+    unfused_tokens = greedy_tokens(unfused)
+    agree = sum(a == b for x, y in zip(unfused_tokens, tokens) for a, b in zip(x, y)) / sum(map(len, tokens))
+    assert agree > 0.9, f"the fused and unfused all-reduce + norm agree on only {agree:.0%} of greedy tokens"
+    del unfused
+    torch.cuda.empty_cache()
     vocab = split_head_matches_whole_head(tp2, cfg, split)
     del split
     torch.cuda.empty_cache()
@@ -198,7 +280,8 @@ def main() -> None:
         print(f"{tp2}", flush=True)
         print("distributed GPU checks passed: peer all-reduce equals NCCL's, tp=2 logits within bf16 tolerance "
               f"(top token agrees on {same:.0%} of rows), LM head split by vocabulary draws the whole head's tokens "
-              f"({vocab}), dp=2 tokens identical", flush=True)
+              f"({vocab}), fused all-reduce + norm: {agree:.0%} of greedy tokens as unfused, dp=2 tokens identical",
+              flush=True)
     dist.destroy_process_group()
 
 

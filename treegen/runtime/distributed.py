@@ -49,6 +49,7 @@ class TensorParallel:
     all_reduce_path: str = "none (one rank)"  # which all-reduce serves, or why NCCL does
     vocab_parallel: bool = False  # the LM head split by vocabulary over the group (see shard.py), else whole
     peer_output: bool = True  # o and down write their products into the peer buffer (False: copied in and out)
+    fused_norm: bool = True  # o and down's sums, the residual add and the next norm in one kernel (peer memory)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group, in place (every rank gets the same bits); returns ``t``."""
@@ -74,6 +75,16 @@ class TensorParallel:
         else:
             torch.addmm(bias, x, weight.t(), out=out)
         return self.peer.sum_(out)
+
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> "torch.Tensor | PartialSum":
+        """A row-parallel linear whose sum its reader may take together with what it does next: a
+        :class:`PartialSum` of this rank's product where the group's peer memory can sum it in the fused
+        add + RMSNorm kernel (``fused_norm``), else the sum itself (:meth:`linear_all_reduce`)."""
+        if self.peer is not None and self.fused_norm and x.dim() == 2 \
+                and self.peer.fuses((x.shape[0], weight.shape[0]), x.dtype):
+            return PartialSum(F.linear(x, weight, bias), self)
+        return self.linear_all_reduce(x, weight, bias)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t``, stacked in rank order: ``[size, *t.shape]`` (the same on every rank).
@@ -103,6 +114,25 @@ class TensorParallel:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+
+@dataclass(eq=False)
+class PartialSum:
+    """This rank's part of a sum over its tensor-parallel group, not summed yet (a row-parallel product,
+    :meth:`TensorParallel.row_parallel`). Its reader sums it: together with the residual add and the norm
+    that come next, in one kernel (:meth:`add_rms_norm_`), or alone (:meth:`sum`). Every rank of the
+    group reads it the same way (they run the same model code)."""
+
+    part: torch.Tensor
+    tp: TensorParallel
+
+    def sum(self) -> torch.Tensor:
+        """The sum over the group."""
+        return self.tp.all_reduce(self.part)
+
+    def add_rms_norm_(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``h += sum`` in place; returns ``RMSNorm(h) * weight`` (Llama's norm)."""
+        return self.tp.peer.add_rms_norm_(self.part, h, weight, eps)
 
 
 @dataclass(eq=False)
@@ -269,5 +299,5 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
     return Parallel(tensor_parallel, dp, rank, device, tensor, dp_group)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "SMALL_GATHER_BYTES", "DistributedError", "Parallel", "TensorParallel", "check_layout",
+__all__ = ["DEFAULT_TIMEOUT_S", "SMALL_GATHER_BYTES", "DistributedError", "Parallel", "PartialSum", "TensorParallel", "check_layout",
            "finish_launch", "init_parallel", "join_local_group", "launched"]

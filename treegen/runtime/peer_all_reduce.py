@@ -35,27 +35,53 @@ import os
 import torch
 import torch.distributed as dist
 
-BUFFER_BYTES = 64 * 2**20  # per rank: [8192, 4096] bf16 activations
+from treegen.kernels.peer_add_norm import MAX_HIDDEN, peer_add_rms_norm
+
+BUFFER_BYTES = 64 * 2**20  # per rank, PyTorch's two-shot all-reduce: [8192, 4096] bf16 activations
+# the largest partial the fused all-reduce + add + norm kernel takes (a slot of its receive area): on two H200s it
+# beat the two-shot all-reduce and the norm kernel at [64 | 256, 4096] bf16 (0.5 | 2 MiB) and lost at 8 MiB
+FUSED_MAX_BYTES = 2 * 2**20
+FUSED_PROGRAMS = 128  # the fused kernel's grid, fixed for the buffer's life (its epochs count per program)
 _MAPPED = False  # this process has made a symmetric buffer (see the module doc: one per process)
 ALIGN = 16  # bytes: the kernels' vector width
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # the dtypes the buffer is summed as
 
 
 class PeerAllReduce:
-    """A symmetric buffer of ``nbytes`` mapped by every rank of ``group`` and the all-reduce through it."""
+    """A symmetric buffer mapped by every rank of ``group`` and the all-reduce through it.
 
-    def __init__(self, group, device: torch.device, nbytes: int = BUFFER_BYTES):
+    Its layout: ``nbytes`` for PyTorch's two-shot all-reduce (:meth:`sum_`), then the receive area of the
+    fused all-reduce + residual add + RMSNorm (:meth:`add_rms_norm_`, :mod:`treegen.kernels.peer_add_norm`:
+    two parities x ``world`` slots of ``fused_bytes``), then that kernel's flags (``programs x
+    world`` int64, zeroed here before any rank can signal)."""
+
+    def __init__(self, group, device: torch.device, nbytes: int = BUFFER_BYTES, fused_bytes: int = FUSED_MAX_BYTES,
+                 programs: int = FUSED_PROGRAMS):
         import torch.distributed._symmetric_memory as symm_mem
 
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         self.group_name = group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch; a no-op (deprecated) after
             symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.slot_bytes = fused_bytes // ALIGN * ALIGN
+        recv_bytes = 2 * self.world * self.slot_bytes
+        flag_bytes = programs * self.world * 8
+        self.buffer = symm_mem.empty(nbytes + recv_bytes + flag_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         if int(getattr(handle, "multicast_ptr", 0)) != 0:
             raise RuntimeError("symmetric memory mapped a multicast object; treegen never uses NVLink multicast")
         self.nbytes = nbytes
+        if handle.rank != self.rank or handle.world_size != self.world:
+            raise RuntimeError(f"symmetric memory numbers this rank {handle.rank} of {handle.world_size}; "
+                               f"the group, {self.rank} of {self.world}")
+        ptrs = list(handle.buffer_ptrs)
+        self.recv_ptrs = torch.tensor([p + nbytes for p in ptrs], dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor([p + nbytes + recv_bytes for p in ptrs], dtype=torch.int64, device=device)
+        self.buffer[nbytes + recv_bytes:].zero_()
+        self.epochs = torch.zeros(programs, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # every rank's flags are zero before any rank's first signal
         global _MAPPED
         _MAPPED = True
 
@@ -88,6 +114,18 @@ class PeerAllReduce:
         """Sum an :meth:`output` tensor over the group in place, on every rank the same bits; returns it."""
         torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", self.group_name)
         return view
+
+    def fuses(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether a ``[rows, hidden]`` partial of ``dtype`` can be summed by :meth:`add_rms_norm_`."""
+        return dtype in FLOATS and len(shape) == 2 and 0 < shape[1] <= MAX_HIDDEN \
+            and math.prod(shape) * torch.finfo(dtype).bits // 8 <= self.slot_bytes
+
+    def add_rms_norm_(self, part: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Sum ``part`` (``fuses`` holds) over the group, add the sum to ``h`` in place and return
+        ``RMSNorm(h) * weight``, in one kernel (:func:`~treegen.kernels.peer_add_norm.peer_add_rms_norm`)."""
+        return peer_add_rms_norm(part, h, weight, eps, rank=self.rank, world=self.world, recv=self.recv_ptrs,
+                                 flags=self.flag_ptrs, epochs=self.epochs,
+                                 slot_elems=self.slot_bytes * 8 // torch.finfo(part.dtype).bits)
 
 
 def peer_all_reduce_for(group, device: torch.device) -> tuple[PeerAllReduce | None, str]:
@@ -125,4 +163,4 @@ def _unusable(device: torch.device, size: int) -> str | None:
     return None
 
 
-__all__ = ["BUFFER_BYTES", "PeerAllReduce", "peer_all_reduce_for"]
+__all__ = ["BUFFER_BYTES", "FUSED_MAX_BYTES", "FUSED_PROGRAMS", "PeerAllReduce", "peer_all_reduce_for"]
