@@ -44,6 +44,7 @@ from transformers import LlamaConfig
 
 from bench_end_to_end import SHAPES, timed_run  # benchmarks/bench_end_to_end.py
 from plotting import pyplot, save, throughput_axes  # benchmarks/plotting.py
+from treegen.runtime import peer_all_reduce
 from treegen.runtime.distributed import init_parallel
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer
@@ -85,8 +86,13 @@ def main() -> None:
                    help="tp=N on the 8B shape: o and down's sums, the residual add and the next RMSNorm in one kernel "
                         "over peer memory (on), or the all-reduce and then the norm kernel (off), or both, "
                         "alternately (rows: fused_norm)")
+    p.add_argument("--fused-max-mib", type=float, default=None,
+                   help="the largest partial (MiB) the fused all-reduce + add + norm kernel takes (default: "
+                        "peer_all_reduce.FUSED_MAX_BYTES)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.fused_max_mib is not None:
+        peer_all_reduce.FUSED_MAX_BYTES = int(args.fused_max_mib * 2**20)
     args.heads = {"on": [True], "off": [False], "both": [False, True]}[args.vocab_parallel]
     args.peer_outputs = {"on": [True], "off": [False], "both": [True, False]}[args.peer_output]
     args.fused_norms = {"on": [True], "off": [False], "both": [True, False]}[args.fused_norm]
@@ -162,7 +168,8 @@ def measure_8b(args, tpn, dpn, record, new_tokens) -> None:
             tok_s = new_tokens(batch, dt)
             record({"shape": "llama3-8b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
                     "total_s": total, "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
-                    "all_reduce": tpn.tensor.all_reduce_path, "peer_output": direct, "fused_norm": fused})
+                    "all_reduce": tpn.tensor.all_reduce_path, "peer_output": direct, "fused_norm": fused,
+                    "fused_max_bytes": tpn.tensor.peer.slot_bytes if tpn.tensor.peer is not None else None})
     del engines
     gc.collect()
     torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
 """The fused all-reduce + residual add + RMSNorm kernel, one rank of a group played on the CPU (Triton's
-interpreter): the test plays the peers — their partials already in this rank's receive slots and their
-flags raised — and checks what the kernel computes, what it pushes into the peers' slots and the flags it
-raises there. Two GPUs run it for real in tests/distributed_gpu_worker.py (against the unfused path)."""
+interpreter): the test plays the peers — their partials already in this rank's receive slots, the rest of
+the slots marked empty — and checks what the kernel computes, what it pushes into the peers' slots and that
+it marks the slots it read empty again. Two GPUs run it for real in tests/distributed_gpu_worker.py
+(against the two-shot all-reduce and the norm kernel)."""
 
 import os
 
@@ -11,51 +12,58 @@ import pytest
 import torch
 
 from treegen.kernels import peer_add_norm
-from treegen.kernels.peer_add_norm import peer_add_rms_norm, peer_add_rms_norm_reference
+from treegen.kernels.peer_add_norm import EMPTY, peer_add_rms_norm, peer_add_rms_norm_reference
 
 
 class _Rank:
-    """One rank's receive area (2 parities x world slots) and flags, as plain CPU memory."""
+    """One rank's receive area (2 parities x world slots), as plain CPU memory, every element marked empty."""
 
-    def __init__(self, world: int, programs: int, slot_elems: int, dtype: torch.dtype):
-        self.recv = torch.zeros(2 * world, slot_elems, dtype=dtype)
-        self.flags = torch.zeros(programs, world, dtype=torch.int64)
+    def __init__(self, world: int, slot_elems: int, dtype: torch.dtype):
+        self.recv = torch.empty(2 * world, slot_elems, dtype=dtype)
+        self.recv.view(torch.int16).fill_(EMPTY)
 
     def slot(self, epoch: int, src: int, rows: int, hidden: int) -> torch.Tensor:
         world = self.recv.shape[0] // 2
         return self.recv[(epoch % 2) * world + src, : rows * hidden].view(rows, hidden)
 
 
-@pytest.mark.parametrize("dtype,world,rank,rows,tile", [(torch.float32, 2, 0, 5, None), (torch.float16, 2, 1, 5, None),
-                                                       (torch.float32, 3, 1, 5, None), (torch.float32, 2, 1, 13, 64)])
-def test_one_rank_sums_the_peers_partials_adds_normalises_and_signals(dtype, world, rank, rows, tile, monkeypatch):
+def _empty(t: torch.Tensor) -> bool:
+    return bool((t.view(torch.int16) == EMPTY).all())
+
+
+@pytest.mark.parametrize("world,rank,rows,tile", [(2, 0, 5, None), (2, 1, 5, None), (3, 1, 5, None), (3, 2, 5, None),
+                                                  (2, 1, 13, 64)])
+def test_one_rank_sums_the_peers_partials_adds_normalises_and_marks_its_slots_empty(world, rank, rows, tile,
+                                                                                     monkeypatch):
     if tile is not None:  # tiles of two rows: a program's five rows take three of them, the last one part-full
         monkeypatch.setattr(peer_add_norm, "TILE_ELEMS", tile)
-    hidden, programs, slot_elems, eps = 24, 3, 400, 1e-5
+    hidden, programs, slot_elems, eps, dtype = 24, 3, 400, 1e-5, torch.float16
     gen = torch.Generator().manual_seed(world * 10 + rank)
-    ranks = [_Rank(world, programs, slot_elems, dtype) for _ in range(world)]
+    ranks = [_Rank(world, slot_elems, dtype) for _ in range(world)]
     recv = torch.tensor([r.recv.data_ptr() for r in ranks], dtype=torch.int64)
-    flags = torch.tensor([r.flags.data_ptr() for r in ranks], dtype=torch.int64)
     epochs = torch.zeros(programs, dtype=torch.int64)
     weight = torch.randn(hidden, generator=gen).to(dtype)
     h = torch.randn(rows, hidden, generator=gen).to(dtype)
     me = ranks[rank]
     for epoch in (1, 2, 3):  # both parities, and the first again
         parts = [torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(world)]
-        for p in range(world):  # the peers have pushed their partials here and raised their flags
+        parts[rank][0, :3] = torch.tensor([-0.0, 0.0, 1.0])  # a -0.0 of ours is sent as +0.0 (-0.0 marks empty)
+        for p in range(world):  # the peers have pushed their partials here
             if p != rank:
+                assert _empty(me.slot(epoch, p, rows, hidden)), "a slot was not marked empty after its last read"
                 me.slot(epoch, p, rows, hidden).copy_(parts[p])
-                me.flags[:, p] = epoch
         want_h, want_x = peer_add_rms_norm_reference(h, parts, weight, eps)
-        x = peer_add_rms_norm(parts[rank], h, weight, eps, rank=rank, world=world, recv=recv, flags=flags,
-                              epochs=epochs, slot_elems=slot_elems)
+        x = peer_add_rms_norm(parts[rank], h, weight, eps, rank=rank, world=world, recv=recv, epochs=epochs,
+                              slot_elems=slot_elems)
         assert torch.equal(h, want_h), epoch  # the sum and the add round as the reference does
         torch.testing.assert_close(x, want_x)  # (the norm's mean: fp32 summation order)
         assert torch.equal(epochs, torch.full((programs,), epoch))
-        for p in range(world):  # our partial is in our slot at every peer, and our flags are raised there
-            if p != rank:
-                assert torch.equal(ranks[p].slot(epoch, rank, rows, hidden), parts[rank])
-                assert torch.equal(ranks[p].flags[:, rank], torch.full((programs,), epoch))
+        for p in range(world):
+            if p != rank:  # our partial is in our slot at every peer, -0.0 as +0.0; the slots we read are empty
+                sent = ranks[p].slot(epoch, rank, rows, hidden)
+                assert torch.equal(sent, parts[rank]) and not _empty(sent[0, :1]) and sent[0, 0].item() == 0.0
+                assert _empty(me.slot(epoch, p, rows, hidden))
+                ranks[p].slot(epoch, rank, rows, hidden).view(torch.int16).fill_(EMPTY)  # (the peer read it)
 
 
 def test_the_reference_rounds_the_sum_once_then_the_residual_add():
@@ -68,13 +76,15 @@ def test_the_reference_rounds_the_sum_once_then_the_residual_add():
     assert h.item() == 2**-8, "the reference changed its input"
 
 
-def test_bad_shapes_are_refused_before_any_launch():
-    y = torch.zeros(4, 8)
-    common = dict(rank=0, world=2, recv=torch.zeros(2, dtype=torch.int64), flags=torch.zeros(2, dtype=torch.int64),
-                  epochs=torch.zeros(2, dtype=torch.int64))
+def test_bad_input_is_refused_before_any_launch():
+    y = torch.zeros(4, 8, dtype=torch.float16)
+    common = dict(rank=0, world=2, recv=torch.zeros(2, dtype=torch.int64), epochs=torch.zeros(2, dtype=torch.int64))
+    w = torch.ones(8, dtype=torch.float16)
     with pytest.raises(ValueError, match="must agree"):
-        peer_add_rms_norm(y, torch.zeros(4, 9), torch.ones(8), 1e-5, slot_elems=64, **common)
+        peer_add_rms_norm(y, torch.zeros(4, 9, dtype=torch.float16), w, 1e-5, slot_elems=64, **common)
+    with pytest.raises(ValueError, match="float32 partials"):
+        peer_add_rms_norm(y.float(), torch.zeros(4, 8), w.float(), 1e-5, slot_elems=64, **common)
     with pytest.raises(ValueError, match="does not fit a receive slot"):
-        peer_add_rms_norm(y, torch.zeros(4, 8), torch.ones(8), 1e-5, slot_elems=16, **common)
+        peer_add_rms_norm(y, y.clone(), w, 1e-5, slot_elems=16, **common)
     with pytest.raises(ValueError, match="rank 2 of 2"):
-        peer_add_rms_norm(y, torch.zeros(4, 8), torch.ones(8), 1e-5, slot_elems=64, **{**common, "rank": 2})
+        peer_add_rms_norm(y, y.clone(), w, 1e-5, slot_elems=64, **{**common, "rank": 2})

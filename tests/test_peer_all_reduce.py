@@ -54,3 +54,44 @@ def test_a_row_parallel_linear_is_written_into_the_peer_buffer_and_summed_there(
     big = torch.randn(33, 16)
     torch.testing.assert_close(tp.linear_all_reduce(big, w), torch.nn.functional.linear(big, w))
     assert collective == [(33, 32)] and peer.sums == 2
+
+
+class _FusingRanks(_TwoEqualRanks):
+    """Two equal ranks whose peer memory also takes the fused all-reduce + add + norm (the reference's maths)."""
+
+    def __init__(self, nbytes: int, fused_bytes: int):
+        super().__init__(nbytes)
+        self.slot_bytes, self.fused = fused_bytes, 0
+
+    def add_rms_norm_(self, part, h, weight, eps):
+        from treegen.kernels.peer_add_norm import peer_add_rms_norm_reference
+
+        self.fused += 1
+        new_h, x = peer_add_rms_norm_reference(h, [part, part], weight, eps)
+        h.copy_(new_h)
+        return x
+
+
+def test_a_row_parallel_product_is_left_for_the_fused_add_and_norm_where_it_fits():
+    from treegen.runtime.distributed import PartialSum, TensorParallel
+    from treegen.runtime.model import _summed
+    from treegen.runtime.shard import Shard
+
+    peer = _FusingRanks(4096, fused_bytes=512)
+    tp = TensorParallel(shard=Shard(0, 2), group=None, peer=peer)
+    x, w = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(32, 16, dtype=torch.bfloat16)
+    y = tp.row_parallel(x, w)  # [4, 32] bf16: 256 bytes, fits the slots
+    assert isinstance(y, PartialSum) and torch.equal(y.part, torch.nn.functional.linear(x, w))
+    h, norm = torch.randn(4, 32, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)
+    want = h.float() + (2 * y.part.float()).to(torch.bfloat16).float()
+    y.add_rms_norm_(h, norm, 1e-6)
+    assert peer.fused == 1 and torch.equal(h, want.to(torch.bfloat16))
+    want = 2 * y.part
+    torch.testing.assert_close(_summed(y), want)  # read alone: the all-reduce
+    assert peer.sums == 1
+    # too large for the slots, a dtype the slots do not take, or the knob off: the sum itself, as before
+    for args, knob in (((torch.randn(9, 16, dtype=torch.bfloat16), w), True), ((x.float(), w.float()), True),
+                       ((x, w), False)):
+        tp.fused_norm = knob
+        out = tp.row_parallel(*args)
+        assert isinstance(out, torch.Tensor) and torch.equal(out, 2 * torch.nn.functional.linear(*args))

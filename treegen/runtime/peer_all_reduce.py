@@ -1,4 +1,5 @@
-"""The tensor-parallel all-reduce over peer GPU memory: PyTorch symmetric memory's two-shot all-reduce.
+"""The tensor-parallel all-reduce over peer GPU memory: PyTorch symmetric memory's two-shot all-reduce, and the fused
+all-reduce + residual add + RMSNorm of :mod:`treegen.kernels.peer_add_norm`.
 
 A decode step of a split model all-reduces two small activations per layer ([batch, hidden]: 0.5 MB
 at batch 64 of the Llama-3-8B shape). NCCL spends ~20-35 µs on each on two H200s, latency rather than
@@ -14,6 +15,13 @@ a CUDA graph, copies included: 0.66 / 1.06 / 2.59 ms at batch 64 / 256 / 1024 ag
 element is summed on one rank and copied to the others), as NCCL's all-reduce guarantees. Without the
 copies (products written in place), tp=2 at batch 256 went from 1.26x to 1.40x one GPU and was unchanged
 at 1,024 (1.50x) on two H200s (``bench_multi_gpu.py --peer-output both``, multi_gpu_peer_output_h200_x2.json).
+
+The row-parallel products' sums are mostly taken by another kernel of this buffer: the residual add and
+the next RMSNorm come right after them, and :meth:`PeerAllReduce.add_rms_norm_` does the three in one
+launch with no barrier (:mod:`treegen.kernels.peer_add_norm`; partials up to ``FUSED_MAX_BYTES``):
+0.83 ms for a step's 64 of them at batch 256 on two H200s, against 1.03 ms for the two-shot all-reduce
+and then the norm kernel; tp=2 1.39x one GPU at batch 256 against 1.35x (medians of three,
+``multi_gpu_fused_norm_256_h200_x2.json``).
 
 Only peer loads and stores are used: never NVLink multicast (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is
 set before the buffer is made, and no ``multimem`` operation is called). Tensors larger than the
@@ -35,11 +43,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from treegen.kernels.peer_add_norm import MAX_HIDDEN, peer_add_rms_norm
+from treegen.kernels.peer_add_norm import DTYPES as FUSED_DTYPES
+from treegen.kernels.peer_add_norm import EMPTY, MAX_HIDDEN, peer_add_rms_norm
 
 BUFFER_BYTES = 64 * 2**20  # per rank, PyTorch's two-shot all-reduce: [8192, 4096] bf16 activations
-# the largest partial the fused all-reduce + add + norm kernel takes (a slot of its receive area): on two H200s it
-# beat the two-shot all-reduce and the norm kernel at [64 | 256, 4096] bf16 (0.5 | 2 MiB) and lost at 8 MiB
+# the largest partial the fused all-reduce + add + norm kernel takes (a slot of its receive area): [256, 4096] bf16.
+# On two H200s it beats the two-shot all-reduce and the norm kernel up to there (0.83 vs 1.03 ms for 64 at 2 MiB),
+# ties at 4 MiB and loses at 8 MiB (3.46 vs 2.50 ms; end to end at batch 1,024 1.48x vs 1.54x one GPU)
 FUSED_MAX_BYTES = 2 * 2**20
 FUSED_PROGRAMS = 128  # the fused kernel's grid, fixed for the buffer's life (its epochs count per program)
 _MAPPED = False  # this process has made a symmetric buffer (see the module doc: one per process)
@@ -52,10 +62,9 @@ class PeerAllReduce:
 
     Its layout: ``nbytes`` for PyTorch's two-shot all-reduce (:meth:`sum_`), then the receive area of the
     fused all-reduce + residual add + RMSNorm (:meth:`add_rms_norm_`, :mod:`treegen.kernels.peer_add_norm`:
-    two parities x ``world`` slots of ``fused_bytes``), then that kernel's flags (``programs x
-    world`` int64, zeroed here before any rank can signal)."""
+    two parities x ``world`` slots of ``fused_bytes``, by default ``FUSED_MAX_BYTES``, marked empty here before any rank can write)."""
 
-    def __init__(self, group, device: torch.device, nbytes: int = BUFFER_BYTES, fused_bytes: int = FUSED_MAX_BYTES,
+    def __init__(self, group, device: torch.device, nbytes: int = BUFFER_BYTES, fused_bytes: int | None = None,
                  programs: int = FUSED_PROGRAMS):
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -64,10 +73,9 @@ class PeerAllReduce:
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch; a no-op (deprecated) after
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.slot_bytes = fused_bytes // ALIGN * ALIGN
+        self.slot_bytes = (FUSED_MAX_BYTES if fused_bytes is None else fused_bytes) // ALIGN * ALIGN
         recv_bytes = 2 * self.world * self.slot_bytes
-        flag_bytes = programs * self.world * 8
-        self.buffer = symm_mem.empty(nbytes + recv_bytes + flag_bytes, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(nbytes + recv_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         if int(getattr(handle, "multicast_ptr", 0)) != 0:
             raise RuntimeError("symmetric memory mapped a multicast object; treegen never uses NVLink multicast")
@@ -75,13 +83,11 @@ class PeerAllReduce:
         if handle.rank != self.rank or handle.world_size != self.world:
             raise RuntimeError(f"symmetric memory numbers this rank {handle.rank} of {handle.world_size}; "
                                f"the group, {self.rank} of {self.world}")
-        ptrs = list(handle.buffer_ptrs)
-        self.recv_ptrs = torch.tensor([p + nbytes for p in ptrs], dtype=torch.int64, device=device)
-        self.flag_ptrs = torch.tensor([p + nbytes + recv_bytes for p in ptrs], dtype=torch.int64, device=device)
-        self.buffer[nbytes + recv_bytes:].zero_()
+        self.recv_ptrs = torch.tensor([p + nbytes for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+        self.buffer[nbytes:].view(torch.int16).fill_(EMPTY)
         self.epochs = torch.zeros(programs, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # every rank's flags are zero before any rank's first signal
+        dist.barrier(group=group)  # every rank's slots are marked empty before any rank's first push
         global _MAPPED
         _MAPPED = True
 
@@ -117,14 +123,14 @@ class PeerAllReduce:
 
     def fuses(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Whether a ``[rows, hidden]`` partial of ``dtype`` can be summed by :meth:`add_rms_norm_`."""
-        return dtype in FLOATS and len(shape) == 2 and 0 < shape[1] <= MAX_HIDDEN \
+        return dtype in FUSED_DTYPES and len(shape) == 2 and 0 < shape[1] <= MAX_HIDDEN \
             and math.prod(shape) * torch.finfo(dtype).bits // 8 <= self.slot_bytes
 
     def add_rms_norm_(self, part: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Sum ``part`` (``fuses`` holds) over the group, add the sum to ``h`` in place and return
         ``RMSNorm(h) * weight``, in one kernel (:func:`~treegen.kernels.peer_add_norm.peer_add_rms_norm`)."""
         return peer_add_rms_norm(part, h, weight, eps, rank=self.rank, world=self.world, recv=self.recv_ptrs,
-                                 flags=self.flag_ptrs, epochs=self.epochs,
+                                 epochs=self.epochs,
                                  slot_elems=self.slot_bytes * 8 // torch.finfo(part.dtype).bits)
 
 
