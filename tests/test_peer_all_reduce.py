@@ -74,7 +74,6 @@ class _FusingRanks(_TwoEqualRanks):
 
 def test_a_row_parallel_product_is_left_for_the_fused_add_and_norm_where_it_fits():
     from treegen.runtime.distributed import PartialSum, TensorParallel
-    from treegen.runtime.model import _summed
     from treegen.runtime.shard import Shard
 
     peer = _FusingRanks(4096, fused_bytes=512)
@@ -87,7 +86,7 @@ def test_a_row_parallel_product_is_left_for_the_fused_add_and_norm_where_it_fits
     y.add_rms_norm_(h, norm, 1e-6)
     assert peer.fused == 1 and torch.equal(h, want.to(torch.bfloat16))
     want = 2 * y.part
-    torch.testing.assert_close(_summed(y), want)  # read alone: the all-reduce
+    torch.testing.assert_close(y.sum(), want)  # read alone: the all-reduce
     assert peer.sums == 1
     # too large for the slots, a dtype the slots do not take, or the knob off: the sum itself, as before
     for args, knob in (((torch.randn(9, 16, dtype=torch.bfloat16), w), True), ((x.float(), w.float()), True),
@@ -95,3 +94,28 @@ def test_a_row_parallel_product_is_left_for_the_fused_add_and_norm_where_it_fits
         tp.fused_norm = knob
         out = tp.row_parallel(*args)
         assert isinstance(out, torch.Tensor) and torch.equal(out, 2 * torch.nn.functional.linear(*args))
+
+
+def test_the_model_leaves_every_sum_but_the_last_to_the_fused_add_and_norm():
+    """A split model (rank 0 of two equal ranks, fp16, its CUDA-path kernels run by Triton's interpreter): o of
+    every layer and down of every layer but the last are read by the fused add + norm; the last down by the
+    final norm, which is not fused, so it is summed alone. The logits are the unfused path's."""
+    from transformers import LlamaConfig
+
+    from treegen.runtime.distributed import TensorParallel
+    from treegen.runtime.model import LlamaFamilyModel
+    from treegen.runtime.shard import Shard
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    ids, pos = torch.tensor([3, 5, 7, 11]), torch.tensor([0, 1, 2, 3])
+    logits, peers = {}, {}
+    for fused_norm in (True, False):
+        peer = peers[fused_norm] = _FusingRanks(1 << 16, fused_bytes=1 << 12)
+        tp = TensorParallel(shard=Shard(0, 2), group=None, peer=peer, fused_norm=fused_norm)
+        model = LlamaFamilyModel.random(cfg, dtype=torch.float16, device="cpu", tp=tp)
+        model.fused = True  # the CUDA path's fused kernels (Triton's interpreter on the CPU)
+        logits[fused_norm] = model.forward(ids, pos, lambda i, q, k, v: q)
+    assert (peers[True].fused, peers[True].sums) == (3, 1)
+    assert (peers[False].fused, peers[False].sums) == (0, 4)
+    torch.testing.assert_close(logits[True], logits[False], rtol=2e-3, atol=2e-3)

@@ -445,17 +445,21 @@ class LlamaFamilyModel:
                 else:
                     q, k = self._rope(qkv[:, :nh], cos, sin), self._rope(qkv[:, nh : nh + nkv], cos, sin)
                 o = attend(i, q, k, qkv[:, nh + nkv :])  # [T, H, D]
-            y = self._row_parallel(o.reshape(n_tok, nh * hd), L.o_w, L.o_b)
+            # (under tensor parallel the sum may be left to the add + norm that reads it next: see _row_parallel)
+            y = self._row_parallel(o.reshape(n_tok, nh * hd), L.o_w, L.o_b,
+                                   fused.norm and L.attn_post_norm is None and L.mlp_norm is not None)
             if L.attn_post_norm is not None:
-                y = self._norm(_summed(y), L.attn_post_norm)
+                y = self._norm(y, L.attn_post_norm)
             h, x = self._add_norm(h, y, L.mlp_norm, fused.norm)
             gate_up = F.linear(x, L.gate_up_w, L.gate_up_b)
             gated = silu_mul(gate_up) if fused.act else self.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            y = self._row_parallel(gated, L.down_w, L.down_b)
+            after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+            y = self._row_parallel(gated, L.down_w, L.down_b,
+                                   fused.norm and L.mlp_post_norm is None and after is not None)
             if L.mlp_post_norm is not None:
-                y = self._norm(_summed(y), L.mlp_post_norm)
+                y = self._norm(y, L.mlp_post_norm)
         if y is not None:
-            h = h + _summed(y)
+            h = h + y
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)  # [R, hidden]
         logits = F.linear(self._norm(h, self.norm), self.lm_head)  # [R, vocab], model dtype
@@ -472,22 +476,24 @@ class LlamaFamilyModel:
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * weight).to(x.dtype)
 
-    def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None):
+    def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None, fused_add_norm: bool = False):
         """o and down: under tensor parallel each rank's slice gives a partial sum, summed over the group
-        (possibly in the group's peer buffer: read it before the next all-reduce, as ``forward`` does), or
-        left for its reader to sum with the residual add and norm that follow (a ``PartialSum``,
-        ``TensorParallel.row_parallel``): read it with :meth:`_add_norm` or :func:`_summed`."""
+        (possibly in the group's peer buffer: read it before the next all-reduce, as ``forward`` does).
+        ``fused_add_norm``: the reader is the fused residual add + RMSNorm (:meth:`_add_norm`), which may take
+        the sum in its kernel: then a ``PartialSum`` may come back (``TensorParallel.row_parallel``)."""
         if self.tp is None:
             return F.linear(x, weight, bias)
-        return self.tp.row_parallel(x, weight, bias)
+        if fused_add_norm:
+            return self.tp.row_parallel(x, weight, bias)
+        return self.tp.linear_all_reduce(x, weight, bias)
 
     def _add_norm(self, h: Tensor, y, weight: Tensor | None, fused: bool) -> tuple[Tensor, Tensor]:
         """The residual add ``h + y`` (nothing when ``y`` is None) and its norm (the identity when
         ``weight`` is None: a family without that pre-norm): (h, normed). ``y`` may be a tensor-parallel
-        partial sum: summed in the same kernel as the add and the norm where they run fused."""
-        if fused and weight is not None and not (y is None or isinstance(y, Tensor)):
-            return h, y.add_rms_norm_(h, weight, self.eps)  # the all-reduce, add and norm in one kernel
-        y = _summed(y)
+        ``PartialSum`` (only where ``fused`` and ``weight``: :meth:`_row_parallel`'s ``fused_add_norm``),
+        summed in the same kernel as the add and the norm."""
+        if not (y is None or isinstance(y, Tensor)):  # the all-reduce, the add and the norm in one kernel
+            return h, y.add_rms_norm_(h, weight, self.eps)
         if fused and weight is not None:  # one kernel; adds into h in place
             return h, add_rms_norm(h, y, weight, self.eps)
         h = h if y is None else h + y
@@ -523,11 +529,6 @@ class LlamaFamilyModel:
                 f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, hidden={self.hidden_size}, "
                 f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device}, "
                 f"max_context={self.max_context}, fused={'+'.join(fused) or 'none'})")
-
-
-def _summed(y):
-    """``y``, a tensor-parallel partial sum (``PartialSum``) summed over its group."""
-    return y if y is None or isinstance(y, Tensor) else y.sum()
 
 
 def checked_weight(name: str, t: Tensor, shape: tuple) -> Tensor:
