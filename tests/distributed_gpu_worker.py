@@ -198,8 +198,8 @@ def fused_add_norm_is_the_all_reduce_then_the_norm(tp2) -> None:
             want_x = unfused(part, want_h)
             x = peer.add_rms_norm_(part, h, w, eps)
             check(h, want_h, x, want_x, f"eager, {rows} rows, #{i}")
-    # in a CUDA graph: three fused operations (an odd number: replays alternate their parities) with another
-    # all-reduce through the buffer between, and an eager fused operation between replays
+    # in a CUDA graph: three fused operations with another all-reduce through the buffer between, replayed
+    # with an eager fused operation after every other replay (so replays start on either parity)
     rows = 256
     parts = [torch.empty(rows, hidden, dtype=torch.bfloat16, device=tp2.device) for _ in range(3)]
     h = torch.empty(rows, hidden, dtype=torch.bfloat16, device=tp2.device)
@@ -229,10 +229,13 @@ def fused_add_norm_is_the_all_reduce_then_the_norm(tp2) -> None:
             torch.testing.assert_close(out[key], wx, rtol=2**-6, atol=1e-6)
         check(h, want_h, out["c"], want[2], f"graph replay {i}")  # (h after all three)
         torch.testing.assert_close(other, want_other, rtol=2**-7, atol=0)
-        extra_h, extra = h.clone(), torch.randn(rows, hidden, dtype=torch.bfloat16, device=tp2.device, generator=mine)
-        want_extra_h = extra_h.clone()
-        want_extra = unfused(extra, want_extra_h)
-        check(extra_h, want_extra_h, peer.add_rms_norm_(extra, extra_h, w, eps), want_extra, f"eager after replay {i}")
+        if i % 2 == 0:
+            extra_h = h.clone()
+            extra = torch.randn(rows, hidden, dtype=torch.bfloat16, device=tp2.device, generator=mine)
+            want_extra_h = extra_h.clone()
+            want_extra = unfused(extra, want_extra_h)
+            check(extra_h, want_extra_h, peer.add_rms_norm_(extra, extra_h, w, eps), want_extra,
+                  f"eager after replay {i}")
 
 
 def main() -> None:
@@ -257,8 +260,8 @@ def main() -> None:
     del whole
     torch.cuda.empty_cache()
     # the same model with its all-reduces then the norm kernel, instead of the fused kernel
-    unfused = Engine(LlamaFamilyModel.random(cfg, device=tp2.device, tp=dataclasses.replace(tp2.tensor, fused_norm=False)),
-                     IdTokenizer(), parallel=tp2)
+    unfused_tp = dataclasses.replace(tp2.tensor, fused_norm=False)
+    unfused = Engine(LlamaFamilyModel.random(cfg, device=tp2.device, tp=unfused_tp), IdTokenizer(), parallel=tp2)
     torch.testing.assert_close(prefill_logits(unfused), got, atol=0.01 * scale, rtol=0.01)
     unfused_tokens = greedy_tokens(unfused)
     agree = sum(a == b for x, y in zip(unfused_tokens, tokens) for a, b in zip(x, y)) / sum(map(len, tokens))

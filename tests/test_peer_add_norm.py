@@ -5,6 +5,8 @@ it marks the slots it read empty again. Two GPUs run it for real in tests/distri
 (against the two-shot all-reduce and the norm kernel)."""
 
 import os
+import threading
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -35,6 +37,7 @@ def _empty(t: torch.Tensor) -> bool:
                                                   (2, 1, 13, 64)])
 def test_one_rank_sums_the_peers_partials_adds_normalises_and_marks_its_slots_empty(world, rank, rows, tile,
                                                                                      monkeypatch):
+    # (fp16: Triton's interpreter rounds bf16 otherwise than a GPU does; two GPUs run bf16 in the worker)
     if tile is not None:  # tiles of two rows: a program's five rows take three of them, the last one part-full
         monkeypatch.setattr(peer_add_norm, "TILE_ELEMS", tile)
     hidden, programs, slot_elems, eps, dtype = 24, 3, 400, 1e-5, torch.float16
@@ -66,6 +69,39 @@ def test_one_rank_sums_the_peers_partials_adds_normalises_and_marks_its_slots_em
                 ranks[p].slot(epoch, rank, rows, hidden).view(torch.int16).fill_(EMPTY)  # (the peer read it)
 
 
+def test_a_rank_waits_for_a_peer_partial_that_arrives_late():
+    """The peer's rows land in the slot only while the kernel runs (another thread writes them): the kernel
+    waits for them, then sums them — it neither takes the empty marks as data nor finishes without them."""
+    rows, hidden, programs, slot_elems, eps, dtype = 4, 16, 2, 128, 1e-5, torch.float16
+    gen = torch.Generator().manual_seed(7)
+    ranks = [_Rank(2, slot_elems, dtype) for _ in range(2)]
+    recv = torch.tensor([r.recv.data_ptr() for r in ranks], dtype=torch.int64)
+    epochs = torch.zeros(programs, dtype=torch.int64)
+    weight, h = torch.randn(hidden, generator=gen).to(dtype), torch.randn(rows, hidden, generator=gen).to(dtype)
+    parts = [torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(2)]
+    want_h, want_x = peer_add_rms_norm_reference(h, parts, weight, eps)
+    out = {}
+    kernel = threading.Thread(target=lambda: out.update(x=peer_add_rms_norm(
+        parts[0], h, weight, eps, rank=0, world=2, recv=recv, epochs=epochs, slot_elems=slot_elems)), daemon=True)
+    kernel.start()
+    time.sleep(1.0)
+    waited = kernel.is_alive()
+    ranks[0].slot(1, 1, rows, hidden).copy_(parts[1])  # (also frees the kernel should it fail below)
+    kernel.join(timeout=60)
+    assert waited, "the kernel finished before its peer's partial arrived"
+    assert not kernel.is_alive(), "the kernel did not see its peer's partial arrive"
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(out["x"], want_x)
+
+
+def test_no_rows_launch_nothing():
+    epochs = torch.zeros(2, dtype=torch.int64)
+    y = torch.zeros(0, 8, dtype=torch.float16)
+    x = peer_add_rms_norm(y, y.clone(), torch.ones(8, dtype=torch.float16), 1e-5, rank=0, world=2,
+                          recv=torch.zeros(2, dtype=torch.int64), epochs=epochs, slot_elems=64)
+    assert x.shape == (0, 8) and not epochs.any()  # (the epochs stay in step with the peers', who skip alike)
+
+
 def test_the_reference_rounds_the_sum_once_then_the_residual_add():
     # 1 + 2^-8 is a tie in bf16 (8 significant bits) and rounds to 1: summed first and rounded, the partials
     # give 1 and h + 1 = 1 + 2^-8 rounds to 1 again; all three added in fp32 would give 1 + 2^-7
@@ -88,3 +124,7 @@ def test_bad_input_is_refused_before_any_launch():
         peer_add_rms_norm(y, y.clone(), w, 1e-5, slot_elems=16, **common)
     with pytest.raises(ValueError, match="rank 2 of 2"):
         peer_add_rms_norm(y, y.clone(), w, 1e-5, slot_elems=64, **{**common, "rank": 2})
+    with pytest.raises(ValueError, match="int64 epochs"):
+        peer_add_rms_norm(y, y.clone(), w, 1e-5, slot_elems=64, **{**common, "epochs": torch.zeros(2)})
+    with pytest.raises(ValueError, match="contiguous float vector"):
+        peer_add_rms_norm(y, y.clone(), torch.ones(16, dtype=torch.float16)[::2], 1e-5, slot_elems=64, **common)

@@ -84,16 +84,16 @@ def test_a_row_parallel_product_is_left_for_the_fused_add_and_norm_where_it_fits
     h, norm = torch.randn(4, 32, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)
     want = h.float() + (2 * y.part.float()).to(torch.bfloat16).float()
     y.add_rms_norm_(h, norm, 1e-6)
-    assert peer.fused == 1 and torch.equal(h, want.to(torch.bfloat16))
-    want = 2 * y.part
-    torch.testing.assert_close(y.sum(), want)  # read alone: the all-reduce
-    assert peer.sums == 1
+    assert peer.fused == 1 and torch.equal(h, want.to(torch.bfloat16)) and peer.sums == 0
     # too large for the slots, a dtype the slots do not take, or the knob off: the sum itself, as before
     for args, knob in (((torch.randn(9, 16, dtype=torch.bfloat16), w), True), ((x.float(), w.float()), True),
                        ((x, w), False)):
         tp.fused_norm = knob
         out = tp.row_parallel(*args)
         assert isinstance(out, torch.Tensor) and torch.equal(out, 2 * torch.nn.functional.linear(*args))
+    assert peer.sums == 3 and peer.fused == 1
+    # no rows: nothing for the fused kernel to wait for (the sum itself, through the collective)
+    assert PeerAllReduce.fuses(peer, (4, 32), torch.bfloat16) and not PeerAllReduce.fuses(peer, (0, 32), torch.bfloat16)
 
 
 def test_the_model_leaves_every_sum_but_the_last_to_the_fused_add_and_norm():

@@ -151,10 +151,23 @@ def peer_add_rms_norm(y: Tensor, h: Tensor, weight: Tensor, eps: float, *, rank:
     if rows * hidden > slot_elems or hidden > MAX_HIDDEN:
         raise ValueError(f"peer_add_rms_norm: [{rows}, {hidden}] does not fit a receive slot of {slot_elems} "
                          f"elements (or is wider than {MAX_HIDDEN})")
-    if not 0 <= rank < world or recv.shape != (world,) or epochs.dim() != 1:
-        raise ValueError(f"peer_add_rms_norm: rank {rank} of {world} needs a table of {world} receive areas and one "
-                         f"epoch per program, got {tuple(recv.shape)} and {tuple(epochs.shape)}")
+    if weight.stride(0) != 1 or not weight.is_floating_point():
+        raise ValueError(f"peer_add_rms_norm: weight must be a contiguous float vector, got {weight.dtype} "
+                         f"strides {weight.stride()}")
+    if not 0 <= rank < world or recv.shape != (world,) or epochs.dim() != 1 \
+            or recv.dtype != torch.int64 or epochs.dtype != torch.int64:
+        raise ValueError(f"peer_add_rms_norm: rank {rank} of {world} needs an int64 table of {world} receive areas and "
+                         f"int64 epochs, one per program, got {recv.dtype} {tuple(recv.shape)} and {epochs.dtype} "
+                         f"{tuple(epochs.shape)}")
+    if any(t.device != y.device for t in (h, weight, recv, epochs)):
+        raise ValueError(f"peer_add_rms_norm: y, h, weight, recv and epochs must be on one device, got "
+                         f"{[str(t.device) for t in (y, h, weight, recv, epochs)]}")
+    if max(y.stride(0), h.stride(0)) * rows >= 2**31:
+        raise ValueError(f"peer_add_rms_norm: {rows} rows of stride {max(y.stride(0), h.stride(0))} overflow the "
+                         "kernel's 32-bit row offsets")
     x = torch.empty_like(h)
+    if rows == 0:  # nothing to sum, on every rank alike: no launch (an operation without rows would wait for
+        return x  # nothing, and the one after it could overwrite a slot a peer has not read yet)
     block = next_power_of_2(hidden)
     per_program = -(-rows // epochs.numel())
     tile_rows = min(next_power_of_2(max(per_program, 1)), max(1, TILE_ELEMS // block))

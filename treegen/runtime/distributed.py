@@ -119,16 +119,12 @@ class TensorParallel:
 @dataclass(eq=False)
 class PartialSum:
     """This rank's part of a sum over its tensor-parallel group, not summed yet (a row-parallel product,
-    :meth:`TensorParallel.row_parallel`). Its reader sums it: together with the residual add and the norm
-    that come next, in one kernel (:meth:`add_rms_norm_`), or alone (:meth:`sum`). Every rank of the
-    group reads it the same way (they run the same model code)."""
+    :meth:`TensorParallel.row_parallel`), for its reader to sum together with the residual add and the norm
+    that come next, in one kernel (:meth:`add_rms_norm_`). Every rank of the group reads it the same way
+    (they run the same model code)."""
 
     part: torch.Tensor
     tp: TensorParallel
-
-    def sum(self) -> torch.Tensor:
-        """The sum over the group."""
-        return self.tp.all_reduce(self.part)
 
     def add_rms_norm_(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``h += sum`` in place; returns ``RMSNorm(h) * weight`` (Llama's norm)."""
@@ -299,5 +295,5 @@ def init_parallel(*, tensor_parallel: int = 1, data_parallel: int | None = None,
     return Parallel(tensor_parallel, dp, rank, device, tensor, dp_group)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "SMALL_GATHER_BYTES", "DistributedError", "Parallel", "PartialSum", "TensorParallel", "check_layout",
-           "finish_launch", "init_parallel", "join_local_group", "launched"]
+__all__ = ["DEFAULT_TIMEOUT_S", "SMALL_GATHER_BYTES", "DistributedError", "Parallel", "PartialSum", "TensorParallel",
+           "check_layout", "finish_launch", "init_parallel", "join_local_group", "launched"]

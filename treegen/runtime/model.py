@@ -19,7 +19,7 @@ does —, logits from the lm_head in the model dtype then cast to fp32), so fp32
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from .model_config import (UnsupportedModelError, _head_dim, _rope_layer_keys, c
                            effective_window, family_for, layer_types_of, max_context_of, rope_inv_freq, text_config_of)
 from .shard import Part, Shard, check_tensor_parallel, part_shape, take
 from .vocab_split import VocabSplit
+
+if TYPE_CHECKING:
+    from .distributed import PartialSum
 
 rms_norm = rms_norm_reference
 
@@ -487,7 +490,8 @@ class LlamaFamilyModel:
             return self.tp.row_parallel(x, weight, bias)
         return self.tp.linear_all_reduce(x, weight, bias)
 
-    def _add_norm(self, h: Tensor, y, weight: Tensor | None, fused: bool) -> tuple[Tensor, Tensor]:
+    def _add_norm(self, h: Tensor, y: Tensor | PartialSum | None, weight: Tensor | None,
+                  fused: bool) -> tuple[Tensor, Tensor]:
         """The residual add ``h + y`` (nothing when ``y`` is None) and its norm (the identity when
         ``weight`` is None: a family without that pre-norm): (h, normed). ``y`` may be a tensor-parallel
         ``PartialSum`` (only where ``fused`` and ``weight``: :meth:`_row_parallel`'s ``fused_add_norm``),

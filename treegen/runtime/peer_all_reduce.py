@@ -62,7 +62,8 @@ class PeerAllReduce:
 
     Its layout: ``nbytes`` for PyTorch's two-shot all-reduce (:meth:`sum_`), then the receive area of the
     fused all-reduce + residual add + RMSNorm (:meth:`add_rms_norm_`, :mod:`treegen.kernels.peer_add_norm`:
-    two parities x ``world`` slots of ``fused_bytes``, by default ``FUSED_MAX_BYTES``, marked empty here before any rank can write)."""
+    two parities x ``world`` slots of ``fused_bytes``, by default ``FUSED_MAX_BYTES``, marked empty here
+    before any rank can write)."""
 
     def __init__(self, group, device: torch.device, nbytes: int = BUFFER_BYTES, fused_bytes: int | None = None,
                  programs: int = FUSED_PROGRAMS):
@@ -83,7 +84,10 @@ class PeerAllReduce:
         if handle.rank != self.rank or handle.world_size != self.world:
             raise RuntimeError(f"symmetric memory numbers this rank {handle.rank} of {handle.world_size}; "
                                f"the group, {self.rank} of {self.world}")
-        self.recv_ptrs = torch.tensor([p + nbytes for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+        # (the buffer tensor may start inside its symmetric allocation: at the same offset on every rank)
+        start = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]
+        self.recv_ptrs = torch.tensor([p + start + nbytes for p in handle.buffer_ptrs], dtype=torch.int64,
+                                      device=device)
         self.buffer[nbytes:].view(torch.int16).fill_(EMPTY)
         self.epochs = torch.zeros(programs, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
@@ -123,7 +127,7 @@ class PeerAllReduce:
 
     def fuses(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Whether a ``[rows, hidden]`` partial of ``dtype`` can be summed by :meth:`add_rms_norm_`."""
-        return dtype in FUSED_DTYPES and len(shape) == 2 and 0 < shape[1] <= MAX_HIDDEN \
+        return dtype in FUSED_DTYPES and len(shape) == 2 and shape[0] > 0 and 0 < shape[1] <= MAX_HIDDEN \
             and math.prod(shape) * torch.finfo(dtype).bits // 8 <= self.slot_bytes
 
     def add_rms_norm_(self, part: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,7 +147,7 @@ def peer_all_reduce_for(group, device: torch.device) -> tuple[PeerAllReduce | No
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if not ok.item():
         return None, reason or "another rank cannot use peer memory"
-    return PeerAllReduce(group, device), "symmetric memory (two-shot)"
+    return PeerAllReduce(group, device), "symmetric memory (two-shot; add + norm fused up to FUSED_MAX_BYTES)"
 
 
 def _unusable(device: torch.device, size: int) -> str | None:
