@@ -18,7 +18,7 @@ at 1,024 (1.50x) on two H200s (``bench_multi_gpu.py --peer-output both``, multi_
 
 The row-parallel products' sums are mostly taken by another kernel of this buffer: the residual add and
 the next RMSNorm come right after them, and :meth:`PeerAllReduce.add_rms_norm_` does the three in one
-launch with no barrier (:mod:`treegen.kernels.peer_add_norm`; partials up to ``FUSED_MAX_BYTES``):
+launch with no barrier (:mod:`treegen.kernels.peer_add_norm`; up to ``FUSED_MAX_BYTES`` pushed to the peers):
 0.83 ms for a step's 64 of them at batch 256 on two H200s, against 1.03 ms for the two-shot all-reduce
 and then the norm kernel; tp=2 1.39x one GPU at batch 256 against 1.35x (medians of three,
 ``multi_gpu_fused_norm_256_h200_x2.json``).
@@ -47,9 +47,12 @@ from treegen.kernels.peer_add_norm import DTYPES as FUSED_DTYPES
 from treegen.kernels.peer_add_norm import EMPTY, MAX_HIDDEN, peer_add_rms_norm
 
 BUFFER_BYTES = 64 * 2**20  # per rank, PyTorch's two-shot all-reduce: [8192, 4096] bf16 activations
-# the largest partial the fused all-reduce + add + norm kernel takes (a slot of its receive area): [256, 4096] bf16.
-# On two H200s it beats the two-shot all-reduce and the norm kernel up to there (0.83 vs 1.03 ms for 64 at 2 MiB),
-# ties at 4 MiB and loses at 8 MiB (3.46 vs 2.50 ms; end to end at batch 1,024 1.48x vs 1.54x one GPU)
+# the most bytes the fused all-reduce + add + norm kernel pushes out of each GPU in one operation: its partial to
+# every peer, (world - 1) x the partial ([256, 4096] bf16 at two GPUs), so each slot of its receive area holds
+# FUSED_MAX_BYTES / (world - 1). On two H200s it beats the two-shot all-reduce and the norm kernel up to there
+# (0.83 vs 1.03 ms for 64 at 2 MiB), ties at 4 MiB and loses at 8 MiB (3.46 vs 2.50 ms; end to end at batch 1,024
+# 1.48x vs 1.54x one GPU), where the bytes over NVLink set the time; the two-shot moves 2 (world - 1) / world x
+# the partial, so at more GPUs the one-shot's bytes grow faster and the limit is counted in bytes pushed
 FUSED_MAX_BYTES = 2 * 2**20
 FUSED_PROGRAMS = 128  # the fused kernel's grid, fixed for the buffer's life (its epochs count per program)
 _MAPPED = False  # this process has made a symmetric buffer (see the module doc: one per process)
@@ -62,7 +65,8 @@ class PeerAllReduce:
 
     Its layout: ``nbytes`` for PyTorch's two-shot all-reduce (:meth:`sum_`), then the receive area of the
     fused all-reduce + residual add + RMSNorm (:meth:`add_rms_norm_`, :mod:`treegen.kernels.peer_add_norm`:
-    two parities x ``world`` slots of ``fused_bytes``, by default ``FUSED_MAX_BYTES``, marked empty here
+    two parities x ``world`` slots of ``fused_bytes / (world - 1)``: ``fused_bytes`` (default
+    ``FUSED_MAX_BYTES``) is the most one operation pushes to the peers in all), marked empty here
     before any rank can write)."""
 
     def __init__(self, group, device: torch.device, nbytes: int = BUFFER_BYTES, fused_bytes: int | None = None,
@@ -74,7 +78,8 @@ class PeerAllReduce:
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch; a no-op (deprecated) after
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.slot_bytes = (FUSED_MAX_BYTES if fused_bytes is None else fused_bytes) // ALIGN * ALIGN
+        pushed = FUSED_MAX_BYTES if fused_bytes is None else fused_bytes
+        self.slot_bytes = pushed // max(self.world - 1, 1) // ALIGN * ALIGN
         recv_bytes = 2 * self.world * self.slot_bytes
         self.buffer = symm_mem.empty(nbytes + recv_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
@@ -147,7 +152,7 @@ def peer_all_reduce_for(group, device: torch.device) -> tuple[PeerAllReduce | No
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if not ok.item():
         return None, reason or "another rank cannot use peer memory"
-    return PeerAllReduce(group, device), "symmetric memory (two-shot; add + norm fused up to FUSED_MAX_BYTES)"
+    return PeerAllReduce(group, device), "symmetric memory (two-shot; add + norm fused up to FUSED_MAX_BYTES pushed)"
 
 
 def _unusable(device: torch.device, size: int) -> str | None:
