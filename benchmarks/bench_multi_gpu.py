@@ -93,9 +93,9 @@ def main() -> None:
     args = p.parse_args()
     if args.fused_max_mib is not None:
         peer_all_reduce.FUSED_MAX_BYTES = int(args.fused_max_mib * 2**20)
-    args.heads = {"on": [True], "off": [False], "both": [False, True]}[args.vocab_parallel]
-    args.peer_outputs = {"on": [True], "off": [False], "both": [True, False]}[args.peer_output]
-    args.fused_norms = {"on": [True], "off": [False], "both": [True, False]}[args.fused_norm]
+    args.heads = ways(args.vocab_parallel, first=False)
+    args.peer_outputs = ways(args.peer_output)
+    args.fused_norms = ways(args.fused_norm)
 
     gpus = int(os.environ.get("WORLD_SIZE", "2"))
     tpn = init_parallel(tensor_parallel=gpus, device="cuda", timeout_s=1800)  # all GPUs as one replica
@@ -169,7 +169,7 @@ def measure_8b(args, tpn, dpn, record, new_tokens) -> None:
             record({"shape": "llama3-8b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
                     "total_s": total, "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
                     "all_reduce": tpn.tensor.all_reduce_path, "peer_output": direct, "fused_norm": fused,
-                    "fused_max_bytes": tpn.tensor.peer.slot_bytes if tpn.tensor.peer is not None else None})
+                    "fused_max_bytes": 2 * tpn.tensor.peer.slot_elems if tpn.tensor.peer is not None else None})
     del engines
     gc.collect()
     torch.cuda.empty_cache()
@@ -216,6 +216,11 @@ def measure_8b_hybrid(args, par, record, new_tokens, one_gpu: dict[int, float]) 
     del model, engine
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def ways(choice: str, first: bool = True) -> list[bool]:
+    """An on / off / both option as the settings to measure (both: ``first`` and then the other)."""
+    return {"on": [True], "off": [False], "both": [first, not first]}[choice]
 
 
 def split_head(tpn, split: bool, peer_output: bool = True, fused_norm: bool = True):

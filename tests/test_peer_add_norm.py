@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from treegen.kernels import peer_add_norm
-from treegen.kernels.peer_add_norm import EMPTY, peer_add_rms_norm, peer_add_rms_norm_reference
+from treegen.kernels.peer_add_norm import EMPTY, check_exchange, peer_add_rms_norm, peer_add_rms_norm_reference
 
 
 class _Rank:
@@ -122,9 +122,13 @@ def test_bad_input_is_refused_before_any_launch():
         peer_add_rms_norm(y.float(), torch.zeros(4, 8), w.float(), 1e-5, slot_elems=64, **common)
     with pytest.raises(ValueError, match="does not fit a receive slot"):
         peer_add_rms_norm(y, y.clone(), w, 1e-5, slot_elems=16, **common)
-    with pytest.raises(ValueError, match="rank 2 of 2"):
-        peer_add_rms_norm(y, y.clone(), w, 1e-5, slot_elems=64, **{**common, "rank": 2})
-    with pytest.raises(ValueError, match="int64 epochs"):
-        peer_add_rms_norm(y, y.clone(), w, 1e-5, slot_elems=64, **{**common, "epochs": torch.zeros(2)})
-    with pytest.raises(ValueError, match="contiguous float vector"):
+    with pytest.raises(ValueError, match="contiguous float"):
         peer_add_rms_norm(y, y.clone(), torch.ones(16, dtype=torch.float16)[::2], 1e-5, slot_elems=64, **common)
+    # the exchange itself is checked once, where its buffer is made (PeerAllReduce)
+    check_exchange(slot_elems=64, **common)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        check_exchange(slot_elems=64, **{**common, "rank": 2})
+    with pytest.raises(ValueError, match="int64 epochs"):
+        check_exchange(slot_elems=64, **{**common, "epochs": torch.zeros(2)})
+    with pytest.raises(ValueError, match="16-byte vectors"):
+        check_exchange(slot_elems=60, **common)

@@ -61,7 +61,7 @@ class _FusingRanks(_TwoEqualRanks):
 
     def __init__(self, nbytes: int, fused_bytes: int):
         super().__init__(nbytes)
-        self.slot_bytes, self.fused = fused_bytes, 0
+        self.slot_elems, self.fused = fused_bytes // 2, 0
 
     def add_rms_norm_(self, part, h, weight, eps):
         from treegen.kernels.peer_add_norm import peer_add_rms_norm_reference

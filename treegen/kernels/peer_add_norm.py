@@ -129,39 +129,39 @@ if triton is not None:
 _LAUNCH = Launcher(_peer_add_rms_norm_kernel) if triton is not None else None
 
 
+def check_exchange(rank: int, world: int, recv: Tensor, epochs: Tensor, slot_elems: int) -> None:
+    """Refuse an exchange :func:`peer_add_rms_norm` cannot use (it does not check these on every call: they are
+    fixed for a buffer's life, and :class:`~treegen.runtime.peer_all_reduce.PeerAllReduce` checks them once).
+    ``recv``: int64 ``[world]``, the address of each rank's receive area (``2 * world`` slots of ``slot_elems``
+    16-bit elements, every element ``EMPTY`` before the first operation); ``epochs``: this rank's int64
+    counters, one per program (the grid), zero at first, on the device of the partials."""
+    if not 0 <= rank < world or recv.shape != (world,) or epochs.dim() != 1 \
+            or recv.dtype != torch.int64 or epochs.dtype != torch.int64 or recv.device != epochs.device:
+        raise ValueError(f"peer_add_rms_norm: rank {rank} of {world} needs an int64 table of {world} receive areas and "
+                         f"int64 epochs, one per program, on one device, got {recv.dtype} {tuple(recv.shape)} on "
+                         f"{recv.device} and {epochs.dtype} {tuple(epochs.shape)} on {epochs.device}")
+    if slot_elems <= 0 or slot_elems % 8:
+        raise ValueError(f"peer_add_rms_norm: a slot of {slot_elems} elements; it must hold whole 16-byte vectors")
+
+
 def peer_add_rms_norm(y: Tensor, h: Tensor, weight: Tensor, eps: float, *, rank: int, world: int, recv: Tensor,
                       epochs: Tensor, slot_elems: int) -> Tensor:
     """Sum ``y [rows, hidden]`` (this rank's partial, bf16 or fp16) over the ``world`` ranks, add the sum to
     ``h`` in place and return ``RMSNorm(h) * weight``. Every rank of the group calls it alike (module doc).
-
-    ``recv``: int64 ``[world]``, the address of each rank's receive area (``2 * world`` slots of ``slot_elems``
-    elements, every element ``EMPTY`` before the first operation); ``epochs``: this rank's int64 counters,
-    one per program (the grid), zero at first."""
-    for name, t in (("y", y), ("h", h)):
-        if t.dim() != 2 or t.stride(1) != 1:
-            raise ValueError(f"peer_add_rms_norm: {name} must be [rows, hidden] with contiguous rows, got shape "
-                             f"{tuple(t.shape)} strides {t.stride()}")
+    The exchange (``rank``, ``world``, ``recv``, ``epochs``, ``slot_elems``) is :func:`check_exchange`'s; this
+    checks what changes from call to call (a decode step makes 63 of them at 32 layers)."""
+    if y.dim() != 2 or y.stride(1) != 1 or h.shape != y.shape or h.stride(1) != 1 or h.dtype != y.dtype \
+            or weight.shape != (y.shape[1],) or weight.stride(0) != 1 or not weight.is_floating_point():
+        raise ValueError(f"peer_add_rms_norm: y {tuple(y.shape)} strides {y.stride()} {y.dtype}, h {tuple(h.shape)} "
+                         f"strides {h.stride()} {h.dtype} and weight {tuple(weight.shape)} strides {weight.stride()} "
+                         "must agree: [rows, hidden] with contiguous rows, and a contiguous float [hidden] weight")
     rows, hidden = y.shape
-    if h.shape != y.shape or h.dtype != y.dtype or weight.shape != (hidden,):
-        raise ValueError(f"peer_add_rms_norm: y {tuple(y.shape)} {y.dtype}, h {tuple(h.shape)} {h.dtype} and weight "
-                         f"{tuple(weight.shape)} must agree")
     if y.dtype not in DTYPES:
         raise ValueError(f"peer_add_rms_norm: {y.dtype} partials; the receive slots mark empty as 16-bit -0.0, "
                          f"so only {DTYPES} go through them")
     if rows * hidden > slot_elems or hidden > MAX_HIDDEN:
         raise ValueError(f"peer_add_rms_norm: [{rows}, {hidden}] does not fit a receive slot of {slot_elems} "
                          f"elements (or is wider than {MAX_HIDDEN})")
-    if weight.stride(0) != 1 or not weight.is_floating_point():
-        raise ValueError(f"peer_add_rms_norm: weight must be a contiguous float vector, got {weight.dtype} "
-                         f"strides {weight.stride()}")
-    if not 0 <= rank < world or recv.shape != (world,) or epochs.dim() != 1 \
-            or recv.dtype != torch.int64 or epochs.dtype != torch.int64:
-        raise ValueError(f"peer_add_rms_norm: rank {rank} of {world} needs an int64 table of {world} receive areas and "
-                         f"int64 epochs, one per program, got {recv.dtype} {tuple(recv.shape)} and {epochs.dtype} "
-                         f"{tuple(epochs.shape)}")
-    if any(t.device != y.device for t in (h, weight, recv, epochs)):
-        raise ValueError(f"peer_add_rms_norm: y, h, weight, recv and epochs must be on one device, got "
-                         f"{[str(t.device) for t in (y, h, weight, recv, epochs)]}")
     if max(y.stride(0), h.stride(0)) * rows >= 2**31:
         raise ValueError(f"peer_add_rms_norm: {rows} rows of stride {max(y.stride(0), h.stride(0))} overflow the "
                          "kernel's 32-bit row offsets")
@@ -169,12 +169,12 @@ def peer_add_rms_norm(y: Tensor, h: Tensor, weight: Tensor, eps: float, *, rank:
     if rows == 0:  # nothing to sum, on every rank alike: no launch (an operation without rows would wait for
         return x  # nothing, and the one after it could overwrite a slot a peer has not read yet)
     block = next_power_of_2(hidden)
-    per_program = -(-rows // epochs.numel())
-    tile_rows = min(next_power_of_2(max(per_program, 1)), max(1, TILE_ELEMS // block))
-    _LAUNCH[(epochs.numel(),)](y, h, weight, x, recv, epochs, rows, hidden, y.stride(0), h.stride(0), x.stride(0),
-                                slot_elems, eps, RANK=rank, WORLD=world, ROWS=tile_rows, BLOCK=block,
-                                num_warps=max(4, min(16, tile_rows * block // 1024)))
+    programs = epochs.numel()
+    tile_rows = min(next_power_of_2(-(-rows // programs)), max(1, TILE_ELEMS // block))
+    _LAUNCH[(programs,)](y, h, weight, x, recv, epochs, rows, hidden, y.stride(0), h.stride(0), x.stride(0),
+                         slot_elems, eps, RANK=rank, WORLD=world, ROWS=tile_rows, BLOCK=block,
+                         num_warps=max(4, min(16, tile_rows * block // 1024)))
     return x
 
 
-__all__ = ["DTYPES", "EMPTY", "MAX_HIDDEN", "peer_add_rms_norm", "peer_add_rms_norm_reference"]
+__all__ = ["DTYPES", "EMPTY", "MAX_HIDDEN", "check_exchange", "peer_add_rms_norm", "peer_add_rms_norm_reference"]

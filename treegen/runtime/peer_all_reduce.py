@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from treegen.kernels.peer_add_norm import DTYPES as FUSED_DTYPES
-from treegen.kernels.peer_add_norm import EMPTY, MAX_HIDDEN, peer_add_rms_norm
+from treegen.kernels.peer_add_norm import EMPTY, MAX_HIDDEN, check_exchange, peer_add_rms_norm
 
 BUFFER_BYTES = 64 * 2**20  # per rank, PyTorch's two-shot all-reduce: [8192, 4096] bf16 activations
 # the most bytes the fused all-reduce + add + norm kernel pushes out of each GPU in one operation: its partial to
@@ -79,8 +79,8 @@ class PeerAllReduce:
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         pushed = FUSED_MAX_BYTES if fused_bytes is None else fused_bytes
-        self.slot_bytes = pushed // max(self.world - 1, 1) // ALIGN * ALIGN
-        recv_bytes = 2 * self.world * self.slot_bytes
+        self.slot_elems = pushed // max(self.world - 1, 1) // ALIGN * ALIGN // 2  # (16-bit elements: FUSED_DTYPES)
+        recv_bytes = 2 * self.world * self.slot_elems * 2
         self.buffer = symm_mem.empty(nbytes + recv_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         if int(getattr(handle, "multicast_ptr", 0)) != 0:
@@ -95,6 +95,7 @@ class PeerAllReduce:
                                       device=device)
         self.buffer[nbytes:].view(torch.int16).fill_(EMPTY)
         self.epochs = torch.zeros(programs, dtype=torch.int64, device=device)
+        check_exchange(self.rank, self.world, self.recv_ptrs, self.epochs, self.slot_elems)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's slots are marked empty before any rank's first push
         global _MAPPED
@@ -133,14 +134,14 @@ class PeerAllReduce:
     def fuses(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Whether a ``[rows, hidden]`` partial of ``dtype`` can be summed by :meth:`add_rms_norm_`."""
         return dtype in FUSED_DTYPES and len(shape) == 2 and shape[0] > 0 and 0 < shape[1] <= MAX_HIDDEN \
-            and math.prod(shape) * torch.finfo(dtype).bits // 8 <= self.slot_bytes
+            and shape[0] * shape[1] <= self.slot_elems
 
     def add_rms_norm_(self, part: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Sum ``part`` (``fuses`` holds) over the group, add the sum to ``h`` in place and return
         ``RMSNorm(h) * weight``, in one kernel (:func:`~treegen.kernels.peer_add_norm.peer_add_rms_norm`)."""
         return peer_add_rms_norm(part, h, weight, eps, rank=self.rank, world=self.world, recv=self.recv_ptrs,
                                  epochs=self.epochs,
-                                 slot_elems=self.slot_bytes * 8 // torch.finfo(part.dtype).bits)
+                                 slot_elems=self.slot_elems)
 
 
 def peer_all_reduce_for(group, device: torch.device) -> tuple[PeerAllReduce | None, str]:
