@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # symmetric memory: peer loads only, never multicast
@@ -131,8 +132,10 @@ def fused_add_norm_ms(tp2, hidden: int, batches: list[int]) -> dict:
     from treegen.kernels.fused_ops import add_rms_norm
 
     peer = tp2.tensor.peer
-    # slots as large as the largest batch, whatever FUSED_MAX_BYTES says (a second buffer: every rank makes it)
-    fused = PeerAllReduce(tp2.tensor.group, tp2.device, nbytes=16, fused_bytes=max(batches) * hidden * 2)
+    # slots as large as the largest batch, whatever FUSED_MAX_BYTES says (a second buffer: every rank makes it; each
+    # operation pushes its partial to every peer)
+    fused = PeerAllReduce(tp2.tensor.group, tp2.device, nbytes=16,
+                          fused_bytes=max(batches) * hidden * 2 * (tp2.tensor.shard.size - 1))
     w = torch.rand(hidden, dtype=torch.bfloat16, device=tp2.device) + 0.5
     res = {}
     for b in batches:
@@ -151,13 +154,19 @@ def fused_add_norm_ms(tp2, hidden: int, batches: list[int]) -> dict:
                                                           for _ in range(64)])
         row["fused_add_norm_64_ms"] = graph_ms(lambda: [fused.add_rms_norm_(part, h, w, 1e-5) for _ in range(64)])
         default = peer_add_norm.TILE_ELEMS
-        for tile in (8192, 16384):  # the kernel's tiling: tiles of two and four rows
+        for tile in (4096, 8192):  # the kernel's tiling capped at one and two rows of 4,096
             peer_add_norm.TILE_ELEMS = tile
             row[f"fused_add_norm_64_ms_tile{tile}"] = graph_ms(
                 lambda: [fused.add_rms_norm_(part, h, w, 1e-5) for _ in range(64)])
         peer_add_norm.TILE_ELEMS = default
         res[b] = row
     return res
+
+
+def write(path: str, rows: dict, args) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                   "prefix": args.prefix, "new": args.new, "rows": list(rows.values())}, f, indent=2)
 
 
 def main() -> None:
@@ -167,8 +176,9 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--out", required=True)
     p.add_argument("--allreduce-only", action="store_true")
+    p.add_argument("--tp", type=int, default=2, help="the group's GPUs (the tp2_* rows are then tp=N's)")
     args = p.parse_args()
-    tp2 = init_parallel(tensor_parallel=2, device="cuda", timeout_s=1800)
+    tp2 = init_parallel(tensor_parallel=args.tp, device="cuda", timeout_s=1800)
     leader = tp2.rank == 0
     cfg = config_of("llama3-8b")
     rows = {b: {"batch": b} for b in args.batches}
@@ -196,6 +206,7 @@ def main() -> None:
         rows[b].update(heads[b])
     if leader:
         print(json.dumps(list(rows.values())), flush=True)
+        write(args.out, rows, args)
     if args.allreduce_only:
         dist.barrier()
         dist.destroy_process_group()
@@ -219,9 +230,7 @@ def main() -> None:
             rows[b][f"tp2_{mode}_step_ms"] = step_ms(Engine(model, IdTokenizer(), attention=mode, parallel=tp2), b)
         if leader:
             print(json.dumps(rows[b]), flush=True)
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "prefix": args.prefix, "new": args.new,
-                           "rows": list(rows.values())}, f, indent=2)
+            write(args.out, rows, args)
     dist.barrier()
     dist.destroy_process_group()
 

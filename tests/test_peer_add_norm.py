@@ -132,3 +132,5 @@ def test_bad_input_is_refused_before_any_launch():
         check_exchange(slot_elems=64, **{**common, "epochs": torch.zeros(2)})
     with pytest.raises(ValueError, match="16-byte vectors"):
         check_exchange(slot_elems=60, **common)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        check_exchange(slot_elems=64, **{**common, "recv": torch.tensor([0, 8], dtype=torch.int64)})

@@ -22,13 +22,15 @@ operation k + 2 only after it has read every peer's operation k + 1, which that 
 operation k (stream order). The epochs are device counters, one per program, advanced by the kernel
 itself: the same on every rank whatever mix of eager launches and CUDA-graph replays runs, as long as every
 rank runs the same sequence of these operations with the same number of programs (the grid is fixed:
-``epochs.numel()``). Measured on two H200s (``benchmarks/profile_multi_gpu.py``,
-``multi_gpu_profile_fused_norm_h200.json``), 64 operations of [rows, 4096] bf16 captured in a graph: 0.46 /
-0.57 / 0.83 / 1.52 / 3.46 ms at 64 / 128 / 256 / 512 / 1,024 rows against 0.65 / 0.81 / 1.03 / 1.54 / 2.50 ms
-for PyTorch's two-shot all-reduce (two barriers) and then the add + norm kernel — ahead up to 256 rows, even
-at 512, behind at 1,024, where the bytes over NVLink rather than the latency set the time (the caller takes
-the fused path only up to 2 MiB). With a flag per program and a release / acquire handshake instead of the
-marks: 0.52 / 0.64 / 0.93 ms at 64 / 128 / 256.
+``epochs.numel()``). The slots move in 16-byte vectors (their addresses are checked aligned once, by
+:func:`check_exchange`). Measured on two H200s (``benchmarks/profile_multi_gpu.py``,
+``multi_gpu_profile_fused_norm_vector_h200.json``), 64 operations of [rows, 4096] bf16 captured in a graph: 0.35 /
+0.46 / 0.72 / 1.18 / 2.27 / 5.13 ms at 64 / 128 / 256 / 512 / 1,024 / 2,048 rows against 0.63 / 0.82 / 1.03 / 1.53 /
+2.49 / 4.80 ms for PyTorch's two-shot all-reduce (two barriers) and then the add + norm kernel: ahead up to 1,024
+rows, behind at 2,048, where the bytes over NVLink rather than the latency set the time (the caller takes the fused
+path up to 8 MiB pushed). Element by element (16-bit stores and polls, one row a tile) it took 0.45 / 0.57 / 0.82 /
+1.49 / 3.28 / 8.41 ms in the same run; with a flag per program and a release / acquire handshake instead of the
+marks, 0.52 / 0.64 / 0.93 ms at 64 / 128 / 256 (an earlier run).
 
 The peers' memory comes from the caller (:class:`~treegen.runtime.peer_all_reduce.PeerAllReduce`): a table
 of the addresses, in this process's address space, of every rank's receive area. Only peer loads and
@@ -51,10 +53,11 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 MAX_HIDDEN = 16384  # widest row one program normalises at once (Llama-3-405B is 16,384)
-# a program takes up to this many elements at once (as many whole rows as fit, at least one), 1,024 a warp: one
-# row of 4,096 waits for its peers' parts with the least polling (two H200s, 256 rows: 0.83 ms for 64 operations
-# against 2.04 ms in tiles of two or four rows, and 1.03 ms for the two-shot all-reduce and the norm kernel)
-TILE_ELEMS = 4096
+# a program's rows are taken in two tiles (each waits for its peers' parts while the other's are on the way), of
+# at most this many elements, 1,024 a warp. Two H200s, 64 operations of [rows, 4,096] bf16 (rows / 128 a program)
+# in 16-byte vectors: 1.18 / 2.30 ms at 512 / 1,024 rows against 1.29 / 2.88 in tiles of one row (2.50 ms for the
+# two-shot all-reduce and the norm kernel at 1,024); 64 to 256 rows alike either way (0.71 ms at 256)
+TILE_ELEMS = 16384
 DTYPES = (torch.bfloat16, torch.float16)  # the partials it sums: 16-bit, so that -0.0 can mark empty
 EMPTY = -32768  # -0.0 in bf16 and fp16 (0x8000) as int16: a receive slot's element not written yet
 
@@ -94,12 +97,12 @@ if triton is not None:
             y = tl.where(y == 0, tl.zeros_like(y), y)
             for p in tl.static_range(WORLD):
                 if p != RANK:
-                    peer_recv = tl.load(RECV + p).to(tl.pointer_type(dt))
+                    peer_recv = tl.multiple_of(tl.load(RECV + p).to(tl.pointer_type(dt)), 16)  # check_exchange
                     tl.store(peer_recv + (first_slot + RANK) * slot_elems + r[:, None] * hidden + offs[None, :], y,
                              mask=ok)
         # 2. per tile: wait until every peer's part is in, sum in rank order, add to the residual stream,
         # normalise; mark the slots empty again (written next two operations on)
-        recv = tl.load(RECV + RANK).to(tl.pointer_type(tl.int16))
+        recv = tl.multiple_of(tl.load(RECV + RANK).to(tl.pointer_type(tl.int16)), 16)
         w = tl.load(W + offs, mask=ok_c, other=0.0).to(tl.float32)
         for r0 in range(start, end, ROWS):
             r = r0 + offs_r
@@ -134,7 +137,7 @@ def check_exchange(rank: int, world: int, recv: Tensor, epochs: Tensor, slot_ele
     fixed for a buffer's life, and :class:`~treegen.runtime.peer_all_reduce.PeerAllReduce` checks them once).
     ``recv``: int64 ``[world]``, the address of each rank's receive area (``2 * world`` slots of ``slot_elems``
     16-bit elements, every element ``EMPTY`` before the first operation); ``epochs``: this rank's int64
-    counters, one per program (the grid), zero at first, on the device of the partials."""
+    counters, one per program (the grid), zero at first, on the device of the partials. Reads the table once."""
     if not 0 <= rank < world or recv.shape != (world,) or epochs.dim() != 1 \
             or recv.dtype != torch.int64 or epochs.dtype != torch.int64 or recv.device != epochs.device:
         raise ValueError(f"peer_add_rms_norm: rank {rank} of {world} needs an int64 table of {world} receive areas and "
@@ -142,6 +145,9 @@ def check_exchange(rank: int, world: int, recv: Tensor, epochs: Tensor, slot_ele
                          f"{recv.device} and {epochs.dtype} {tuple(epochs.shape)} on {epochs.device}")
     if slot_elems <= 0 or slot_elems % 8:
         raise ValueError(f"peer_add_rms_norm: a slot of {slot_elems} elements; it must hold whole 16-byte vectors")
+    misaligned = [hex(address) for address in recv.tolist() if address % 16]
+    if misaligned:  # the kernel moves the slots in 16-byte vectors (tl.multiple_of on these addresses)
+        raise ValueError(f"peer_add_rms_norm: receive areas at {misaligned} are not 16-byte aligned")
 
 
 def peer_add_rms_norm(y: Tensor, h: Tensor, weight: Tensor, eps: float, *, rank: int, world: int, recv: Tensor,
@@ -170,7 +176,7 @@ def peer_add_rms_norm(y: Tensor, h: Tensor, weight: Tensor, eps: float, *, rank:
         return x  # nothing, and the one after it could overwrite a slot a peer has not read yet)
     block = next_power_of_2(hidden)
     programs = epochs.numel()
-    tile_rows = min(next_power_of_2(-(-rows // programs)), max(1, TILE_ELEMS // block))
+    tile_rows = min(next_power_of_2(-(-rows // (2 * programs))), max(1, TILE_ELEMS // block))
     _LAUNCH[(programs,)](y, h, weight, x, recv, epochs, rows, hidden, y.stride(0), h.stride(0), x.stride(0),
                          slot_elems, eps, RANK=rank, WORLD=world, ROWS=tile_rows, BLOCK=block,
                          num_warps=max(4, min(16, tile_rows * block // 1024)))
