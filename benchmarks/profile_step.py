@@ -8,6 +8,9 @@ first, with the difference between the modes by kernel. The decode steps replay 
 profiler sees their kernels one by one (``--no-graphs``: launched eagerly instead).
 
     python benchmarks/profile_step.py --shape phi-4-mini --batch 256 --prefix 2048
+
+Tensor parallel: ``NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node N benchmarks/profile_step.py --tp N ...``
+profiles rank 0's kernels (every rank runs the same steps; the LM head split by vocabulary).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import functools
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -28,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from treegen.kernels import tree_attention as planning
 from treegen.kernels.launch import Launcher
+from treegen.runtime.distributed import init_parallel
 from treegen.runtime.engine import Engine
 from treegen.runtime.loader import IdTokenizer
 from treegen.runtime.model import LlamaFamilyModel
@@ -110,6 +115,7 @@ def main() -> None:
                         help="the KV cache's format (auto: the model's dtype)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--sequence", type=int, default=0, help="print this many kernels of one decode step, in order")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel over N GPUs (under torchrun)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.new < 2:
@@ -121,11 +127,17 @@ def main() -> None:
         knobs = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.plan)}
         planning.plan_triton = functools.partial(planning.plan_triton, **knobs)
     config = config_of(args.shape)
-    model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device="cuda")
+    parallel = init_parallel(tensor_parallel=args.tp, device="cuda", timeout_s=1800, vocab_parallel=True) \
+        if args.tp > 1 else None
+    if parallel is not None and parallel.rank != 0:  # every rank profiles its own kernels; rank 0 reports
+        sys.stdout = open(os.devnull, "w")
+    model = LlamaFamilyModel.random(config, dtype=torch.bfloat16, device=parallel.device if parallel else "cuda",
+                                    tp=parallel.tensor if parallel else None)
     prompt = torch.randint(0, model.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     modes, sequences, walls, idle = {}, {}, {}, {}
     for mode in args.modes:
-        engine = Engine(model, IdTokenizer(), attention=mode, kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
+        engine = Engine(model, IdTokenizer(), attention=mode, kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
+                        parallel=parallel)
         if args.no_graphs:
             engine.cuda_graphs = False
         modes[mode] = per_step(engine, args.batch, prompt, args.new)
@@ -151,10 +163,16 @@ def main() -> None:
         for name, us in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[: args.top]:
             print(f"| {name} | {us:+.1f} |")
     out = Path(args.out or Path(__file__).parent / "results" / f"profile_step_{args.shape}_{args.batch}"
-                                                                 f"{'' if args.kv_dtype == 'auto' else '_' + args.kv_dtype}.json")
+                                                                 f"{'' if args.kv_dtype == 'auto' else '_' + args.kv_dtype}"
+                                                                 f"{'' if args.tp == 1 else f'_tp{args.tp}'}.json")
+    if parallel is not None:
+        torch.distributed.barrier()
+        if parallel.rank != 0:
+            torch.distributed.destroy_process_group()
+            return
     out.write_text(json.dumps({
         "benchmark": "profile_step", "shape": args.shape, "batch": args.batch, "prefix": args.prefix,
-        "new": args.new, "kv_dtype": args.kv_dtype, "wall_us_per_step": walls,
+        "new": args.new, "kv_dtype": args.kv_dtype, "tp": args.tp, "wall_us_per_step": walls,
         # wall less the profiled kernels' sum: the GPU between kernels (launch gaps, dependencies), an estimate
         # (the kernels are timed in a profiled run of their own)
         "idle_us_per_step": idle, "cuda_graphs": not args.no_graphs, "library": not args.no_library, "plan": args.plan, "device": torch.cuda.get_device_name(),
@@ -171,6 +189,8 @@ def main() -> None:
             if shown:
                 print(f"{getattr(launcher.kernel, '__name__', '?')}: regs {getattr(kernel, 'n_regs', '?')} "
                       f"spills {getattr(kernel, 'n_spills', '?')} {shown}")
+    if parallel is not None:
+        torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
     main()

@@ -188,8 +188,9 @@ def fused_add_norm_is_the_all_reduce_then_the_norm(tp2) -> None:
         dist.all_gather(every, got_x, group=tp.group)
         assert torch.equal(every[0], every[1]), f"{where}: the ranks' x differ"
 
-    assert not peer.fuses((1000, hidden), torch.bfloat16)  # larger than its slots: the all-reduce and the norm
-    for rows in (1, 3, 64, 200, 256):
+    most = peer.slot_elems // hidden  # the most rows its slots hold (FUSED_MAX_BYTES pushed: 1,024 at two GPUs)
+    assert not peer.fuses((most + 1, hidden), torch.bfloat16)  # larger than its slots: the all-reduce and the norm
+    for rows in sorted({r for r in (1, 3, 64, 200, 256, 700, most) if r <= most}):  # (tiles of one row, two, four)
         assert peer.fuses((rows, hidden), torch.bfloat16), rows
         for i in range(3):
             part = torch.randn(rows, hidden, dtype=torch.bfloat16, device=tp2.device, generator=mine)

@@ -22,5 +22,7 @@ def test_tensor_and_data_parallel_on_two_gpus():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(Path(__file__).with_name("distributed_gpu_worker.py"))]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-6000:])
+    if done.returncode != 0:  # (not an assert: pytest would shorten the workers' output to a line)
+        pytest.fail(f"the workers exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n"
+                    f"{done.stderr[-8000:]}", pytrace=False)
     assert "distributed GPU checks passed" in done.stdout
