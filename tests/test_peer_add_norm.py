@@ -34,10 +34,11 @@ def _empty(t: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("world,rank,rows,tile", [(2, 0, 5, None), (2, 1, 5, None), (3, 1, 5, None), (3, 2, 5, None),
-                                                  (2, 1, 13, 64)])
+                                                  (2, 1, 13, 64), (2, 0, 13, None)])
 def test_one_rank_sums_the_peers_partials_adds_normalises_and_marks_its_slots_empty(world, rank, rows, tile,
                                                                                      monkeypatch):
     # (fp16: Triton's interpreter rounds bf16 otherwise than a GPU does; two GPUs run bf16 in the worker)
+    # (13 rows: five a program, in two tiles of up to four rows; with tiles capped at 64 elements, three of two)
     if tile is not None:  # tiles of two rows: a program's five rows take three of them, the last one part-full
         monkeypatch.setattr(peer_add_norm, "TILE_ELEMS", tile)
     hidden, programs, slot_elems, eps, dtype = 24, 3, 400, 1e-5, torch.float16
