@@ -165,8 +165,9 @@ def fused_add_norm_ms(tp2, hidden: int, batches: list[int]) -> dict:
 
 def write(path: str, rows: dict, args) -> None:
     with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                   "prefix": args.prefix, "new": args.new, "rows": list(rows.values())}, f, indent=2)
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "date": time.strftime("%Y-%m-%d"), "tp": args.tp, "prefix": args.prefix, "new": args.new,
+                   "rows": list(rows.values())}, f, indent=2)
 
 
 def main() -> None:

@@ -136,8 +136,8 @@ def main() -> None:
     prompt = torch.randint(0, model.vocab_size, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
     modes, sequences, walls, idle = {}, {}, {}, {}
     for mode in args.modes:
-        engine = Engine(model, IdTokenizer(), attention=mode, kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
-                        parallel=parallel)
+        engine = Engine(model, IdTokenizer(), attention=mode, parallel=parallel,
+                        kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
         if args.no_graphs:
             engine.cuda_graphs = False
         modes[mode] = per_step(engine, args.batch, prompt, args.new)

@@ -28,9 +28,9 @@ rank runs the same sequence of these operations with the same number of programs
 0.46 / 0.72 / 1.18 / 2.27 / 5.13 ms at 64 / 128 / 256 / 512 / 1,024 / 2,048 rows against 0.63 / 0.82 / 1.03 / 1.53 /
 2.49 / 4.80 ms for PyTorch's two-shot all-reduce (two barriers) and then the add + norm kernel: ahead up to 1,024
 rows, behind at 2,048, where the bytes over NVLink rather than the latency set the time (the caller takes the fused
-path up to 2 MiB pushed: see ``peer_all_reduce.FUSED_MAX_BYTES``). Element by element (16-bit stores and polls, one row a tile) it took 0.45 / 0.57 / 0.82 /
-1.49 / 3.28 / 8.41 ms in the same run; with a flag per program and a release / acquire handshake instead of the
-marks, 0.52 / 0.64 / 0.93 ms at 64 / 128 / 256 (an earlier run).
+path up to 2 MiB pushed: see ``peer_all_reduce.FUSED_MAX_BYTES``). Element by element (16-bit stores and polls,
+one row a tile) it took 0.45 / 0.57 / 0.82 / 1.49 / 3.28 / 8.41 ms in the same run; with a flag per program and a
+release / acquire handshake instead of the marks, 0.52 / 0.64 / 0.93 ms at 64 / 128 / 256 (an earlier run).
 
 The peers' memory comes from the caller (:class:`~treegen.runtime.peer_all_reduce.PeerAllReduce`): a table
 of the addresses, in this process's address space, of every rank's receive area. Only peer loads and
