@@ -169,7 +169,9 @@ def measure_8b(args, tpn, dpn, record, new_tokens) -> None:
             record({"shape": "llama3-8b", "batch": batch, "tp": args.gpus, "dp": 1, "vocab_parallel": split, "tok_s": tok_s,
                     "total_s": total, "speedup_vs_1gpu": tok_s / one_gpu[batch] if leader else None,
                     "all_reduce": tpn.tensor.all_reduce_path, "peer_output": direct, "fused_norm": fused,
-                    "fused_max_bytes": 2 * tpn.tensor.peer.slot_elems if tpn.tensor.peer is not None else None})
+                    # (bytes pushed: a slot's to each of the other GPUs)
+                    "fused_max_bytes": 2 * tpn.tensor.peer.slot_elems * (args.gpus - 1)
+                    if tpn.tensor.peer is not None else None})
     del engines
     gc.collect()
     torch.cuda.empty_cache()

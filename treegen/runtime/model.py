@@ -456,9 +456,8 @@ class LlamaFamilyModel:
             h, x = self._add_norm(h, y, L.mlp_norm, fused.norm)
             gate_up = F.linear(x, L.gate_up_w, L.gate_up_b)
             gated = silu_mul(gate_up) if fused.act else self.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
-            y = self._row_parallel(gated, L.down_w, L.down_b,
-                                   fused.norm and L.mlp_post_norm is None and after is not None)
+            read_by_norm = i + 1 < len(self.layers) and self.layers[i + 1].attn_norm is not None  # (the next layer's)
+            y = self._row_parallel(gated, L.down_w, L.down_b, fused.norm and L.mlp_post_norm is None and read_by_norm)
             if L.mlp_post_norm is not None:
                 y = self._norm(y, L.mlp_post_norm)
         if y is not None:

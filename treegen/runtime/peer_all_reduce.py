@@ -19,9 +19,9 @@ at 1,024 (1.50x) on two H200s (``bench_multi_gpu.py --peer-output both``, multi_
 The row-parallel products' sums are mostly taken by another kernel of this buffer: the residual add and
 the next RMSNorm come right after them, and :meth:`PeerAllReduce.add_rms_norm_` does the three in one
 launch with no barrier (:mod:`treegen.kernels.peer_add_norm`; up to ``FUSED_MAX_BYTES`` pushed to the peers):
-0.83 ms for a step's 64 of them at batch 256 on two H200s, against 1.03 ms for the two-shot all-reduce
-and then the norm kernel; tp=2 1.39x one GPU at batch 256 against 1.35x (medians of three,
-``multi_gpu_fused_norm_256_h200_x2.json``).
+0.72 ms for a step's 64 of them at batch 256 on two H200s, against 1.03 ms for the two-shot all-reduce
+and then the norm kernel; tp=2 1.41 / 1.42x one GPU at batch 256 against 1.32 / 1.32x
+(``multi_gpu_fused_norm_vector_h200_x2.json``).
 
 Only peer loads and stores are used: never NVLink multicast (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is
 set before the buffer is made, and no ``multimem`` operation is called). Tensors larger than the
@@ -144,8 +144,7 @@ class PeerAllReduce:
         """Sum ``part`` (``fuses`` holds) over the group, add the sum to ``h`` in place and return
         ``RMSNorm(h) * weight``, in one kernel (:func:`~treegen.kernels.peer_add_norm.peer_add_rms_norm`)."""
         return peer_add_rms_norm(part, h, weight, eps, rank=self.rank, world=self.world, recv=self.recv_ptrs,
-                                 epochs=self.epochs,
-                                 slot_elems=self.slot_elems)
+                                 epochs=self.epochs, slot_elems=self.slot_elems)
 
 
 def peer_all_reduce_for(group, device: torch.device) -> tuple[PeerAllReduce | None, str]:
@@ -157,7 +156,8 @@ def peer_all_reduce_for(group, device: torch.device) -> tuple[PeerAllReduce | No
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if not ok.item():
         return None, reason or "another rank cannot use peer memory"
-    return PeerAllReduce(group, device), "symmetric memory (two-shot; add + norm fused up to FUSED_MAX_BYTES pushed)"
+    return PeerAllReduce(group, device), ("symmetric memory (two-shot; the sum, add and norm fused up to "
+                                          f"{FUSED_MAX_BYTES / 2**20:g} MiB pushed)")
 
 
 def _unusable(device: torch.device, size: int) -> str | None:
