@@ -273,18 +273,21 @@ def test_triton_plan_gives_leaves_small_tiles():
                                query_segment=list(range(1, 65)), query_pos=[100] * 64, backend="triton",
                                num_heads=8, num_kv_heads=2, device="cpu")
     by_height = {launch.block_m: launch.work.shape[0] for launch in plan.triton.launches}
-    assert by_height == {16: 64, 128: 2}
+    assert by_height == {16: 16, 128: 2}  # (4 leaves of 4 query rows a 16-row tile: few programs pack all that fit)
     # each leaf is its query's own, unsplit item: that launch runs last and merges (no merge launch)
     assert plan.triton.fused_merge and [launch.block_m for launch in plan.triton.launches] == [128, 16]
     assert plan.triton.merge_ptr.tolist() == list(range(65))  # one ancestor partial (the root) per query
 
 
-@pytest.mark.parametrize("leaves,num_heads,num_kv,want", [(64, 8, 2, 1), (1024, 32, 8, 4), (300, 32, 8, 4),
-                                                           (200, 32, 8, 3), (1024, 24, 8, 5), (1024, 9, 3, 5),
-                                                           (256, 32, 32, 15), (128, 32, 32, 7), (64, 32, 32, 3)])
+@pytest.mark.parametrize("leaves,num_heads,num_kv,want", [(64, 8, 2, 4), (128, 16, 4, 4), (1024, 32, 8, 4),
+                                                           (512, 32, 8, 4), (300, 32, 8, 2), (256, 32, 8, 2),
+                                                           (200, 32, 8, 1), (1024, 24, 8, 4), (1024, 9, 3, 2),
+                                                           (256, 32, 32, 8), (128, 32, 32, 4), (64, 32, 32, 2)])
 def test_leaves_share_tiles_while_enough_programs_remain(leaves, num_heads, num_kv, want):
-    """A decode leaf's query row x its query heads fills part of a 16-row tile: as many leaves as fit share one
-    (4 at 32/8 heads, 5 at 24/8 or 9/3, 16 for MHA) while at least 528 programs remain (else fewer)."""
+    """A decode leaf's query row x its query heads fills part of a 16-row tile: a power of two of leaves share one,
+    as many as fit (4 at 32/8 heads, 4 of 5 at 24/8 or 9/3, 16 for MHA) while about 1,024 programs remain (fewer
+    leaves a tile where fewer would; none fewer than one a tile) — and all that fit where the leaves' programs
+    number under 1,024 to begin with (8/2 heads at 64 leaves, 16/4 at 128)."""
     plan = plan_tree_attention(segment_parent=[-1] + [0] * leaves, segment_start=[0] + [600 + 3 * i for i in range(leaves)],
                                segment_len=[600] + [3] * leaves, segment_pos=[0] + [600] * leaves,
                                query_segment=list(range(1, leaves + 1)), query_pos=[602] * leaves, backend="triton",

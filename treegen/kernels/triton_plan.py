@@ -75,9 +75,12 @@ _LIBRARY_MAX_FOLDED_CHUNKS = 2
 # leaves, 32/8 x 128, 9/3 x 64, 16/8 x 256 heads, fp16 partials both ways): 66-736 such programs 0-11% less
 # time a call (deep trees most), 33 and 48 programs 2% and 15% more (the multilevel tree, 9/3 heads, 256 leaves)
 _MIN_MID_PROGRAMS = _SMS // 2
-# fused leaves share 16-row tiles (several leaves a program) only while that leaves this many programs (~4 an SM;
-# fewer, and one leaf a program, all in parallel, measured faster: see _leaf_pack)
-_MIN_PACKED_PROGRAMS = 4 * _SMS
+# a 16-row launch of this many programs or more (items x KV heads) of short items runs one-warp programs (see
+# _launch_shape) ...
+_MANY_PROGRAMS = 1024
+# ... and fused leaves share 16-row tiles (several leaves a program) down to about this many programs (~8 an SM;
+# see _leaf_pack)
+_PACKED_PROGRAMS = 1024
 # a shared-segment program's fixed work (its query tile, its partial's store, its start) in keys of its loop, for
 # the estimate of :func:`_makespan`
 _PROGRAM_OVERHEAD_KEYS = 128
@@ -504,31 +507,52 @@ def _launch_shape(block_m: int, items: np.ndarray, num_kv_heads: int, block_n: i
     kernel variant compiled by a shorter one. This variant uses 255 registers a thread (so ~8 programs an
     SM); capping them (``maxnreg`` 192/168/128) spills and was 7-50% slower (batch 256 Llama-3 heads:
     71/75/91 vs 66 us)."""
-    longest = int((items[:, 3] - items[:, 2]).max()) if len(items) else 0  # (an item: [.., .., kb, ke, ...])
-    if block_m == 16 and len(items) * num_kv_heads >= 1024 and longest <= _FUSED_LEAF_MAX_KEYS:
+    if _many_short_items(block_m, items, num_kv_heads):
         return leaf_shape or (32, 1, 2)
     return block_n, (8 if block_m == 128 else 4), num_stages
 
 
+def _many_short_items(block_m: int, items: np.ndarray, num_kv_heads: int) -> bool:
+    """A 16-row launch of ``_MANY_PROGRAMS`` or more programs (items x KV heads), none over ``_FUSED_LEAF_MAX_KEYS``
+    keys: the one-warp shape of :func:`_launch_shape`."""
+    return block_m == 16 and len(items) * num_kv_heads >= _MANY_PROGRAMS and _longest(items) <= _FUSED_LEAF_MAX_KEYS
+
+
+def _longest(items: np.ndarray) -> int:
+    """The most keys an item of ``items`` reads (an item: ``[.., .., kb, ke, ...]``)."""
+    return int((items[:, 3] - items[:, 2]).max()) if len(items) else 0
+
+
 def _leaf_pack(items: np.ndarray, group: int, num_kv_heads: int, limit: int | None) -> int:
-    """How many fused leaf items share one 16-row tile: as many as their rows x query heads fit (a decode
-    leaf of Llama-3's 32/8 heads is 4 of the 16 rows: 4 leaves a tile; MHA 16), at most ``limit``; by
-    default (``limit`` None) only while the packed programs number at least ``_MIN_PACKED_PROGRAMS``.
+    """How many fused leaf items share one 16-row tile: a power of two, as many as their rows x query heads fit (a
+    decode leaf of Llama-3's 32/8 heads is 4 of the 16 rows: 4 leaves a tile; 24/8: 4 of 5; MHA 16), at most
+    ``limit``; by default (``limit`` None) only down to about ``_PACKED_PROGRAMS`` programs (at least one item a
+    program) — except a launch of fewer than ``_MANY_PROGRAMS`` items x KV heads of at most
+    ``_FUSED_LEAF_MAX_KEYS`` keys, which packs all that fit.
     A one-item tile computes its padding rows too — loading them, rescaling, merging the ancestors'
     partials and storing: ~2,200 of the ~2,950 instructions of a 32-key leaf's program (ncu on an H100,
     Llama-3-8B decode shape); a packed tile pays that once for all its items, and attends each item's
     keys in turn with its own rows visible (the others masked). But its items' keys are read one item
-    after another: with few programs (under ~4 an SM) one leaf a tile, all in parallel, was faster
-    (``bench_leaf_pack.py``, H100, 2K prefix: 32/8 x 128 at 128 leaves of 128 keys 62 -> 70 us packed
-    by 4, 24/8 54 -> 79; at 1,024 leaves of 32 keys 140 -> 131, FP8 152 -> 131, MHA 333 -> 275). Long leaves gain
-    least and can lose (the packed path reads every key block through the masked loop, without TMA): 9/3 x 64 FP8
-    at 1,024 leaves of 128 keys 83 -> 94 us. The pack is part of the plan's shape key, so kept phase graphs of
-    phases on either side of a threshold (132, 198, 264 leaves at 32/8) are captured apart (capture time only)."""
-    most = int(items[:, 5].max(initial=1)) * group
-    pack = 16 // max(most, 1)
-    if limit is None:
-        pack = min(pack, len(items) * num_kv_heads // _MIN_PACKED_PROGRAMS)
-    return max(1, min(pack, limit or pack, len(items)))
+    after another, so one-warp programs keep about 8 an SM. Measured on an H200 (``profile_attention_trees.py
+    --trees decode``, a 2K prompt over leaves of 1-64 keys, every pack of 1-4 at 128-1,024 leaves,
+    ``profile_attention_trees_decode_pack_sweep_h200.json``), the best pack made ~1,024 programs: 32/8 x 128 heads
+    p1 / p2 / p4 / p4 at 128 / 256 / 512 / 1,024 leaves, 24/8 the same (p5, all 15 of its rows, 6-7% slower than
+    p4 at 512 and 1,024: hence powers of two), 16/4 at 256 / 512 / 1,024 p1 / p2 / p4, MHA 32/32 p4 at 128 and
+    p16 at 512 and 1,024; the rule before (packs down to 4 programs an SM) lost 6-25% where it packed more (32/8 at
+    256 leaves p3 48.3 us against p2 45.3, MHA at 256 p15 106 against p4 80). Launches of fewer items (a 4-warp
+    shape) pack all they fit: 16/4 at 128 leaves p4 22.9 us against p1 30.0, 8/1 at 256 and 512 p2 22.4 and 29.2
+    against p1 25.4 and 31.8. (Before, on an H100, ``bench_leaf_pack.py``: packs of 4 at ~4 programs an SM and
+    above measured 1.07x geomean; 32/8 x 128 at 128 leaves of 128 keys 62 -> 70 us packed by 4, 24/8 54 -> 79 —
+    one-warp launches of 1,024 items, which this rule leaves unpacked.) Long leaves gain least and can lose (the
+    packed path reads every key block through the masked loop, without TMA): 9/3 x 64 FP8 at 1,024 leaves of 128
+    keys 83 -> 94 us (H100, packed by 5 under the rule before; this one packs them by 2). The pack is part of the
+    plan's shape key, so kept phase graphs of phases on either side of a threshold are captured apart (capture
+    time only)."""
+    pack = 16 // max(int(items[:, 5].max(initial=1)) * group, 1)
+    if limit is None and (len(items) * num_kv_heads >= _MANY_PROGRAMS or _longest(items) > _FUSED_LEAF_MAX_KEYS):
+        pack = min(pack, len(items) * num_kv_heads // _PACKED_PROGRAMS)
+    pack = max(1, min(pack, limit or pack, len(items)))
+    return 1 << (pack.bit_length() - 1) if limit is None else pack
 
 
 def _hopper_or_newer(device) -> bool:
