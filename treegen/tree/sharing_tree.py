@@ -136,8 +136,11 @@ class SharingTree:
 
     def prune(self, node: int) -> None:
         """Mark a node and its subtree as finished with (their KV has been freed)."""
-        for n in nx.descendants(self.graph, node) | {node}:
-            self.graph.nodes[n]["pruned"] = True
+        succ, data, todo = self._succ, self._data, [node]
+        while todo:  # (the successor dicts directly: networkx's descendants() costs ~10x more a node)
+            n = todo.pop()
+            data[n]["pruned"] = True
+            todo.extend(succ[n])
 
     # reading ----------------------------------------------------------------------------------
     def tokens(self, node: int) -> list[int]:
