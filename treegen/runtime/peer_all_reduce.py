@@ -54,7 +54,8 @@ BUFFER_BYTES = 64 * 2**20  # per rank, PyTorch's two-shot all-reduce: [8192, 409
 # GPU at batch 512 against 1.50 / 1.51x), and loses at 16 MiB (5.13 vs 4.80 ms). Not raised past 2 MiB: with 8 MiB
 # the two-GPU worker's greedy tokens of the fused and the unfused model (random weights, a 300-token prompt summed
 # in tiles of two rows) agreed on 86% against over 90% at 2 MiB, with h the same bits and x within its tolerance
-# in the kernel's own checks at 700 and 1,024 rows — near-ties of a random model or not, not settled (stop 62).
+# in the kernel's own checks at 700 and 1,024 rows — near-ties of a random model or not, not settled (stop 62; the
+# worker now compares the two teacher-forced, which near-ties cannot fail: to be run at 2 and 8 MiB).
 # The two-shot moves 2 (world - 1) / world x the partial, so at more GPUs the one-shot's bytes grow faster and the
 # limit is counted in bytes pushed
 FUSED_MAX_BYTES = 2 * 2**20
