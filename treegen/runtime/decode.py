@@ -87,6 +87,10 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         self.quick: list[bool] = []
         self.limit: list[int] = []
         self.eos_ends: list[bool] = []
+        # how many of branch b's tokens (``out[b]``) its node has taken (a final EOS, which never goes there, counted
+        # as taken): within a phase the fast path leaves the node behind, and it catches up where the branch takes
+        # the slow path and when the phase's steps end (see TokenAcceptance._catch_up)
+        self.in_tree: list[int] = []
         self.live: list[int] = []
         # sliced gens that used up their slice's reservation and wait to be admitted again (job → branch): their
         # tokens, log-probabilities and matcher states stay here; the scheduler's queue holds the jobs
@@ -158,6 +162,7 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
             self.quick.append(not params.stop and job.on_tokens is None)
             self.limit.append(params.max_tokens)
             self.eos_ends.append(not params.ignore_eos)
+            self.in_tree.append(len(forced))
             if automaton is not None:
                 self.state[b] = self.run.engine.automata.walk(automaton.initial, forced) if forced else automaton.initial
             elif constraint is not None:
@@ -347,6 +352,7 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         else:
             yield from self._steps(live, width, step, buf[:own], lp_buf[:own], capturing, graphs, pool, alive)
             logits_of.clear()  # (a step graph's logits are its own temporaries: not kept)
+        self._catch_up(live)  # (the nodes of the branches that go on take the phase's tokens)
         if kept is not None:
             self.kept.trim()
         run.phase_passes.append(run.forward_passes - passes_before)

@@ -32,10 +32,6 @@ class TokenAcceptance:
         # loop, their texts decoded at once. (So a completion that cancels another job — a program over its
         # max_program_tokens — comes after that job's tokens of this block are taken and streamed.)
         ending: list = []
-        # the fast path's new tokens for the branches' nodes, appended in one call (before any other branch's
-        # are taken on the slow path, which may stream them: the tree is then as if each had been at once)
-        grown_nodes: list[int] = []
-        grown: list[list[int]] = []
         taken = 0
         for j, b in enumerate(live):
             job = jobs[b]
@@ -45,20 +41,13 @@ class TokenAcceptance:
             if quick[b] or (j not in may_stop and job.on_tokens is None):
                 new, out = tokens[j], outs[b]
                 if len(out) + len(new) < limit[b] and not (eos_ends[b] and not eos.isdisjoint(new)):
-                    out.extend(new)
+                    out.extend(new)  # (its node takes them later: see _catch_up)
                     logprobs[b].extend(lps[j])
-                    grown_nodes.append(job.request.node)
-                    grown.append(new)
                     taken += len(new)
                     if state and b in state:  # (a token automaton's branch: its mask allowed every token)
                         state[b] = walk(state[b], new)
                     continue
-            if grown:
-                self.tree.extend_leaves(grown_nodes, grown)
-                grown_nodes, grown = [], []
             self._accept(b, tokens[j], lps[j], j not in may_stop, ending)
-        if grown:
-            self.tree.extend_leaves(grown_nodes, grown)
         self.tokens_done += taken
         if ending:  # the texts still to decode in one batched call, then the jobs complete in row order
             untold = [r for _, r in ending if r.text is None]
@@ -106,6 +95,7 @@ class TokenAcceptance:
         completes here)."""
         job = self.jobs[b]
         out = self.out[b]
+        self._catch_up((b,))  # (its node first takes the tokens the fast path left it behind by)
         before = len(out)
         result = None
         masks = self.masks if self.masks is not None and b in self.masks else None
@@ -151,6 +141,7 @@ class TokenAcceptance:
         # never computed (the last sampled token has none), so nothing is written or freed for it
         end = len(out) - 1 if result is not None and result.ends_on_eos else len(out)
         self.tree.extend(job.request.node, out[before:end])
+        self.in_tree[b] = len(out)  # (all its tokens accounted for: a final EOS never goes into the node)
         self.tokens_done += len(out) - before
         if job.on_tokens is not None:
             job.on_tokens(tuple(out))
@@ -161,6 +152,22 @@ class TokenAcceptance:
         else:
             self._complete(b, result)
         return True
+
+    def _catch_up(self, branches) -> None:
+        """The nodes of ``branches`` take the tokens of theirs that they do not hold yet, in one call. The fast path
+        of :meth:`_settle` only extends a going-on branch's ``out`` (its node's copy costs more than the rest of
+        the row's settle, a lookup of scattered objects); its node catches up here: before the branch takes the
+        slow path (which ends or streams it) and when its phase's steps end, before anything reads the node's
+        tokens (room, pauses, the KV's ``computed``, the next plan). Within a phase nothing else reads a live
+        branch's node: programs resumed by its completions read finished branches, a tensor-parallel follower
+        that takes rank 0's graph holds the same counts and catches up alike, and a radix match of an arriving
+        prompt sees a shorter live leaf (a shorter match, never a wrong one)."""
+        out, in_tree, jobs = self.out, self.in_tree, self.jobs
+        behind = [b for b in branches if in_tree[b] < len(out[b])]  # (a cancelled branch too: its KV stays)
+        if behind:
+            self.tree.extend_leaves([jobs[b].request.node for b in behind], [out[b][in_tree[b]:] for b in behind])
+            for b in behind:
+                in_tree[b] = len(out[b])
 
     def _complete(self, b: int, result: GenResult) -> None:
         """Branch ``b``'s job is complete with ``result`` (its log-probabilities and KV facts added)."""
