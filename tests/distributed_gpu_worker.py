@@ -46,10 +46,15 @@ def prefill_logits(engine: Engine) -> torch.Tensor:
     return torch.cat([out[n] for n in [root, *leaves]])
 
 
-def greedy_tokens(engine: Engine) -> list:
+def eight_branches(engine: Engine):
+    """A run with 8 one-token leaves below a 300-token prompt: (run, root, leaves)."""
     run = engine.start()
     root = run.tree.add_node(None, list(range(100, 400)))
-    leaves = [run.tree.add_node(root, [7 + i]) for i in range(8)]
+    return run, root, [run.tree.add_node(root, [7 + i]) for i in range(8)]
+
+
+def greedy_tokens(engine: Engine) -> list:
+    run, _, leaves = eight_branches(engine)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     results, _ = run.execute([GenRequest(leaf, params, key=i, final=True) for i, leaf in enumerate(leaves)], [])
     assert run.decode_phases, "the branches never decoded in a phase"
@@ -57,12 +62,10 @@ def greedy_tokens(engine: Engine) -> list:
 
 
 def forced_logits(engine: Engine, passes: int = 24) -> torch.Tensor:
-    """Teacher forcing: 8 branches below a 300-token prompt prefilled, then ``passes`` passes that each give every
+    """Teacher forcing: :func:`eight_branches` prefilled, then ``passes`` passes that each give every
     branch one more token, drawn from a seeded generator (the same on every rank and for every model); the fp32
     logits of each branch's last token after each pass, ``[passes + 1, 8, vocab]``."""
-    run = engine.start()
-    root = run.tree.add_node(None, list(range(100, 400)))
-    leaves = [run.tree.add_node(root, [7 + i]) for i in range(8)]
+    run, root, leaves = eight_branches(engine)
     out = run.prefill([root, *leaves])
     steps = [torch.stack([out[leaf][-1] for leaf in leaves])]
     gen = torch.Generator().manual_seed(3)

@@ -95,7 +95,8 @@ class TokenAcceptance:
         completes here)."""
         job = self.jobs[b]
         out = self.out[b]
-        self._catch_up((b,))  # (its node first takes the tokens the fast path left it behind by)
+        if self.in_tree[b] < len(out):  # (its node first takes the tokens the fast path left it behind by)
+            self._catch_up((b,))
         before = len(out)
         result = None
         masks = self.masks if self.masks is not None and b in self.masks else None
