@@ -301,6 +301,21 @@ def test_leaves_share_tiles_while_enough_programs_remain(leaves, num_heads, num_
                             device="cpu", triton_options={"pack_leaves": 0})
 
 
+@pytest.mark.parametrize("leaf_keys,want", [(192, 4), (193, 1), (500, 1)])
+def test_long_leaves_run_one_a_tile(leaf_keys, want):
+    """Leaves averaging more than ``_PACK_MAX_MEAN_KEYS`` keys (192) are not packed (their keys would be read
+    one leaf after another in a tile); an explicit ``pack_leaves`` still packs them."""
+    leaves = 1024
+    parent, start, length, pos = [-1], [0], [512], [0]
+    for i in range(leaves):
+        parent.append(0), start.append(512 + leaf_keys * i), length.append(leaf_keys), pos.append(512)
+    kwargs = dict(segment_parent=parent, segment_start=start, segment_len=length, segment_pos=pos,
+                  query_segment=list(range(1, leaves + 1)), query_pos=[512 + leaf_keys - 1] * leaves,
+                  backend="triton", num_heads=32, num_kv_heads=8, device="cpu")
+    assert plan_tree_attention(**kwargs).triton.launches[-1].pack == want
+    assert plan_tree_attention(**kwargs, triton_options={"pack_leaves": 4}).triton.launches[-1].pack == 4
+
+
 def test_many_leaves_get_narrow_key_blocks_and_match_plain_attention():
     """A thousand leaf programs (128 leaves x 8 KV heads) take the launch shape for many small items
     (32-key blocks, one warp); leaves of 1..70 keys cover a partial block and a masked tail."""

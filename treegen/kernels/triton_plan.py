@@ -81,6 +81,8 @@ _MANY_PROGRAMS = 1024
 # ... and fused leaves share 16-row tiles (several leaves a program) down to about this many programs (~8 an SM;
 # see _leaf_pack)
 _PACKED_PROGRAMS = 1024
+# ... unless their items average more keys than this: long leaves run one a tile (see _leaf_pack)
+_PACK_MAX_MEAN_KEYS = 192
 # a shared-segment program's fixed work (its query tile, its partial's store, its start) in keys of its loop, for
 # the estimate of :func:`_makespan`
 _PROGRAM_OVERHEAD_KEYS = 128
@@ -547,7 +549,17 @@ def _leaf_pack(items: np.ndarray, group: int, num_kv_heads: int, limit: int | No
     packed path reads every key block through the masked loop, without TMA): 9/3 x 64 FP8 at 1,024 leaves of 128
     keys 83 -> 94 us (H100, packed by 5 under the rule before; this one packs them by 2). The pack is part of the
     plan's shape key, so kept phase graphs of phases on either side of a threshold are captured apart (capture
-    time only)."""
+    time only).
+    Items of more than ``_PACK_MAX_MEAN_KEYS`` keys on average (as planned: a decode phase's leaves with the keys they
+    may gain) run one a tile: their fixed cost is small beside their keys, and a packed tile reads its items' keys
+    one after another through the masked loop. ``bench_attention_trees.py`` on an H200, the wide class (a
+    512-key prefix over leaves of 16-512 keys, 264-276 on average) packed by 2-8 against one a tile (the run of
+    2026-11-26, before leaves were packed; ``attention_trees_h200.json`` and ``..._stop64_h200.json``, two machines of
+    one kind): 16/8 x 256 heads 222 vs 165 us at 256 leaves and 840 vs 603 at 1,024, 9/3 x 64 45 vs 35, MHA 327 vs 286
+    and 32/8 x 128 102 vs 96 at 256 (equal at 1,024); the classes whose leaves average 31-72 keys gained from
+    packing in the same runs (deep, 1,020 leaves: 32/8 226 vs 259, 16/8 x 256 350 vs 448)."""
+    if limit is None and len(items) and float((items[:, 3] - items[:, 2]).mean()) > _PACK_MAX_MEAN_KEYS:
+        return 1
     pack = 16 // max(int(items[:, 5].max(initial=1)) * group, 1)
     if limit is None and (len(items) * num_kv_heads >= _MANY_PROGRAMS or _longest(items) > _FUSED_LEAF_MAX_KEYS):
         pack = min(pack, len(items) * num_kv_heads // _PACKED_PROGRAMS)
