@@ -65,7 +65,7 @@ def test_edges_change_only_through_the_sharing_tree():
     assert not offenders, offenders
 
 
-def test_branches_below_counts_the_live_leaves_of_a_subtree():
+def test_branches_below_counts_the_live_leaves_of_a_subtree_and_subtree_lists_them():
     import networkx as nx
 
     tree = SharingTree()
@@ -79,6 +79,8 @@ def test_branches_below_counts_the_live_leaves_of_a_subtree():
     leaves = set(tree.leaves())
     for n in tree.graph:  # the definition: the tree's leaves among the node and its descendants
         assert tree.branches_below(n) == sum(1 for d in nx.descendants(tree.graph, n) | {n} if d in leaves), n
+        below = tree.subtree(n)  # the node first, then its descendants, each once
+        assert below[0] == n and len(below) == len(set(below)) and set(below) == nx.descendants(tree.graph, n) | {n}
     assert [tree.branches_below(n) for n in (root, a, a1, a2, b, other)] == [3, 1, 1, 0, 2, 1]
     tree.prune(b1)  # b's children all pruned: b is a leaf now
     assert tree.branches_below(b) == 1 and tree.branches_below(root) == 2

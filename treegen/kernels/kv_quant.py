@@ -58,7 +58,7 @@ class KVFormat:
 
     @property
     def bytes_per_value(self) -> int:
-        return torch.empty((), dtype=self.storage).element_size()
+        return self.storage.itemsize
 
     @property
     def scale_bytes(self) -> int:

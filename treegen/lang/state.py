@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import networkx as nx
 
 from treegen.lang import reduce, views
 from treegen.lang.chat import role_affixes
@@ -324,7 +323,7 @@ class State:
             self._closed = "pruned"
             return 0
         run, tree = self._run, self._run.tree
-        gone = {self.origin, *nx.descendants(tree.graph, self.origin)}
+        gone = set(tree.subtree(self.origin))
         freed = 0
         if run.tree_run is not None:
             # only what no other program reaches: prefix sharing may have put another program's

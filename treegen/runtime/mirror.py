@@ -28,7 +28,6 @@ import itertools
 import weakref
 import zlib
 
-import networkx as nx
 
 from treegen.runtime.tree_run import TreeRun
 from treegen.runtime.requests import Job
@@ -106,7 +105,7 @@ class LeaderRun(TreeRun):
             self._quiet -= 1
 
     def free(self, node: int) -> None:
-        self._log(("free", node, sorted(nx.descendants(self.tree.graph, node))))
+        self._log(("free", node, sorted(self.tree.subtree(node)[1:])))
         self._quiet += 1
         try:
             super().free(node)

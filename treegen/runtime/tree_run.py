@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import networkx as nx
 import torch
 
 from treegen.kernels.tree_attention import (TreeAttentionPlan, library_copy, library_copy_bytes, plan_tree_attention,
@@ -328,7 +327,8 @@ class TreeRun(MixedSteps):
 
     def free(self, node: int) -> None:
         """Drop a node's KV and mark it (and its subtree) pruned."""
-        for n in [node, *sorted(nx.descendants(self.tree.graph, node))]:
+        subtree = self.tree.subtree(node)
+        for n in subtree[:1] + sorted(subtree[1:]):
             self.kv.free(n)
         self.tree.prune(node)
 

@@ -136,13 +136,18 @@ class SharingTree:
 
     def prune(self, node: int) -> None:
         """Mark a node and its subtree as finished with (their KV has been freed)."""
-        succ, data, todo = self._succ, self._data, [node]
-        while todo:  # (the successor dicts directly: networkx's descendants() costs ~10x more a node)
-            n = todo.pop()
+        data = self._data
+        for n in self.subtree(node):
             data[n]["pruned"] = True
-            todo.extend(succ[n])
 
     # reading ----------------------------------------------------------------------------------
+    def subtree(self, node: int) -> list[int]:
+        """``node`` and every node below it, ``node`` first (the others in no promised order)."""
+        succ, out = self._succ, [node]
+        for n in out:  # (the successor dicts directly: networkx's descendants() costs ~10x more a node)
+            out.extend(succ[n])
+        return out
+
     def tokens(self, node: int) -> list[int]:
         return self._data[node]["tokens"]
 
