@@ -520,9 +520,14 @@ def _many_short_items(block_m: int, items: np.ndarray, num_kv_heads: int) -> boo
     return block_m == 16 and len(items) * num_kv_heads >= _MANY_PROGRAMS and _longest(items) <= _FUSED_LEAF_MAX_KEYS
 
 
+def _item_keys(items: np.ndarray) -> np.ndarray:
+    """The keys each item of ``items`` reads (an item: ``[.., .., kb, ke, ...]``)."""
+    return items[:, 3] - items[:, 2]
+
+
 def _longest(items: np.ndarray) -> int:
-    """The most keys an item of ``items`` reads (an item: ``[.., .., kb, ke, ...]``)."""
-    return int((items[:, 3] - items[:, 2]).max()) if len(items) else 0
+    """The most keys an item of ``items`` reads."""
+    return int(_item_keys(items).max()) if len(items) else 0
 
 
 def _leaf_pack(items: np.ndarray, group: int, num_kv_heads: int, limit: int | None) -> int:
@@ -558,7 +563,7 @@ def _leaf_pack(items: np.ndarray, group: int, num_kv_heads: int, limit: int | No
     one kind): 16/8 x 256 heads 222 vs 165 us at 256 leaves and 840 vs 603 at 1,024, 9/3 x 64 45 vs 35, MHA 327 vs 286
     and 32/8 x 128 102 vs 96 at 256 (equal at 1,024); the classes whose leaves average 31-72 keys gained from
     packing in the same runs (deep, 1,020 leaves: 32/8 226 vs 259, 16/8 x 256 350 vs 448)."""
-    if limit is None and len(items) and float((items[:, 3] - items[:, 2]).mean()) > _PACK_MAX_MEAN_KEYS:
+    if limit is None and len(items) and float(_item_keys(items).mean()) > _PACK_MAX_MEAN_KEYS:
         return 1
     pack = 16 // max(int(items[:, 5].max(initial=1)) * group, 1)
     if limit is None and (len(items) * num_kv_heads >= _MANY_PROGRAMS or _longest(items) > _FUSED_LEAF_MAX_KEYS):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from treegen.lang import reduce, views
 from treegen.lang.chat import role_affixes
 from treegen.lang.ir import Gen, Reduce, RoleBegin, RoleEnd, Select, Text, as_ops

@@ -28,7 +28,6 @@ import itertools
 import weakref
 import zlib
 
-
 from treegen.runtime.tree_run import TreeRun
 from treegen.runtime.requests import Job
 
