@@ -246,7 +246,7 @@ def measure_dynamic(engine: Engine, kind: str, programs: int, width: int, warm_u
     assert made == total, (made, total)
     steps = tree_run.forward_passes
     return {"dynamic_s": elapsed, "dynamic_cold_s": cold, "dynamic_tok_s": total / elapsed, "tokens": total, "forward_passes": steps,
-            "mixed_steps": tree_run.mixed_steps,
+            "mixed_steps": tree_run.mixed_steps, "phase_joins": tree_run.phase_joins,
             # a mixed step's wall time (planned, launched uncaptured, its tokens drawn and read on the host)
             "mixed_step_ms": 1e3 * tree_run.mixed_seconds / max(1, tree_run.mixed_steps), "decode_phases": len(tree_run.decode_phases),
             # mixed steps in kept graphs, and those replaying an earlier one's (on by default; the mixed-uncaptured variant turns keeping off)
@@ -450,6 +450,7 @@ VARIANTS = {"default": contextlib.nullcontext, "arriving": contextlib.nullcontex
             "fifo": lambda: undone(Scheduler, "priority", lambda self, job: (self._submitted,)),
             "programs-after-phase": lambda: undone(Decoder, "overlap_programs", False),
             "mixed-uncaptured": lambda: environment("TREEGEN_KEEP_MIXED_GRAPHS", "0"),
+            "no-phase-joins": lambda: environment("TREEGEN_JOIN_PHASES", "0"),
             "gc-full-collections": lambda: undone(collector, "enabled", False)}
 
 

@@ -116,8 +116,8 @@ def main() -> None:
         options = dict(kv_budget_bytes=2**30, offload="host", slice_tokens=args.slice)
         phase = decode.Decoder.phase
 
-        def counted(self):  # (each run's pauses, read when its phases end)
-            yield from phase(self)
+        def counted(self, joining=()):  # (each run's pauses, read when its phases end)
+            yield from phase(self, joining)
             pauses.append(self.pauses)
 
         decode.Decoder.phase = counted

@@ -412,6 +412,23 @@ def test_constrained_branches_paused_between_slices_give_the_same_answers(smol, 
     assert all(met or reason == "length" for _, reason, met in got[4][0])
 
 
+@pytest.mark.parametrize("automata", [True, False], ids=["token-automata", "xgrammar-matchers"])
+def test_constrained_gens_joining_a_decode_phase_give_the_same_answers(smol, tiny_llama, automata, monkeypatch):
+    """Constrained gens forked right after a gen (their only row its last token, without KV) join a decode phase
+    at its first step, their matcher or automaton state made there: the same tokens as from a mixed step."""
+    got = {}
+    for join in (True, False):
+        monkeypatch.setenv("TREEGEN_JOIN_PHASES", "1" if join else "0")
+        run = treegen.Engine(tiny_llama[1], smol.tokenizer, token_automata=automata).start()
+        first = run.tree.add_node(run.tree.add_node(None, smol.tokenizer.encode(QUESTION + "A: ")))
+        run.execute([GenRequest(first, SamplingParams(max_tokens=3, temperature=1.0), key=99)], [])
+        kinds = [Constraint.of(regex=REGEX), Constraint.of(json_schema=SCHEMA), None]
+        results, _ = run.execute([GenRequest(run.tree.add_node(first), SamplingParams(
+            max_tokens=24, temperature=1.0 if i % 2 else 0.0, constraint=kinds[i % 3]), key=i) for i in range(9)], [])
+        got[join] = [(r.tokens, r.finish_reason, r.constraint_met) for r in results], run.phase_joins
+    assert got[True][0] == got[False][0] and got[True][1] == 9 and got[False][1] == 0
+
+
 def test_forced_prefix_is_what_every_text_starts_with_less_its_last_token(smol):
     """Jump-forward's tokens: the string xgrammar says a constraint forces from the start, tokenized as the
     tokenizer writes it, its last token left to the model (the space before a number joins it)."""

@@ -78,10 +78,48 @@ def test_programs_advance_without_waiting_for_the_others(engine):
     roots = grows.run_batch(engine, [slow, fast], on_result=lambda i, root: order.append(i))
     assert order == [1, 0]
     tree_run = roots[0]._run.tree_run
-    assert tree_run.mixed_steps >= 3  # the fast program's rounds were prefilled beside the slow decode
+    # the fast program's rounds ran beside the slow decode: their first prompt prefilled in a mixed step, each
+    # later round (a fork after one appended token) joining a decode phase at its first step
+    assert tree_run.mixed_steps >= 1 and tree_run.mixed_steps + tree_run.phase_joins >= 3
     assert tree_run.forward_passes <= 1 + 40 + 2  # the slow branch's steps, not slow + fast one after another
     assert roots[0].ret_value == grows.run(engine, **slow).ret_value
     assert roots[1].ret_value == grows.run(engine, **fast).ret_value
+
+
+@treegen.program
+def expands(s, question, widths, temperature=0.0):
+    """A gen, then forks from its node: the first fork's only row is the gen's last token (no KV yet), later
+    ones' the same token (its KV written by then)."""
+    s += PREFIX + question
+    s += treegen.gen("t", max_tokens=3, temperature=temperature, ignore_eos=True)
+    for width in widths:
+        b = s.fork(width)
+        b += lambda i: treegen.gen("a", max_tokens=2 + 3 * i, temperature=temperature, ignore_eos=True)
+        s.join(b)
+        s["a"]
+    return s["t"], s["a"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gens_forked_after_a_gen_join_a_decode_phase_with_the_same_tokens(engine, monkeypatch, temperature):
+    """Forks whose only row is their conditioning token join a decode phase at its first step (one row writes
+    the token's KV where it is missing, the others their own spare slot) instead of running a mixed step:
+    the same tokens as with mixed steps, and as each program alone; fewer mixed steps."""
+    rng = random.Random(4)
+    batch = [{"question": ids(rng, rng.randint(1, 4)), "widths": [rng.randint(1, 3) for _ in range(rng.randint(1, 3))],
+              "temperature": temperature} for _ in range(24)]
+    got = {}
+    for join in (True, False):
+        monkeypatch.setenv("TREEGEN_JOIN_PHASES", "1" if join else "0")
+        roots = expands.run_batch(engine, batch, seed=3)
+        run = roots[0]._run.tree_run
+        logprobs = [st.info["a"]["logprob"] for st in roots[0]._run.states if "logprob" in st.info.get("a", {})]
+        got[join] = [r.ret_value for r in roots], logprobs, run.mixed_steps, run.phase_joins
+    (joined, joined_lp, joined_mixed, joins), (mixed, mixed_lp, mixed_steps, no_joins) = got[True], got[False]
+    assert joined == mixed and joined_lp == pytest.approx(mixed_lp, abs=1e-5)
+    assert joins >= 24 and no_joins == 0 and joined_mixed < mixed_steps
+    for k in (0, 11):
+        assert expands.run(engine, **batch[k], seed=3).ret_value == joined[k]
 
 
 def test_static_program_keeps_one_prefill_and_one_step_per_token(engine):

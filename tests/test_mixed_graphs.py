@@ -25,8 +25,10 @@ def model():
     return LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu", std=1.0)  # (a wrong key changes tokens)
 
 
-def _batch(model, monkeypatch, keep: bool):
+def _batch(model, monkeypatch, keep: bool, joins: bool = False):
+    """``joins``: forks after a gen join decode phases (TreeRun.joins_phase) rather than run mixed steps."""
     engine = Engine(model, IdTokenizer())
+    monkeypatch.setenv("TREEGEN_JOIN_PHASES", "1" if joins else "0")
     engine.attention_backend = "triton"
     init = Decoder.__init__
 
@@ -61,6 +63,18 @@ def test_mixed_steps_in_kept_buffers_give_the_same_tokens(model, plain, monkeypa
     assert plain_run.mixed_kept == 0
     assert run.mixed_kept == run.mixed_steps > 3 and run.mixed_reused >= 1, (run.mixed_kept, run.mixed_reused)
     assert any(isinstance(key, MixedKey) for key, _ in run.decoder.kept.kept.values())
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["own-tensors", "kept-buffers"])
+def test_gens_joining_decode_phases_give_the_tokens_of_mixed_steps(model, plain, monkeypatch, keep):
+    """Rounds whose fork follows one appended token join a decode phase at its first step — its slots moved
+    from the conditioning token's (or a spare one) to the gen's node after it, in kept buffers too — with the
+    tokens and log-probabilities of mixed steps."""
+    joined, joined_logprobs, run = _batch(model, monkeypatch, keep=keep, joins=True)
+    plain, plain_logprobs, plain_run = plain
+    assert joined == plain and joined_logprobs == pytest.approx(plain_logprobs, abs=1e-4)
+    assert run.phase_joins > 3 and run.mixed_steps < plain_run.mixed_steps
+    assert (run.decoder.kept is not None and run.decoder.kept.hits >= 1) == keep
 
 
 def test_padding_rows_writing_over_a_written_slot_would_be_seen(model, plain, monkeypatch):

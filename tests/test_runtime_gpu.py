@@ -151,12 +151,14 @@ def _rounds_program(prefix: str, ignore_eos: bool):
 
 
 @pytest.mark.parametrize("ends_on_device", [False, True])
-def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_device):
+def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_device, monkeypatch):
     """Programs that grow as they run, on the GPU with CUDA graphs: new work is prefilled in the same
     forward passes as the live branches' decode rows, phases are replanned as work joins and leaves,
     and every program's greedy tokens equal those of the program run alone (fp32: IEEE kernels, so
     batch composition cannot flip a greedy choice). ``ends_on_device``: EOS may end a branch, so phases
-    watch the device's count of rows still generating and end early, with programs resuming between."""
+    watch the device's count of rows still generating and end early, with programs resuming between.
+    A round's fork after one appended token joins a decode phase at its first step (captured, or in kept
+    graphs): the same tokens as with mixed steps for those rounds too."""
     engine, rng, ids = _small_fp32_engine(seed=0)
     grows = _rounds_program(ids(300), ignore_eos=not ends_on_device)
 
@@ -165,11 +167,15 @@ def test_continuous_batch_with_mixed_steps_equals_each_program_alone(ends_on_dev
               for _ in range(24 + 40 * ends_on_device)]
     roots = grows.run_batch(engine, inputs)
     run = roots[0]._run.tree_run
-    assert run.mixed_steps > 3 and len(run.decode_phases) > 3
+    assert run.mixed_steps >= 1 and run.phase_joins > 3 and len(run.decode_phases) > 3
     if ends_on_device:
         assert run.decoder.early_ends >= 1, run.decoder.early_ends
     for x, root in zip(inputs, roots):
         assert root.ret_value == grows.run(engine, **x).ret_value
+    monkeypatch.setenv("TREEGEN_JOIN_PHASES", "0")
+    mixed = grows.run_batch(engine, inputs)
+    assert mixed[0]._run.tree_run.mixed_steps > 3 and mixed[0]._run.tree_run.phase_joins == 0
+    assert [r.ret_value for r in mixed] == [r.ret_value for r in roots]
 
 
 def test_mixed_steps_replayed_from_kept_graphs_give_each_program_alone(monkeypatch):

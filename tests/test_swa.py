@@ -415,9 +415,9 @@ def test_sparse_window_branches_never_outgrow_their_reservation_while_work_strea
                 worst.append(seg.computed - swa.kept_count(params.kv_keep, seg.tokens))
                 assert seg.computed <= seg.capacity
 
-    def phased(self):
+    def phased(self, joining=()):
         events.append("phase")
-        return phase(self)
+        return phase(self, joining)
 
     monkeypatch.setattr(TreeRun, "_run_step", mixed)
     monkeypatch.setattr(Decoder, "phase", phased)

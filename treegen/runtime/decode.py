@@ -2,7 +2,8 @@
 
 The :class:`Decoder` keeps one entry per generating branch (its job, the tokens drawn so far) for the
 whole run; branches join when the step that computed their prompt drew their first token
-(:meth:`Decoder.draw`) and leave when they finish.
+(:meth:`Decoder.draw`) — or, when their conditioning token is the only one to run, at a decode phase's
+first step (:meth:`Decoder.phase`'s ``joining``) — and leave when they finish.
 
 Between steps that prefill new work, live branches decode in *phases*. A phase is a fixed set of
 live branches, planned once: every branch's leaf segment is planned as long as it can grow in the
@@ -45,7 +46,7 @@ from treegen.runtime.cuda_graph import capture, capture_cold
 from treegen.runtime.phase_graphs import PhaseBuffers, PhaseGraphs
 from treegen.runtime.phase_io import RowSampling, TokenBlock
 from treegen.runtime.requests import Job
-from treegen.runtime.scheduler import REPLAN_FRACTION, expected_left
+from treegen.runtime.scheduler import REPLAN_FRACTION, conditioning_row, expected_left
 from treegen.runtime.token_accept import TokenAcceptance
 from treegen.runtime.token_automata import FREE
 from treegen.runtime.token_masks import TokenMasks, open_dead_ends, stop_bits
@@ -142,35 +143,7 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         ``new_jobs`` (gens), in that order: ``logits [live + new, vocab]``. Draws the next token of
         every live branch and the first of every new one, on the host at once. (A paused branch's job comes
         back as a new job whose conditioning row is its last token: it draws its next one and decodes on.)"""
-        joining = []
-        for job in new_jobs:
-            if job in self.paused:
-                joining.append(self.paused.pop(job))
-                continue
-            b, forced = len(self.jobs), list(job.request.forced)
-            joining.append(b)
-            self.jobs.append(job)
-            self.out.append(forced)  # (jump-forward: the tokens its constraint forced, on its node already)
-            self.logprobs.append([0.0] * len(forced))
-            self.tokens_done += len(forced)
-            constraint = job.request.params.constraint
-            automaton = self.run.engine.automaton(constraint)
-            # only EOS and max_tokens can end it (no stop string; a constraint's matcher takes the tokens before
-            # they are settled, a token automaton's state is walked there): settled on the fast path
-            params = job.request.params
-            self.plain.append(not params.stop)
-            self.quick.append(not params.stop and job.on_tokens is None)
-            self.limit.append(params.max_tokens)
-            self.eos_ends.append(not params.ignore_eos)
-            self.in_tree.append(len(forced))
-            if automaton is not None:
-                self.state[b] = self.run.engine.automata.walk(automaton.initial, forced) if forced else automaton.initial
-            elif constraint is not None:
-                if self.masks is None:
-                    self.masks = TokenMasks(self.run.engine.grammars)
-                self.masks.add(b, constraint)
-                for t in forced:
-                    self.masks.accept([b], [t])
+        joining = [self._join(job) for job in new_jobs]
         rows = self.live + joining
         if not rows:
             return
@@ -197,6 +170,36 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         self.live = [b for b in rows if not self.jobs[b].done]
         self._pause_full()  # (a step that prefilled other work drew a token for every live branch too)
         self._report()
+
+    def _join(self, job: Job) -> int:
+        """The branch of gen ``job``, which joins the live ones: a paused gen's own (its tokens and states kept),
+        else a new branch (its forced tokens, if any, drawn already; its matcher or automaton state made)."""
+        if job in self.paused:
+            return self.paused.pop(job)
+        b, forced = len(self.jobs), list(job.request.forced)
+        self.jobs.append(job)
+        self.out.append(forced)  # (jump-forward: the tokens its constraint forced, on its node already)
+        self.logprobs.append([0.0] * len(forced))
+        self.tokens_done += len(forced)
+        constraint = job.request.params.constraint
+        automaton = self.run.engine.automaton(constraint)
+        # only EOS and max_tokens can end it (no stop string; a constraint's matcher takes the tokens before
+        # they are settled, a token automaton's state is walked there): settled on the fast path
+        params = job.request.params
+        self.plain.append(not params.stop)
+        self.quick.append(not params.stop and job.on_tokens is None)
+        self.limit.append(params.max_tokens)
+        self.eos_ends.append(not params.ignore_eos)
+        self.in_tree.append(len(forced))
+        if automaton is not None:
+            self.state[b] = self.run.engine.automata.walk(automaton.initial, forced) if forced else automaton.initial
+        elif constraint is not None:
+            if self.masks is None:
+                self.masks = TokenMasks(self.run.engine.grammars)
+            self.masks.add(b, constraint)
+            for t in forced:
+                self.masks.accept([b], [t])
+        return b
 
     def _pause_full(self) -> None:
         """Pause every live branch whose node's range holds no slot past its pending token (a sliced gen at
@@ -233,13 +236,22 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         return torch.tensor(states, dtype=torch.int64, device=device) if any(states) else None
 
     # ---------------------------------------------------------------------------------------------
-    def phase(self):
+    def phase(self, joining: list[Job] = ()):
         """Decode the live branches until the scheduler ends the phase; a generator that yields
-        whenever branches finished (their jobs are complete), see the module docstring."""
+        whenever branches finished (their jobs are complete), see the module docstring.
+
+        ``joining``: gens that join the live branches at the phase's first step — admitted gens whose only
+        row without KV is their conditioning token (:meth:`~treegen.runtime.tree_run.TreeRun.joins_phase`):
+        it is their row's first token (its KV written by one of the rows that share it, the others writing
+        to their own spare slot), whose logits give their first token; from the second step on they decode
+        like every live branch. (Otherwise a step of its own would run first: a mixed step, uncaptured or
+        in kept buffers, its tokens read on the host before the phase is planned.)"""
         run, tree, kv, model = self.run, self.tree, self.kv, self.model
         device = model.device
         started = time.perf_counter()
         kv.wait_restores()  # (a captured step cannot wait on copies made outside it)
+        staying = len(self.live)  # rows from here on join at the first step
+        self.live += [self._join(job) for job in joining]
         live = list(self.live)
         run.decode_phases.append(len(live))
         jobs = [self.jobs[b] for b in live]
@@ -259,10 +271,19 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
                     room[j] = self._room(job)
         sliced = [r < left for r, left in zip(room, remaining)]
         remaining = [min(left, r) for left, r in zip(remaining, room)]
-        rows = self.decode_rows()  # (node, index of its last token): the token each row runs next
+        # (node, index) of the token each row runs first: a live branch's last (sampled, no KV yet), a joining
+        # gen's conditioning token (its node's last, or an ancestor's when it generates into an empty node)
+        rows = [(n, len(tree.tokens(n)) - 1) for n in nodes[:staying]] + \
+            [conditioning_row(tree, n) for n in nodes[staying:]]
+        # of those an ancestor's token without KV: the first row to run it writes its KV, the others do not
+        unwritten = {r for r, n in zip(rows[staying:], nodes[staying:]) if r[0] != n and kv.computed(r[0]) <= r[1]}
+        writes = []
+        for r, n in zip(rows, nodes):
+            writes.append(r[0] == n or r in unwritten)
+            unwritten.discard(r)
         # tokens each node holds before its generated ones: what a program appends after a finished
         # gen (while the phase still runs) has no KV yet, so it must not be counted as computed
-        prompt_len = [i + 1 - m for (_, i), m in zip(rows, made)]
+        prompt_len = [len(tree.tokens(n)) - m for n, m in zip(nodes, made)]
         keep = [j.request.params.kv_keep for j in jobs]
         swa_rows = [j for j, r in enumerate(keep) if r is not None]
         width = max(remaining)
@@ -274,10 +295,18 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         # what sparse window attention's compaction needs of the phase's first step (nothing without it)
         positions = [tree.position(n) + i for n, i in rows] if swa_rows else []
         out_before = made if swa_rows else []
-        input_ids, slots, plan = run.plan_rows(rows, grow=dict(zip(nodes, grow)))
-        # a branch done while the phase runs on keeps writing into its reservation's last slot, which
-        # holds no KV (its last token's is never written): never into its written KV, never past it
-        slot_limit = slots + torch.tensor(grow, device=device)
+        input_ids, slots, plan = run.plan_rows(rows, grow=dict(zip(nodes, grow)),
+                                               query_nodes=nodes if staying < len(live) else None)
+        # each row's KV slot from its second step on (its node's next token's, one past the first step's but for
+        # a joining gen's), and its reservation's last: a branch done while the phase runs on keeps writing there
+        # (its last token's KV is never written, so it holds none): never into its written KV, never past it
+        segments = kv.segments
+        second = [segments[n].start - segments[n].dropped + len(tree.tokens(n)) for n in nodes]
+        slot_limit = torch.tensor([s + g - 1 for s, g in zip(second, grow)], device=device)
+        if not all(writes):  # a joining gen whose conditioning token another row writes writes its own last slot
+            spare = torch.tensor([j for j, w in enumerate(writes) if not w], device=device)
+            slots[spare] = slot_limit[spare]
+        jump = torch.tensor(second, device=device) - slots  # the slot's step after the first step (then 1)
         params = RowSampling(jobs, device, model.vocab_split)
         steps = torch.tensor(made, dtype=torch.int64, device=device)
         # the SWA rows whose queries a recorder keeps for the compaction (none: attention "none" has none)
@@ -288,10 +317,10 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         kept = self._kept(plan, params, len(live), width, constrained, remaining, tables, len(recorded))
         recorder = None
         if kept is not None:  # the phase runs in kept buffers (padded), replaying their graphs if captured
-            kept.load(input_ids=input_ids, slots=slots, slot_limit=slot_limit, steps=steps, plan=plan, params=params,
-                      states=states, recorded=recorded)
-            input_ids, slots, slot_limit, steps, plan, params, states = (
-                kept.input_ids, kept.slots, kept.slot_limit, kept.steps, kept.plan, kept.params, kept.states)
+            kept.load(input_ids=input_ids, slots=slots, slot_limit=slot_limit, jump=jump, steps=steps, plan=plan,
+                      params=params, states=states, recorded=recorded)
+            input_ids, slots, slot_limit, jump, steps, plan, params, states = (
+                kept.input_ids, kept.slots, kept.slot_limit, kept.jump, kept.steps, kept.plan, kept.params, kept.states)
             idx, buf, lp_buf, column, bitmask = kept.idx, kept.buf, kept.lp_buf, kept.column, kept.bitmask
             done, alive = kept.done, kept.alive
             logits_of, graphs, recorder = kept.logits, kept.graphs, kept.recorder
@@ -326,7 +355,8 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
             lp_buf.scatter_(1, column, lp.unsqueeze(1))
             input_ids.copy_(nxt)
             plan.query_pos.add_(1)
-            torch.minimum(slots + 1, slot_limit, out=slots)
+            torch.minimum(slots + jump, slot_limit, out=slots)
+            jump.fill_(1)
             steps.add_(1)
             done.logical_or_(steps >= params.max_tokens).logical_or_(torch.isin(nxt, self.eos_ids) & params.eos_ends)
             alive.copy_(done.logical_not().sum().view(1))

@@ -105,6 +105,7 @@ class PhaseBuffers:
     input_ids: torch.Tensor  # [R] int64: each row's token fed to the next step
     slots: torch.Tensor  # [R] int64: each row's next KV slot
     slot_limit: torch.Tensor  # [R] int64: its last reserved slot
+    jump: torch.Tensor  # [R] int64: what its slot moves by after the step (a joining gen's first: to its node; then 1)
     steps: torch.Tensor  # [R] int64: tokens each row has drawn (the sampler's counter)
     column: torch.Tensor  # [R, 1] int64: the step's column of buf
     idx: torch.Tensor  # [R] int64: 0 .. R - 1
@@ -135,7 +136,7 @@ class PhaseBuffers:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
 
         cols = width_bucket(width)
-        return cls(input_ids=ints(size), slots=ints(size), slot_limit=ints(size), steps=ints(size),
+        return cls(input_ids=ints(size), slots=ints(size), slot_limit=ints(size), jump=ints(size), steps=ints(size),
                    column=ints(size, 1), idx=torch.arange(size, device=device), buf=ints(size, cols),
                    lp_buf=torch.zeros(size, cols, dtype=torch.float32, device=device),
                    plan=plan.padded(size, capacity), params=params.padded(size), capacity=capacity,
@@ -152,11 +153,11 @@ class PhaseBuffers:
         """A phase of this key with ``plan`` and ``width`` steps can run in these buffers."""
         return width <= self.buf.shape[1] and _fits(self.capacity, plan.sizes())
 
-    def load(self, *, input_ids, slots, slot_limit, steps, plan, params, states=None, recorded=None) -> None:
+    def load(self, *, input_ids, slots, slot_limit, jump, steps, plan, params, states=None, recorded=None) -> None:
         """Copy one phase's values in (its rows first; see the module doc for the padding rows, whose
         automaton state is free); ``recorded``: the rows whose queries the recorder keeps."""
         n = input_ids.numel()
-        for mine, theirs, rest in ((self.input_ids, input_ids, 0), (self.steps, steps, 0),
+        for mine, theirs, rest in ((self.input_ids, input_ids, 0), (self.steps, steps, 0), (self.jump, jump, 1),
                                    (self.slots, slots, slot_limit[:1]), (self.slot_limit, slot_limit, slot_limit[:1])):
             mine[:n].copy_(theirs)
             if n < self.rows:

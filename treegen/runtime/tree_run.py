@@ -12,6 +12,9 @@ KV memory, which new tokens to prefill) and run here:
   child's tokens attend to their ancestors' KV through the tree-attention decomposition); new gens
   draw their first token from it, ``select`` choices are scored from it (length-normalised
   log-probability);
+* a step whose only rows are its new gens' conditioning tokens (a program forking right after a gen,
+  as a search expanding its thoughts does) runs no step of its own: the gens join the next decode
+  phase at its first step (:meth:`TreeRun.joins_phase`);
 * otherwise the live branches decode in phases planned once and captured as CUDA graphs
   (:mod:`~treegen.runtime.decode`); finished branches leave, new work joins when the scheduler ends
   the phase.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -44,7 +48,7 @@ from treegen.runtime.device_memory import activation_margin, device_free
 from treegen.runtime.kv_store import KVStore
 from treegen.runtime.mixed_step import MixedSteps
 from treegen.runtime.requests import GenRequest, GenResult, Job, ScoreRequest
-from treegen.runtime.scheduler import KVBudget, Scheduler
+from treegen.runtime.scheduler import KVBudget, Scheduler, conditioning_row
 from treegen.runtime.token_automata import FREE
 from treegen.tree.sharing_tree import SharingTree
 
@@ -110,6 +114,12 @@ class PassPlan:
             mine.load(theirs)
 
 
+def join_enabled() -> bool:
+    """Gens whose only row is their conditioning token join a decode phase at its first step
+    (:meth:`TreeRun.joins_phase`) unless ``TREEGEN_JOIN_PHASES=0``."""
+    return os.environ.get("TREEGEN_JOIN_PHASES", "1") != "0"
+
+
 # garbage beyond the engine's weights and this run's pool that makes kv_budget collect once (see there)
 _FINISHED_RUN_BYTES = 2**30
 
@@ -143,6 +153,7 @@ class TreeRun(MixedSteps):
         # CUDA the others were captured as graphs, these replayed one)
         self.mixed_kept = self.mixed_reused = 0
         self.prefill_rows = 0  # token rows those passes ran besides decode rows (new tokens, conditioning tokens)
+        self.phase_joins = 0  # gens that joined a decode phase at its first step, with no mixed step (see joins_phase)
         # scheduling calls (between decode phases only: host_seconds["schedule"] is spent in these, not spread
         # over every step)
         self.schedule_calls = 0
@@ -252,7 +263,12 @@ class TreeRun(MixedSteps):
                     self.decoder.cancel(job)
                 self.complete(job, None)
             self._mixed_in_row = self._mixed_in_row + 1 if step.runs_model else 0
-            if step.runs_model:
+            if step.runs_model and self.joins_phase(step):
+                # its gens join the live branches at the next phase's first step: no step of their own
+                self._mixed_in_row = 0
+                self.phase_joins += len(step.ready)
+                self._phase = self.decoder.phase(step.ready)
+            elif step.runs_model:
                 t0 = time.perf_counter()
                 self._run_step(step)
                 self.mixed_seconds += time.perf_counter() - t0
@@ -264,6 +280,24 @@ class TreeRun(MixedSteps):
                 break
         done, self._completed = self._completed, []
         return done
+
+    def joins_phase(self, step) -> bool:
+        """Whether ``step``'s work joins the next decode phase at its first step rather than run as a mixed step
+        (:meth:`Decoder.phase <treegen.runtime.decode.Decoder.phase>`'s ``joining``): gens only, none with
+        sparse window attention, whose rows are only their conditioning tokens — nothing to prefill, as when a
+        program forks right after a gen (a search expanding its thoughts). Such a mixed step is nearly a
+        decode step, yet ran uncaptured or in a mixed graph of its own shape and drained the GPU while its
+        tokens were read (measured: 21 ms against a 9.5 ms decode step, tree-of-thought at 256 branches,
+        TinyLlama shape on an H200). Off with ``TREEGEN_JOIN_PHASES=0`` (for measuring what it saves)."""
+        if not step.ready or not join_enabled():
+            return False
+        tree = self.tree
+        conditioning = set()
+        for job in step.ready:
+            if not job.is_gen or job.request.params.kv_keep is not None:
+                return False
+            conditioning.add(conditioning_row(tree, job.request.node))
+        return all(r in conditioning for r in step.rows)
 
     @property
     def offload_stats(self) -> dict:
@@ -332,12 +366,16 @@ class TreeRun(MixedSteps):
             self.kv.free(n)
         self.tree.prune(node)
 
-    def plan_rows(self, rows: list[tuple[int, int]], grow: dict[int, int] | None = None):
+    def plan_rows(self, rows: list[tuple[int, int]], grow: dict[int, int] | None = None,
+                  query_nodes: list[int] | None = None):
         """Inputs and attention plan for running the (node, index) token ``rows`` through the model.
 
         Every node on a row's path must already have its KV or have all its missing rows here.
         ``grow``: node → extra keys it may gain during a decode phase; its segment is planned that
         long (keys not yet written sit at positions after every query, so attention masks them).
+        ``query_nodes``: the node whose segment each row's query sits in (None: the row's own). A gen that
+        joins a decode phase runs its conditioning token — the last of an ancestor, at the position just
+        before its own empty node — as a query of that node, whose segment grows as it decodes.
         Returns ``(input_ids [T], slots [T], plan)``: a :class:`PassPlan` (one plan per window size
         among the layers); ``plan.query_pos`` holds the positions [T].
 
@@ -365,7 +403,8 @@ class TreeRun(MixedSteps):
             if i < compacted.get(n, 0):
                 raise RuntimeError(f"token {i} of node {n} is among the {compacted[n]} whose KV sparse window "
                                    "attention dropped; it cannot be run again")
-        pos = tree.positions(new_len)  # every node on the rows' paths, and where it starts
+        # every node on the rows' (and queries') paths, and where it starts
+        pos = tree.positions(new_len if query_nodes is None else [*new_len, *query_nodes])
         segments = sorted(pos)
         offloaded, tokens = kv.offloaded, tree.tokens
         # each segment's (KV length, dropped tokens): the rows' nodes as above, reserved for what they may
@@ -401,7 +440,7 @@ class TreeRun(MixedSteps):
             segment_start=[held[s].start for s in segments],
             segment_len=[length_of[s] + grow.get(s, 0) for s in segments],
             segment_pos=[pos[s] + drop[s] for s in segments],
-            query_segment=[index[n] for n, _ in rows],
+            query_segment=[index[n] for n, _ in rows] if query_nodes is None else [index[n] for n in query_nodes],
             query_pos=query_pos,
             query_pos_buffer=query_pos_buffer,  # (one tensor: a decode phase advances it in place)
             device=device,
