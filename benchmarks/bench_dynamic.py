@@ -446,6 +446,7 @@ def replan_fraction(value: float):
 
 
 VARIANTS = {"default": contextlib.nullcontext, "arriving": contextlib.nullcontext,
+            "replan-0.25": lambda: replan_fraction(0.25),
             "replan-0.75": lambda: replan_fraction(0.75), "replan-0.9": lambda: replan_fraction(0.9),
             "fifo": lambda: undone(Scheduler, "priority", lambda self, job: (self._submitted,)),
             "programs-after-phase": lambda: undone(Decoder, "overlap_programs", False),
