@@ -122,6 +122,43 @@ def test_gens_forked_after_a_gen_join_a_decode_phase_with_the_same_tokens(engine
         assert expands.run(engine, **batch[k], seed=3).ret_value == joined[k]
 
 
+def test_a_gen_cancelled_at_the_step_that_admits_it_joins_no_phase(model, monkeypatch):
+    """A program whose fork holds a gen larger than the whole KV budget fails at the step that refuses it, which
+    also admitted the fork's other gen (cancelled by the failure, in the same step): that gen joins no decode
+    phase, no branch writes outside its node's range, and the other program ends as it does alone."""
+    from treegen.runtime.decode import Decoder
+
+    monkeypatch.setenv("TREEGEN_JOIN_PHASES", "1")
+
+    @treegen.program
+    def nested(s, q, big, small):
+        s += PREFIX + q
+        s += treegen.gen("t", max_tokens=3, ignore_eos=True)
+        b = s.fork(1)
+        c = b.fork(2)
+        c += lambda i: treegen.gen("a", max_tokens=big if i else small, ignore_eos=True)
+        b.join(c)
+        s.join(b)
+        return s["a"]
+
+    cancelled, phase = [], Decoder.phase
+
+    def watched(self, joining=()):
+        done = [job for job in joining if job.done]  # (the phase starts when the loop next runs: after callbacks)
+        cancelled.extend(done)
+        yield from phase(self, joining)
+        assert not any(job in self.jobs for job in done)  # no branch, no rows, no KV writes
+
+    monkeypatch.setattr(Decoder, "phase", watched)
+    per = Engine(model, IdTokenizer()).kv_shape.bytes_per_token
+    for small, other in ((2, 3), (4, 6), (2, 12)):
+        engine = Engine(model, IdTokenizer(), kv_budget_bytes=300 * per)
+        with pytest.raises(ProgramError, match="program 0 failed: MemoryError") as e:
+            nested.run_batch(engine, [dict(q=" 5 6", big=1000, small=small), dict(q=" 7 8", big=other, small=other)])
+        alone = nested.run(Engine(model, IdTokenizer()), q=" 7 8", big=other, small=other)
+        assert e.value.results[1].ret_value == alone.ret_value
+
+
 def test_static_program_keeps_one_prefill_and_one_step_per_token(engine):
     @treegen.program
     def static(s, n):

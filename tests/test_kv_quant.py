@@ -300,12 +300,12 @@ def test_decode_phase_dequantizes_its_library_segment_once(model64, tokenizer, m
     made = []
     copies = TreeRun.library_copies
 
-    def spy(self, plan):
-        made.append(copies(self, plan))
+    def spy(self, plan, written=()):
+        made.append(copies(self, plan, written))
         return made[-1]
 
     def run(with_copies: bool):
-        monkeypatch.setattr(TreeRun, "library_copies", spy if with_copies else lambda self, plan: {})
+        monkeypatch.setattr(TreeRun, "library_copies", spy if with_copies else lambda self, plan, written=(): {})
         engine = Engine(model64, tokenizer, kv_dtype="int8")
         engine.attention_backend = "triton"
         tree_run = engine.start()
@@ -447,3 +447,59 @@ def test_fused_rope_quantizes_into_an_int8_cache_on_the_cpu(heads, kv):
         assert (stored[slots].int() - want_q.int()).abs().max() <= 1  # a tie may round the other way
         assert (stored[slots] != want_q).float().mean() < 0.01
         assert not stored[untouched].any() and not scale[untouched].any()
+
+
+def test_gens_joining_a_phase_see_the_key_they_write_into_a_library_segment(monkeypatch):
+    """Forks right after a gen join a decode phase, one row writing the gen's last token's KV into the node they
+    share — a library segment (the kernel's PyTorch reference on the CPU, its thresholds scaled to this tree) whose
+    8-bit KV a phase dequantizes once: a layer whose library range takes a write at the first step reads the cache
+    rather than a copy made before it (which would hold the slot's old bytes): the tokens of mixed steps."""
+    import random as _random
+
+    from transformers import LlamaConfig
+
+    from treegen.kernels import tree_attention as tree_attention_module, triton_plan
+    from treegen.runtime.loader import IdTokenizer
+    from treegen.runtime.model import LlamaFamilyModel
+    from treegen.runtime.tree_run import TreeRun
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
+    model = LlamaFamilyModel.random(cfg, dtype=torch.float32, device="cpu", std=1.0)
+    monkeypatch.setattr(tree_attention_module, "library_available", lambda device, dtype: True)
+    monkeypatch.setattr(triton_plan, "_LIBRARY_MIN_ROWS", 4)
+    monkeypatch.setattr(triton_plan, "_LIBRARY_MIN_KEYS", 16)
+    copies, library_copies = [], TreeRun.library_copies
+
+    def counted(self, plan, written=()):
+        made = library_copies(self, plan, written)
+        copies.append((len(made), len(written)))
+        return made
+
+    monkeypatch.setattr(TreeRun, "library_copies", counted)
+    prefix = " " + " ".join(str(_random.Random(7).randrange(1, 300)) for _ in range(40))
+
+    @treegen.program
+    def expands(s, width):
+        s += prefix
+        s += treegen.gen("t", max_tokens=3, ignore_eos=True)
+        b = s.fork(width)
+        b += lambda i: treegen.gen("a", max_tokens=4 + i % 3, temperature=1.0, ignore_eos=True)
+        s.join(b)
+        return s["a"]
+
+    got = {}
+    for join in (True, False):
+        monkeypatch.setenv("TREEGEN_JOIN_PHASES", "1" if join else "0")
+        engine = Engine(model, IdTokenizer(), kv_dtype="int8")
+        engine.attention_backend = "triton"
+        copies.clear()
+        root = expands.run(engine, width=8, seed=3)
+        logprobs = [st.info["a"]["logprob"] for st in root._run.states if "logprob" in st.info.get("a", {})]
+        got[join] = root.ret_value, logprobs, root._run.tree_run.phase_joins, list(copies)
+    assert got[True][0] == got[False][0] and got[True][1] == pytest.approx(got[False][1], abs=1e-5)
+    assert got[True][2] == 8 and got[False][2] == 0
+    joined, mixed = got[True][3], got[False][3]  # per phase: (layers copied, slots the first step writes into ancestors)
+    assert any(w for _, w in joined) and all(c == 0 for c, w in joined if w)  # (the joined phase read the cache)
+    assert max(c for c, _ in mixed) == 2  # (phases that write no ancestor copy every layer's library)

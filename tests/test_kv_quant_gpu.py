@@ -149,13 +149,13 @@ def test_phase_copy_of_the_library_segment_gives_the_per_call_tokens(name, monke
     prompt = torch.randint(0, 128256, (1100,), generator=torch.Generator().manual_seed(2)).tolist()
     copies, made = TreeRun.library_copies, []
 
-    def spy(self, plan):
-        made.append(copies(self, plan))
+    def spy(self, plan, written=()):
+        made.append(copies(self, plan, written))
         return made[-1]
 
     outputs = {}
     for with_copies in (True, False):
-        monkeypatch.setattr(TreeRun, "library_copies", spy if with_copies else lambda self, plan: {})
+        monkeypatch.setattr(TreeRun, "library_copies", spy if with_copies else lambda self, plan, written=(): {})
         run = Engine(model, IdTokenizer(), kv_dtype=name).start()
         root = run.tree.add_node(None, prompt)
         gens = [GenRequest(run.tree.add_node(root), SamplingParams(max_tokens=12, temperature=0.8 if i % 2 else 0.0,

@@ -251,7 +251,8 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         started = time.perf_counter()
         kv.wait_restores()  # (a captured step cannot wait on copies made outside it)
         staying = len(self.live)  # rows from here on join at the first step
-        self.live += [self._join(job) for job in joining]
+        # (a job cancelled since it was admitted — its program failed at a callback of that step — joins nothing)
+        self.live += [self._join(job) for job in joining if not job.done]
         live = list(self.live)
         run.decode_phases.append(len(live))
         jobs = [self.jobs[b] for b in live]
@@ -302,7 +303,11 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         # (its last token's KV is never written, so it holds none): never into its written KV, never past it
         segments = kv.segments
         second = [segments[n].start - segments[n].dropped + len(tree.tokens(n)) for n in nodes]
-        slot_limit = torch.tensor([s + g - 1 for s, g in zip(second, grow)], device=device)
+        slot_limit = torch.tensor([min(s + g - 1, segments[n].start + segments[n].capacity - 1)
+                                   for s, g, n in zip(second, grow, nodes)], device=device)
+        # the first step's KV writes into ancestors (a joining gen's conditioning token's)
+        written = [segments[r[0]].start + r[1] - segments[r[0]].dropped
+                   for r, n, w in zip(rows, nodes, writes) if w and r[0] != n]
         if not all(writes):  # a joining gen whose conditioning token another row writes writes its own last slot
             spare = torch.tensor([j for j, w in enumerate(writes) if not w], device=device)
             slots[spare] = slot_limit[spare]
@@ -336,7 +341,7 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
             done = torch.zeros(len(live), dtype=torch.bool, device=device)  # rows that drew EOS or max_tokens
             alive = torch.zeros(1, dtype=torch.int64, device=device)  # rows not done
             logits_of, graphs = {}, {}
-        attend = run.attend_fn(plan, slots, recorder, run.library_copies(plan))
+        attend = run.attend_fn(plan, slots, recorder, run.library_copies(plan, written))
         stops = None if bitmask is None and tables is None else \
             self._stop_bits((bitmask if bitmask is not None else tables.masks).shape[1], device)
 

@@ -61,7 +61,7 @@ class LeaderRun(TreeRun):
         self._fingerprint = (0, 0, "ok")
         self._callback_error: BaseException | None = None
         self._jobs: dict[int, int] = {}  # id(job) -> its index in submission order
-        team.send(("start", self.id))
+        team.send(("start", self.id, self.join_phases))
         weakref.finalize(self, team.send_quietly, ("drop", self.id))
         kv_free = self.kv.free
 
@@ -175,8 +175,10 @@ class LeaderRun(TreeRun):
 class Mirror:
     """A worker's copy of one of rank 0's tree runs, replaying the messages of ``receive()``."""
 
-    def __init__(self, engine, receive) -> None:
+    def __init__(self, engine, receive, join_phases: bool | None = None) -> None:
         self.run = TreeRun(engine)
+        if join_phases is not None:  # rank 0's (the environment each process read may differ)
+            self.run.join_phases = join_phases
         self.receive = receive
         self.jobs: list[Job] = []
         self.callbacks = 0

@@ -154,6 +154,8 @@ class TreeRun(MixedSteps):
         self.mixed_kept = self.mixed_reused = 0
         self.prefill_rows = 0  # token rows those passes ran besides decode rows (new tokens, conditioning tokens)
         self.phase_joins = 0  # gens that joined a decode phase at its first step, with no mixed step (see joins_phase)
+        # whether they may (read once a run: a tensor-parallel worker's mirror run is given rank 0's, see mirror)
+        self.join_phases = join_enabled()
         # scheduling calls (between decode phases only: host_seconds["schedule"] is spent in these, not spread
         # over every step)
         self.schedule_calls = 0
@@ -288,15 +290,17 @@ class TreeRun(MixedSteps):
         program forks right after a gen (a search expanding its thoughts). Such a mixed step is nearly a
         decode step, yet ran uncaptured or in a mixed graph of its own shape and drained the GPU while its
         tokens were read (measured: 21 ms against a 9.5 ms decode step, tree-of-thought at 256 branches,
-        TinyLlama shape on an H200). Off with ``TREEGEN_JOIN_PHASES=0`` (for measuring what it saves)."""
-        if not step.ready or not join_enabled():
+        TinyLlama shape on an H200). Off with ``TREEGEN_JOIN_PHASES=0`` when the run starts (for measuring what it
+        saves). A ready job already done (cancelled: its program failed at this step's callbacks) is not one."""
+        if not step.ready or not self.join_phases:
             return False
         tree = self.tree
         conditioning = set()
         for job in step.ready:
             if not job.is_gen or job.request.params.kv_keep is not None:
                 return False
-            conditioning.add(conditioning_row(tree, job.request.node))
+            if not job.done:
+                conditioning.add(conditioning_row(tree, job.request.node))
         return all(r in conditioning for r in step.rows)
 
     @property
@@ -465,19 +469,26 @@ class TreeRun(MixedSteps):
             seg.computed = max(seg.computed, new_len[s] - drop[s])
         return input_ids, slots, plan
 
-    def library_copies(self, plan: PassPlan) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def library_copies(self, plan: PassPlan, written: list[int] = ()) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """For a decode phase (many steps of one plan): each layer's library segment of an 8-bit cache
         dequantized once (``tree_attention``'s ``library_kv``), so that its steps do not dequantize it
         every call (246 us a step at the Llama-3-8B shape, 256 branches x 2,047 keys, FP8; see
         :mod:`~treegen.kernels.library_attention`). The segment is shared, so no row of the phase writes
-        it. {} when no plan has a library segment, the cache holds the values themselves, or the copies
-        (two of the segment's keys x KV heads x head dim in the model's dtype, every layer) do not fit in
-        the device memory beyond the KV pool and the activations' margin: then each call dequantizes."""
+        it — save the first step's writes into ancestors of gens that join the phase (``written``: their
+        slots): a layer whose library range holds one reads the cache. {} when no plan has a library
+        segment, the cache holds the values themselves, or the copies (two of the segment's keys x KV heads
+        x head dim in the model's dtype, every layer) do not fit in the device memory beyond the KV pool and
+        the activations' margin: then each call dequantizes."""
         kv, model = self.kv, self.model
         if self.engine.attention == "none" or not kv.format.quantized:
             return {}
+
+        def copied(library) -> bool:  # (a copy made before the first step would miss what it writes there)
+            end = library.start + library.chunks * library.chunk_len
+            return not any(library.start <= slot < end for slot in written)
+
         layers = [i for i in range(model.num_layers) if plan.layer(i).triton is not None
-                  and plan.layer(i).triton.library is not None]
+                  and plan.layer(i).triton.library is not None and copied(plan.layer(i).triton.library)]
         if not layers:
             return {}
         if kv.device.type == "cuda":
