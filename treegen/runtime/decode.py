@@ -250,7 +250,10 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
         device = model.device
         started = time.perf_counter()
         kv.wait_restores()  # (a captured step cannot wait on copies made outside it)
-        staying = len(self.live)  # rows from here on join at the first step
+        # (node, index) of the token each row runs first: a live branch's last (sampled, no KV yet), a joining
+        # gen's conditioning token (its node's last, or an ancestor's when it generates into an empty node)
+        rows = self.decode_rows()
+        staying = len(rows)  # rows from here on join at the first step
         # (a job cancelled since it was admitted — its program failed at a callback of that step — joins nothing)
         self.live += [self._join(job) for job in joining if not job.done]
         live = list(self.live)
@@ -272,10 +275,7 @@ class Decoder(ConstrainedSteps, TokenAcceptance):
                     room[j] = self._room(job)
         sliced = [r < left for r, left in zip(room, remaining)]
         remaining = [min(left, r) for left, r in zip(remaining, room)]
-        # (node, index) of the token each row runs first: a live branch's last (sampled, no KV yet), a joining
-        # gen's conditioning token (its node's last, or an ancestor's when it generates into an empty node)
-        rows = [(n, len(tree.tokens(n)) - 1) for n in nodes[:staying]] + \
-            [conditioning_row(tree, n) for n in nodes[staying:]]
+        rows += [conditioning_row(tree, n) for n in nodes[staying:]]
         # of those an ancestor's token without KV: the first row to run it writes its KV, the others do not
         unwritten = {r for r, n in zip(rows[staying:], nodes[staying:]) if r[0] != n and kv.computed(r[0]) <= r[1]}
         writes = []

@@ -175,10 +175,9 @@ class LeaderRun(TreeRun):
 class Mirror:
     """A worker's copy of one of rank 0's tree runs, replaying the messages of ``receive()``."""
 
-    def __init__(self, engine, receive, join_phases: bool | None = None) -> None:
+    def __init__(self, engine, receive, join_phases: bool) -> None:
         self.run = TreeRun(engine)
-        if join_phases is not None:  # rank 0's (the environment each process read may differ)
-            self.run.join_phases = join_phases
+        self.run.join_phases = join_phases  # rank 0's (the environment each process read may differ)
         self.receive = receive
         self.jobs: list[Job] = []
         self.callbacks = 0

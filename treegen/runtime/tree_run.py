@@ -268,7 +268,7 @@ class TreeRun(MixedSteps):
             if step.runs_model and self.joins_phase(step):
                 # its gens join the live branches at the next phase's first step: no step of their own
                 self._mixed_in_row = 0
-                self.phase_joins += len(step.ready)
+                self.phase_joins += sum(not job.done for job in step.ready)
                 self._phase = self.decoder.phase(step.ready)
             elif step.runs_model:
                 t0 = time.perf_counter()

@@ -267,7 +267,7 @@ def _worker_main(engine_class, rank, world, port, model, dtype, device, options,
             message = receive()
             kind = message[0]
             if kind == "start":
-                mirrors[message[1]] = Mirror(engine, receive, *message[2:])
+                mirrors[message[1]] = Mirror(engine, receive, message[2])
             elif kind == "call":
                 calls += 1
                 if calls == fail_at:
